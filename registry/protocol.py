@@ -1,0 +1,346 @@
+"""The pdreg wire contract: msgspec Structs, msgpack-encoded, shared by every part.
+
+Control channel (engine agent / router  <->  registry ROUTER socket), one frame each way
+after ZeroMQ's identity envelope:
+
+    agent -> registry   frame 0: a `ControlMessage` (Register | Heartbeat | Bye | Sync | Report)
+    registry -> agent   frame 0: a `Reply` (for Register/Heartbeat/Bye/Report) or a `Snapshot`
+
+Event channel (registry PUB socket), two frames per message:
+
+    frame 0: topic = model name + b"\\0" (see `topic_for`), so a router subscribes to
+             exactly the models it serves; prefix matching cannot confuse "llama" with
+             "llama-70b" because of the terminator.
+    frame 1: an `Event` (MemberJoined | MemberUpdated | MemberLeft | LoadDigest)
+
+Every membership change carries the registry's `epoch` (random per registry start) and
+the next `version`; load digests carry the current version without bumping it, so a
+subscriber can see a gap even when no change is flowing.
+
+No pickle anywhere: the encoder refuses unknown types instead of falling back.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Any, Final
+from urllib.parse import urlsplit
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+
+# Size limits. They bound memory per member and make hostile input cheap to refuse.
+MAX_MESSAGE_BYTES: Final = 64 * 1024  # also set as ZMQ_MAXMSGSIZE on the control socket
+MAX_ID_CHARS: Final = 128
+MAX_NAME_CHARS: Final = 256
+MAX_URL_CHARS: Final = 512
+MAX_LABELS: Final = 32
+MAX_LABEL_CHARS: Final = 128
+MAX_EXTRA_LOAD_FIELDS: Final = 16
+MAX_TOKEN_CHARS: Final = 256
+
+TOPIC_TERMINATOR: Final = b"\0"
+
+
+class Role(enum.IntEnum):
+    PREFILL = 1
+    DECODE = 2
+    MIXED = 3
+    API_SERVER = 4
+
+
+class MemberState(enum.IntEnum):
+    """What a member says of itself. `suspect` is the registry's overlay, not a state."""
+
+    JOINING = 1  # registered, not ready for traffic (engine warming up, health failing)
+    READY = 2
+    DRAINING = 3  # finishing in-flight work; takes no new requests
+
+
+class ReplyStatus(enum.IntEnum):
+    OK = 1
+    UNKNOWN = 2  # "unknown member, register again" (e.g. the registry restarted)
+    STALE = 3  # an older incarnation than the one the registry holds
+    REJECTED = 4  # invalid, unauthorised or not allowed; `reason` says which
+
+
+class ByeReason(enum.IntEnum):
+    SHUTDOWN = 1  # clean exit, drained or not
+    CRASHED = 2  # a sidecar saw its engine process exit
+
+
+class LeaveReason(enum.IntEnum):
+    BYE = 1
+    CRASHED = 2
+    EXPIRED = 3
+    EVICTED = 4  # an operator removed it
+    REPLACED = 5  # a newer incarnation of the same id registered
+
+
+def role_name(role: Role) -> str:
+    return role.name.lower()
+
+
+def parse_role(text: str) -> Role:
+    try:
+        return Role[text.strip().upper().replace("-", "_")]
+    except KeyError:
+        names = ", ".join(role_name(r) for r in Role)
+        raise ValueError(f"unknown role {text!r}; expected one of: {names}") from None
+
+
+# --- Member description (sent once, at registration) -----------------------------------
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS,
+                                       pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+Host = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9._:\[\]-]*$")]
+Url = Annotated[str, msgspec.Meta(max_length=MAX_URL_CHARS)]
+LabelText = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
+Labels = Annotated[dict[LabelText, LabelText], msgspec.Meta(max_length=MAX_LABELS)]
+Incarnation = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Token = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+class Endpoints(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Where peers reach a member. Advertised addresses: behind NAT they differ from binds.
+
+    `kv_host`/`kv_port` is the KV side of the P/D handshake: vLLM's NIXL side channel,
+    the reference engine's KV server. `bootstrap_port` is SGLang's bootstrap server on
+    `kv_host` (or on the HTTP host when `kv_host` is empty). Port 0 means "none".
+    """
+
+    http: Url
+    kv_host: Host = ""
+    kv_port: Port = 0
+    bootstrap_port: Port = 0
+
+
+class Parallel(msgspec.Struct, frozen=True, omit_defaults=True):
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] = 0
+    pp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] = 0
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] = 0
+
+
+class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Everything a member says about itself once, at registration."""
+
+    id: MemberId
+    incarnation: Incarnation  # new on every process start; newer replaces older
+    role: Role
+    model: Name
+    protocol: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
+    endpoints: Endpoints
+    parallel: Parallel = Parallel()
+    capacity: Count = 0  # max concurrent requests it serves well; 0 = unknown
+    labels: Labels = {}
+    started_at: float = 0.0  # unix time the process started, for uptime
+
+
+class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
+    running: Count = 0
+    waiting: Count = 0
+    kv_usage: Fraction = 0.0
+    extra: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], float],
+                     msgspec.Meta(max_length=MAX_EXTRA_LOAD_FIELDS)] = {}
+
+
+# --- Control messages (client -> registry) -----------------------------------------------
+
+
+class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+    spec: MemberSpec
+    state: MemberState = MemberState.JOINING
+    load: Load = Load()
+    token: Token = ""
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    id: MemberId
+    incarnation: Incarnation
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    state: MemberState
+    load: Load
+
+
+class Bye(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    id: MemberId
+    incarnation: Incarnation
+    reason: ByeReason = ByeReason.SHUTDOWN
+
+
+class Sync(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+    """Ask for a snapshot. `models` empty = all models."""
+
+    models: Annotated[list[Name], msgspec.Meta(max_length=1024)] = []
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Report(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+    """A router saw a member fail (connection error, 5xx) and quarantined it locally."""
+
+    id: MemberId
+    incarnation: Incarnation
+    problem: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = ""
+    reporter: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
+
+
+ControlMessage = Register | Heartbeat | Bye | Sync | Report
+
+
+# --- Registry -> client ------------------------------------------------------------------
+
+
+class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+    status: ReplyStatus
+    epoch: int
+    heartbeat_interval_s: float
+    reason: str = ""
+    events_port: int = 0
+    http_port: int = 0
+
+
+class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A member as the registry holds it: spec, state, suspicion and last load."""
+
+    spec: MemberSpec
+    state: MemberState
+    suspect: bool = False
+    load: Load = Load()
+    registered_at: float = 0.0  # unix time the registry accepted this incarnation
+    heartbeat_at: float = 0.0  # unix time of the last heartbeat (registry clock)
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def routable(self) -> bool:
+        return self.state is MemberState.READY and not self.suspect
+
+
+class Snapshot(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+    epoch: int
+    version: int
+    members: list[MemberRecord]
+    heartbeat_interval_s: float
+    events_port: int = 0
+    http_port: int = 0
+
+
+# --- Events (registry PUB) ---------------------------------------------------------------
+
+
+class MemberJoined(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    epoch: int
+    version: int
+    member: MemberRecord
+
+
+class MemberUpdated(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """State or suspicion changed (not load: that travels in digests)."""
+
+    epoch: int
+    version: int
+    member: MemberRecord
+
+
+class MemberLeft(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    epoch: int
+    version: int
+    id: str
+    incarnation: int
+    model: str
+    reason: LeaveReason
+
+
+class LoadEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    id: str
+    incarnation: int
+    load: Load
+    heartbeat_age_s: float
+
+
+class LoadDigest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """Coalesced load for one model; sent even when empty, as the registry's pulse.
+
+    `version` is the current membership version (not bumped): a subscriber that holds an
+    older one has missed a change and resynchronises.
+    """
+
+    epoch: int
+    version: int
+    model: str
+    loads: list[LoadEntry]
+    heartbeat_interval_s: float
+
+
+MembershipEvent = MemberJoined | MemberUpdated | MemberLeft
+Event = MemberJoined | MemberUpdated | MemberLeft | LoadDigest
+
+
+def topic_for(model: str) -> bytes:
+    return model.encode() + TOPIC_TERMINATOR
+
+
+# --- Encoding ----------------------------------------------------------------------------
+
+
+def _refuse(obj: Any) -> Any:
+    raise TypeError(f"pdreg protocol cannot encode {type(obj).__name__}; no pickle fallback")
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder(enc_hook=_refuse)
+
+
+def control_decoder() -> msgspec.msgpack.Decoder[ControlMessage]:
+    return msgspec.msgpack.Decoder(ControlMessage)
+
+
+def reply_decoder() -> msgspec.msgpack.Decoder[Reply | Snapshot]:
+    return msgspec.msgpack.Decoder(Reply | Snapshot)
+
+
+def event_decoder() -> msgspec.msgpack.Decoder[Event]:
+    return msgspec.msgpack.Decoder(Event)
+
+
+# --- Semantic validation (beyond what the types enforce) --------------------------------
+
+_HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
+
+
+def validate_spec(spec: MemberSpec) -> str | None:
+    """Return why `spec` is unacceptable, or None. Types were already checked on decode."""
+    url = spec.endpoints.http
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"endpoints.http {url!r} is not a URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"endpoints.http {url!r} must be http(s)://host[:port]"
+    if port == 0:
+        return f"endpoints.http {url!r} has port 0"
+    if parts.query or parts.fragment:
+        return f"endpoints.http {url!r} must not carry a query or fragment"
+    if spec.role is not Role.API_SERVER and not spec.model:
+        return "model must be set for engine roles"
+    p = spec.parallel
+    if p.tp_rank >= p.tp_size or p.pp_rank >= p.pp_size or p.dp_rank >= p.dp_size:
+        return "parallel: every rank must be below its size"
+    if spec.endpoints.kv_port and spec.endpoints.kv_host and not _HOST_OK.match(
+        spec.endpoints.kv_host
+    ):
+        return f"endpoints.kv_host {spec.endpoints.kv_host!r} is not a host name"
+    return None
