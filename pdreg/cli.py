@@ -1,10 +1,45 @@
-"""The `pdreg` command: the composition root that wires registry, engine agent and router."""
+"""The `pdreg` command: the composition root that wires registry, engine agent and router.
+
+Each subcommand lives in its own module `pdreg/cmd_<name>.py` exposing
+`add_parser(subparsers) -> None`; the parser it adds sets `func(args) -> int`.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import logging
 import sys
+
+# Order is the order `pdreg --help` lists them.
+SUBCOMMANDS = ("registry", "status", "drain", "engine", "agent", "router", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdreg", description="Dynamic membership for prefill/decode disaggregated serving.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"pdreg.cmd_{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"pdreg.cmd_{name}":
+                raise
+            continue  # not built yet
+        module.add_parser(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("pdreg: subcommands land with the registry core", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from pdreg.cli import main
+
+sys.exit(main())
