@@ -1,0 +1,226 @@
+"""Stand-ins for vLLM and SGLang servers: only the HTTP surface a sidecar reads.
+
+They follow the engines' documented contracts exactly (engines-and-peers.md §1-2):
+- vLLM: GET /health -> 200 with an empty body, 503 when the engine is dead;
+  GET /v1/models -> {"object": "list", "data": [{"id", "object": "model", "max_model_len",
+  ...}]}; GET /metrics -> Prometheus text with gauges `vllm:num_requests_running`,
+  `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` labelled `engine`, `model_name`.
+- SGLang: GET /health -> 200 or 503; GET /server_info (and the older /get_server_info)
+  -> server args incl. `model_path`, `served_model_name`, `disaggregation_mode`,
+  `disaggregation_bootstrap_port`, `tp_size`, `dp_size`; GET /metrics -> gauges
+  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage` labelled
+  `model_name`.
+
+Tests steer them through `POST /standin/state` (JSON: healthy, running, waiting,
+kv_usage) and `POST /standin/exit` (JSON: code) — paths no real engine serves.
+
+    python -m engine_agent.standins --kind vllm --port 8100 --model tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["StandinServer", "StandinState", "main"]
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("vllm", "sglang")
+
+
+@dataclass
+class StandinState:
+    healthy: bool = True
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class StandinServer:
+    """A vLLM- or SGLang-shaped HTTP server on a thread. `port=0` lets the OS pick."""
+
+    def __init__(self, kind: str, *, host: str = "127.0.0.1", port: int = 0,
+                 model: str = "tiny", bootstrap_port: int = 0,
+                 disaggregation_mode: str = "null") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+        self.kind = kind
+        self.model = model
+        self.bootstrap_port = bootstrap_port
+        self.disaggregation_mode = disaggregation_mode
+        self.state = StandinState()
+        self.exit_code: int | None = None  # set by POST /standin/exit
+        self.exit_requested = threading.Event()
+        self._httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._httpd.server_address[0]}:{self.port}"
+
+    def start(self) -> StandinServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        name=f"standin-{self.kind}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving and free the port; safe twice."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+
+    def __enter__(self) -> StandinServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- contract bodies --------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        s = self.state
+        if self.kind == "vllm":
+            labels = f'engine="0",model_name="{self.model}"'
+            gauges = [
+                ("vllm:num_requests_running",
+                 "Number of requests in model execution batches.", s.running),
+                ("vllm:num_requests_waiting",
+                 "Number of requests waiting to be processed.", s.waiting),
+                ("vllm:kv_cache_usage_perc",
+                 "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
+            ]
+        else:
+            labels = f'model_name="{self.model}"'
+            gauges = [
+                ("sglang:num_running_reqs", "The number of running requests.", s.running),
+                ("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
+                 s.waiting),
+                ("sglang:token_usage", "The token usage.", s.kv_usage),
+            ]
+        lines = []
+        for name, help_text, value in gauges:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
+                      f"{name}{{{labels}}} {float(value)}"]
+        return "\n".join(lines) + "\n"
+
+    def models_body(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": int(time.time()),
+            "owned_by": "vllm", "root": self.model, "parent": None, "max_model_len": 512,
+            "permission": [],
+        }]}
+
+    def server_info_body(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model, "served_model_name": self.model,
+            "tokenizer_path": self.model, "host": self._httpd.server_address[0],
+            "port": self.port, "tp_size": 1, "dp_size": 1,
+            "disaggregation_mode": self.disaggregation_mode,
+            "disaggregation_bootstrap_port": self.bootstrap_port or 8998,
+            "version": "standin",
+        }
+
+
+def _handler_for(server: StandinServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.debug("[standin] " + format, *args)
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/health":
+                self._send(200 if server.state.healthy else 503, b"", "text/plain")
+            elif path == "/metrics":
+                self._send(200, server.metrics_text().encode(),
+                           "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/v1/models" and server.kind == "vllm":
+                self._json(200, server.models_body())
+            elif path in ("/server_info", "/get_server_info") and server.kind == "sglang":
+                self._json(200, server.server_info_body())
+            else:
+                self._json(404, {"detail": "Not Found"})
+
+        def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+            except (ValueError, json.JSONDecodeError) as exc:
+                self._json(400, {"detail": f"bad JSON: {exc}"})
+                return
+            if path == "/standin/state":
+                for key, value in body.items():
+                    if hasattr(server.state, key):
+                        setattr(server.state, key, type(getattr(server.state, key))(value))
+                self._json(200, asdict(server.state))
+            elif path == "/standin/exit":
+                server.exit_code = int(body.get("code", 0))
+                self._json(200, {"exiting": server.exit_code})
+                server.exit_requested.set()
+            else:
+                self._json(404, {"detail": "Not Found"})
+
+        def _json(self, status: int, body: Any) -> None:
+            self._send(status, json.dumps(body).encode(), "application/json")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="vLLM/SGLang stand-in HTTP server")
+    parser.add_argument("--kind", choices=KINDS, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--bootstrap-port", type=int, default=0)
+    parser.add_argument("--unhealthy", action="store_true", help="start with /health 503")
+    parser.add_argument("--startup-delay", type=float, default=0.0,
+                        help="seconds before binding, like an engine loading weights")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s standin: %(message)s")
+    stop = threading.Event()
+    # SIGTERM is how the sidecar stops its child: exit 0 like a clean engine shutdown.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if stop.wait(args.startup_delay):
+        return 0
+    server = StandinServer(args.kind, host=args.host, port=args.port, model=args.model,
+                           bootstrap_port=args.bootstrap_port)
+    server.state.healthy = not args.unhealthy
+    server.start()
+    logger.info("%s stand-in on %s (pid %d)", args.kind, server.url, os.getpid())
+    while not stop.wait(0.05):
+        if server.exit_requested.is_set():
+            break
+    server.close()
+    return server.exit_code or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
