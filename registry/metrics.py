@@ -1,0 +1,153 @@
+"""Prometheus metrics for the registry.
+
+The loop counts into plain integers (`LoopStats`), with no locks on the hot path; a
+custom collector turns them, and the published snapshot, into metric families at
+scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from registry.protocol import (
+    LeaveReason,
+    MemberLeft,
+    MembershipEvent,
+    MemberState,
+    ReplyStatus,
+    Role,
+    role_name,
+)
+
+if TYPE_CHECKING:
+    from registry.membership import Outcome
+    from registry.server import Published
+
+
+@dataclass
+class LoopStats:
+    """Counters written only by the loop thread; read (racily, harmlessly) at scrape."""
+
+    heartbeats: int = 0
+    heartbeat_results: Counter[str] = field(default_factory=Counter)
+    registrations: Counter[str] = field(default_factory=Counter)
+    departures: Counter[str] = field(default_factory=Counter)
+    rejections: Counter[str] = field(default_factory=Counter)
+    events: int = 0
+    digests: int = 0
+    syncs: int = 0
+    reports: int = 0
+    replies_dropped: int = 0
+    loop_errors: int = 0
+    loop_lateness_s: float = 0.0
+    lag_compensated_s: float = 0.0
+
+    def count_heartbeat_result(self, status: ReplyStatus) -> None:
+        self.heartbeat_results[status.name.lower()] += 1
+
+    def count_registration(self, outcome: Outcome) -> None:
+        self.registrations[outcome.status.name.lower()] += 1
+
+    def count_rejection(self, reason: str) -> None:
+        self.rejections[reason] += 1
+
+    def count_event(self, event: MembershipEvent) -> None:
+        self.events += 1
+        if isinstance(event, MemberLeft):
+            self.departures[event.reason.name.lower()] += 1
+
+
+class RegistryCollector(Collector):
+    def __init__(self, stats: LoopStats, published: Callable[[], Published]) -> None:
+        self._stats = stats
+        self._published = published
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        published = self._published()
+        now = time.time()
+
+        members = GaugeMetricFamily("pdreg_members", "Members by role, model and state.",
+                                    labels=["role", "model", "state"])
+        counts: Counter[tuple[str, str, str]] = Counter()
+        age = GaugeMetricFamily("pdreg_member_heartbeat_age_seconds",
+                                "Seconds since each member's last heartbeat.",
+                                labels=["id", "role", "model"])
+        for record in published.members:
+            spec = record.spec
+            state = "suspect" if record.suspect else record.state.name.lower()
+            counts[(role_name(spec.role), spec.model, state)] += 1
+            age.add_metric([spec.id, role_name(spec.role), spec.model],
+                           max(0.0, now - record.heartbeat_at))
+        for role in Role:
+            for state in [s.name.lower() for s in MemberState] + ["suspect"]:
+                for model in {r.spec.model for r in published.members} or {""}:
+                    counts.setdefault((role_name(role), model, state), 0)
+        for labels, value in sorted(counts.items()):
+            members.add_metric(list(labels), value)
+        yield members
+        yield age
+
+        yield _counter("pdreg_heartbeats", "Heartbeats received.", stats.heartbeats)
+        yield _labelled_counter("pdreg_heartbeat_results",
+                                "Heartbeats not answered OK, by reply.", "result",
+                                stats.heartbeat_results, ["unknown", "stale"])
+        yield _labelled_counter("pdreg_registrations", "Registration attempts by result.",
+                                "result", stats.registrations, ["ok", "stale", "rejected"])
+        yield _labelled_counter("pdreg_departures", "Members that left, by reason.", "reason",
+                                stats.departures, [r.name.lower() for r in LeaveReason])
+        yield _labelled_counter("pdreg_rejected_messages",
+                                "Control messages refused, by reason.", "reason",
+                                stats.rejections,
+                                ["malformed", "invalid", "oversized", "frames", "refused"])
+        yield _counter("pdreg_events_published", "Membership events published.", stats.events)
+        yield _counter("pdreg_load_digests_published", "Load digests published.",
+                       stats.digests)
+        yield _counter("pdreg_syncs", "Snapshots served to views.", stats.syncs)
+        yield _counter("pdreg_failure_reports", "Failure reports from routers.", stats.reports)
+        yield _counter("pdreg_replies_dropped", "Replies dropped (peer not reading).",
+                       stats.replies_dropped)
+        yield _counter("pdreg_loop_errors", "Loop steps that raised (bugs).", stats.loop_errors)
+        yield _gauge("pdreg_membership_version", "Current membership version.",
+                     published.version)
+        yield _gauge("pdreg_self_preservation",
+                     "1 while expiry is paused because many members went silent at once.",
+                     float(published.self_preserving))
+        yield _gauge("pdreg_loop_lag_seconds",
+                     "How late the loop woke for its last deadline.", stats.loop_lateness_s)
+        yield _gauge("pdreg_loop_lag_compensated_seconds",
+                     "The last stall the detector gave back to members (deadlines moved).",
+                     stats.lag_compensated_s)
+        yield _gauge("pdreg_heartbeat_interval_seconds",
+                     "Heartbeat interval the registry dictates.", published.heartbeat_interval_s)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _labelled_counter(name: str, documentation: str, label: str, values: Counter[str],
+                      always: list[str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key in sorted(set(values) | set(always)):
+        family.add_metric([key], values.get(key, 0))
+    return family
+
+
+def make_metrics_registry(stats: LoopStats,
+                          published: Callable[[], Published]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RegistryCollector(stats, published))
+    return registry
