@@ -1,23 +1,83 @@
-"""Registry clients: `MembershipView` (the Clone pattern) for routers and the CLI.
+"""Registry clients: `MembershipView`, a local copy of membership (ZeroMQ's Clone pattern).
 
-INTERFACE STUB — the implementation lands with the registry core. Code against these
-names; they will not change.
+Per registry the view keeps one link through these states:
+
+    SYNCING   Sync sent on the DEALER; events already arriving on the SUB are buffered
+    LIVE      snapshot applied; events applied in version order; digests refresh loads
+    AWAY      nothing heard for a few intervals: the last view is kept, Sync retried
+
+Rules (ZeroMQ Guide ch. 5): subscribe first, then ask for the snapshot; drop events at or
+below the snapshot's version; on a gap in `version` or a new `epoch`, resynchronise
+rather than guess. A registry that restarted comes back with a new, empty epoch while
+its agents re-register, so members learned from the old epoch are carried over for one
+lease and dropped only if they do not reappear: a registry restart never empties a
+router's view.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import logging
+import os
+import queue
+import threading
+import time
+import types
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from registry.protocol import Load, MemberRecord, Role
+import msgspec
+import zmq
+
+from registry.protocol import (
+    Event,
+    Load,
+    LoadDigest,
+    MemberJoined,
+    MemberLeft,
+    MemberRecord,
+    MemberUpdated,
+    Reply,
+    Report,
+    Role,
+    Snapshot,
+    Sync,
+    event_decoder,
+    make_encoder,
+    reply_decoder,
+    topic_for,
+)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_REGISTRY = "127.0.0.1:7600"
 REGISTRY_ENV = "PDREG_REGISTRY"
+SYNC_TIMEOUT_S = 1.0  # no snapshot by then: new socket, try again
+SYNC_BACKOFF_MAX_S = 2.0
+AWAY_AFTER_INTERVALS = 3.0  # registry silent this long (pulses come every interval): away
+MIN_AWAY_AFTER_S = 1.0
+CARRY_OVER_LEASES = 2.0  # old-epoch members are kept this many leases after a restart
+TICK_S = 0.1
 
 
 def parse_registries(text: str | Sequence[str] | None) -> list[str]:
     """`"h1:7600,h2:7600"` (or a list, or None -> $PDREG_REGISTRY or the default) -> list."""
-    raise NotImplementedError
+    if text is None:
+        text = os.environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY
+    items = text.split(",") if isinstance(text, str) else list(text)
+    addresses = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        item = item.removeprefix("tcp://")
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"registry address {item!r} must be HOST:PORT")
+        addresses.append(f"{host}:{int(port)}")
+    if not addresses:
+        raise ValueError("no registry address given")
+    return addresses
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +106,46 @@ class LiveMember:
         return self.record.routable
 
 
+class LinkState(enum.Enum):
+    SYNCING = "syncing"
+    LIVE = "live"
+    AWAY = "away"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStatus:
+    address: str
+    state: LinkState
+    epoch: int
+    version: int
+    members: int
+
+
+@dataclass
+class _Link:
+    """One registry, as seen from the view thread (which alone touches it)."""
+
+    address: str
+    dealer: zmq.Socket | None = None
+    sub: zmq.Socket | None = None
+    events_port: int = 0
+    state: LinkState = LinkState.SYNCING
+    epoch: int = 0
+    version: int = 0
+    interval_s: float = 1.0
+    members: dict[str, LiveMember] = field(default_factory=dict)
+    carried: dict[str, float] = field(default_factory=dict)  # id -> drop at (old epoch)
+    buffered: list[Event] = field(default_factory=list)
+    sync_sent_at: float = 0.0
+    next_sync_at: float = 0.0
+    backoff_s: float = 0.1
+    last_heard: float = 0.0
+
+    @property
+    def away_after_s(self) -> float:
+        return max(MIN_AWAY_AFTER_S, AWAY_AFTER_INTERVALS * self.interval_s)
+
+
 class MembershipView:
     """A local, eventually consistent copy of membership from one or more registries.
 
@@ -57,26 +157,330 @@ class MembershipView:
 
     def __init__(self, registries: str | Sequence[str] | None = None, *,
                  models: Sequence[str] = ()) -> None:
-        raise NotImplementedError
+        self.addresses = parse_registries(registries)
+        self.models = tuple(models)
+        self._ctx = zmq.Context()
+        self._links = [_Link(address) for address in self.addresses]
+        self._members: Mapping[str, LiveMember] = types.MappingProxyType({})
+        self._changed = threading.Condition()
+        self._listeners: list[Callable[[Mapping[str, LiveMember]], None]] = []
+        self._reports: queue.SimpleQueue[Report] = queue.SimpleQueue()
+        wake = f"inproc://pdreg-view-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(wake)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)
+        self._wake_tx.connect(wake)
+        self._wake_lock = threading.Lock()
+        self._poller = zmq.Poller()  # used by the view thread only
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._encoder = make_encoder()
+        self.generation = 0  # bumps on every published change
 
-    def start(self) -> MembershipView: ...
-    def close(self) -> None: ...  # safe twice
-    def __enter__(self) -> MembershipView: ...
-    def __exit__(self, *exc: object) -> None: ...
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> MembershipView:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="pdreg-view", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread and close every socket. Safe twice."""
+        if not self._running:
+            return
+        self._running = False
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._ctx.destroy(linger=0)
+
+    def __enter__(self) -> MembershipView:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reads (any thread) ------------------------------------------------------------
 
     def members(self) -> Mapping[str, LiveMember]:
         """The current view (immutable; swapped by reference, so free to call per request)."""
-        raise NotImplementedError
+        return self._members
+
+    def links(self) -> list[LinkStatus]:
+        return [LinkStatus(link.address, link.state, link.epoch, link.version,
+                           len(link.members)) for link in self._links]
+
+    @property
+    def synced(self) -> bool:
+        """At least one registry has given us a snapshot."""
+        return any(link.epoch for link in self._links)
 
     def wait_for(self, predicate: Callable[[Mapping[str, LiveMember]], bool],
                  timeout: float) -> bool:
         """Block until predicate(members()) is true or timeout; returns whether it was."""
-        raise NotImplementedError
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self._members), timeout)
 
     def add_listener(self, callback: Callable[[Mapping[str, LiveMember]], None]) -> None:
         """Call back (from the view's thread) after every change, with the new view."""
-        raise NotImplementedError
+        self._listeners.append(callback)
 
     def report(self, member_id: str, incarnation: int, problem: str) -> None:
         """Tell every registry that a member failed a request (it will suspect it)."""
-        raise NotImplementedError
+        self._reports.put(Report(member_id, incarnation, problem[:200]))
+        self._wake()
+
+    # --- the view thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        decode_event = event_decoder()
+        decode_reply = reply_decoder()
+        while self._running:
+            now = time.monotonic()
+            changed = False
+            for link in self._links:
+                changed |= self._check_timers(link, now)
+            ready = dict(self._poller.poll(TICK_S * 1e3))
+            if self._wake_rx in ready:
+                self._drain_wake()
+                self._send_reports()
+            now = time.monotonic()
+            for link in self._links:
+                if link.dealer is not None and link.dealer in ready:
+                    changed |= self._read_replies(link, decode_reply, now)
+                if link.sub is not None and link.sub in ready:
+                    changed |= self._read_events(link, decode_event, now)
+            if changed:
+                self._publish()
+
+    def _check_timers(self, link: _Link, now: float) -> bool:
+        changed = False
+        if link.carried:
+            expired = [mid for mid, drop_at in link.carried.items() if now >= drop_at]
+            for member_id in expired:
+                del link.carried[member_id]
+                if link.members.pop(member_id, None) is not None:
+                    logger.info("[view] %s: %s did not re-register; dropped", link.address,
+                                member_id)
+                    changed = True
+        if link.state is LinkState.LIVE and now - link.last_heard > link.away_after_s:
+            logger.warning("[view] registry %s silent for %.1fs: keeping last view, resyncing",
+                           link.address, now - link.last_heard)
+            link.state = LinkState.AWAY
+            link.next_sync_at = now
+        if link.state is not LinkState.LIVE:
+            waiting = link.sync_sent_at and now - link.sync_sent_at < SYNC_TIMEOUT_S
+            if not waiting and now >= link.next_sync_at:
+                if link.sync_sent_at:
+                    # No answer: a DEALER to a dead peer keeps its queue; start afresh.
+                    self._reset_dealer(link)
+                    link.backoff_s = min(SYNC_BACKOFF_MAX_S, link.backoff_s * 2)
+                self._send_sync(link, now)
+        return changed
+
+    def _send_sync(self, link: _Link, now: float) -> None:
+        if link.dealer is None:
+            link.dealer = self._ctx.socket(zmq.DEALER)
+            link.dealer.setsockopt(zmq.LINGER, 0)
+            link.dealer.connect(f"tcp://{link.address}")
+            self._poller.register(link.dealer, zmq.POLLIN)
+        link.dealer.send(self._encoder.encode(Sync(models=list(self.models))), zmq.NOBLOCK)
+        link.sync_sent_at = now
+        link.next_sync_at = now + link.backoff_s
+        link.buffered.clear()
+
+    def _reset_dealer(self, link: _Link) -> None:
+        if link.dealer is not None:
+            self._poller.unregister(link.dealer)
+            link.dealer.close(linger=0)
+            link.dealer = None
+        link.sync_sent_at = 0.0
+
+    def _subscribe(self, link: _Link, events_port: int) -> None:
+        if link.sub is not None and link.events_port == events_port:
+            return
+        if link.sub is not None:
+            self._poller.unregister(link.sub)
+            link.sub.close(linger=0)
+        host = link.address.rpartition(":")[0]
+        link.sub = self._ctx.socket(zmq.SUB)
+        link.sub.setsockopt(zmq.LINGER, 0)
+        link.sub.setsockopt(zmq.RCVHWM, 100_000)
+        if self.models:
+            for model in (*self.models, ""):
+                link.sub.setsockopt(zmq.SUBSCRIBE, topic_for(model))
+        else:
+            link.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        link.sub.connect(f"tcp://{host}:{events_port}")
+        link.events_port = events_port
+        self._poller.register(link.sub, zmq.POLLIN)
+
+    def _read_replies(self, link: _Link, decode: msgspec.msgpack.Decoder[Reply | Snapshot],
+                      now: float) -> bool:
+        changed = False
+        while link.dealer is not None:
+            try:
+                payload = link.dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                message = decode.decode(payload)
+            except msgspec.MsgspecError as exc:
+                logger.warning("[view] %s: undecodable reply: %s", link.address, exc)
+                continue
+            link.last_heard = now
+            if isinstance(message, Snapshot):
+                changed |= self._apply_snapshot(link, message, now)
+        return changed
+
+    def _apply_snapshot(self, link: _Link, snapshot: Snapshot, now: float) -> bool:
+        needs_subscription = link.sub is None or link.events_port != snapshot.events_port
+        link.sync_sent_at = 0.0
+        link.backoff_s = 0.1
+        link.interval_s = snapshot.heartbeat_interval_s
+        if needs_subscription:
+            # Subscribe first, then snapshot: this snapshot only taught us the port.
+            self._subscribe(link, snapshot.events_port)
+            self._send_sync(link, now)
+            return False
+        fresh = {r.spec.id: LiveMember(r, r.load, now - max(0.0, time.time() - r.heartbeat_at),
+                                       link.address) for r in snapshot.members}
+        if link.epoch and snapshot.epoch != link.epoch:
+            # The registry restarted: keep members it has not heard from again yet.
+            drop_at = now + CARRY_OVER_LEASES * AWAY_AFTER_INTERVALS * link.interval_s
+            for member_id, old in link.members.items():
+                if member_id not in fresh:
+                    fresh[member_id] = old
+                    link.carried[member_id] = drop_at
+            logger.info("[view] %s: new epoch %d (was %d); carrying %d members over",
+                        link.address, snapshot.epoch, link.epoch, len(link.carried))
+        else:
+            for member_id in list(link.carried):
+                if member_id not in fresh and member_id in link.members:
+                    fresh[member_id] = link.members[member_id]
+                else:
+                    link.carried.pop(member_id)
+        link.members = fresh
+        link.epoch = snapshot.epoch
+        link.version = snapshot.version
+        link.state = LinkState.LIVE
+        link.last_heard = now
+        buffered, link.buffered = link.buffered, []
+        for event in buffered:
+            if event.epoch == link.epoch and event.version > link.version:
+                self._apply_event(link, event, now)
+        logger.debug("[view] %s: snapshot epoch=%d version=%d members=%d", link.address,
+                     snapshot.epoch, snapshot.version, len(snapshot.members))
+        return True
+
+    def _read_events(self, link: _Link, decode: msgspec.msgpack.Decoder[Event],
+                     now: float) -> bool:
+        changed = False
+        while link.sub is not None:
+            try:
+                frames = link.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 2:
+                continue
+            try:
+                event = decode.decode(frames[1])
+            except msgspec.MsgspecError as exc:
+                logger.warning("[view] %s: undecodable event: %s", link.address, exc)
+                continue
+            link.last_heard = now
+            if link.state is not LinkState.LIVE:
+                link.buffered.append(event)
+                continue
+            changed |= self._apply_event(link, event, now)
+        return changed
+
+    def _apply_event(self, link: _Link, event: Event, now: float) -> bool:
+        """Apply one event in order; on a gap or a new epoch, resynchronise."""
+        if event.epoch != link.epoch or event.version > link.version + (
+                0 if isinstance(event, LoadDigest) else 1):
+            logger.info("[view] %s: gap (have %d/%d, got %d/%d): resync", link.address,
+                        link.epoch, link.version, event.epoch, event.version)
+            link.state = LinkState.SYNCING
+            link.next_sync_at = now
+            link.sync_sent_at = 0.0
+            return False
+        if isinstance(event, LoadDigest):
+            link.interval_s = event.heartbeat_interval_s
+            changed = False
+            for entry in event.loads:
+                current = link.members.get(entry.id)
+                if current is not None and current.record.spec.incarnation == entry.incarnation:
+                    link.members[entry.id] = LiveMember(current.record, entry.load,
+                                                        now - entry.heartbeat_age_s,
+                                                        link.address)
+                    changed = True
+            return changed
+        if event.version <= link.version:
+            return False  # already in the snapshot
+        link.version = event.version
+        if isinstance(event, MemberLeft):
+            current = link.members.get(event.id)
+            if current is not None and current.record.spec.incarnation == event.incarnation:
+                del link.members[event.id]
+            link.carried.pop(event.id, None)
+            return True
+        assert isinstance(event, MemberJoined | MemberUpdated)
+        record = event.member
+        link.members[record.spec.id] = LiveMember(record, record.load, now, link.address)
+        link.carried.pop(record.spec.id, None)
+        return True
+
+    def _publish(self) -> None:
+        if len(self._links) == 1:
+            merged = dict(self._links[0].members)
+        else:
+            merged = {}
+            for link in self._links:
+                for member_id, member in link.members.items():
+                    held = merged.get(member_id)
+                    if held is None or _newer(member, held):
+                        merged[member_id] = member
+        view = types.MappingProxyType(merged)
+        with self._changed:
+            self._members = view
+            self.generation += 1
+            self._changed.notify_all()
+        for callback in self._listeners:
+            try:
+                callback(view)
+            except Exception:
+                logger.exception("[view] listener failed")
+
+    def _send_reports(self) -> None:
+        while True:
+            try:
+                report = self._reports.get_nowait()
+            except queue.Empty:
+                return
+            payload = self._encoder.encode(report)
+            for link in self._links:
+                if link.dealer is not None:
+                    # Registry unreachable: fine, the router's own quarantine still holds.
+                    with contextlib.suppress(zmq.Again):
+                        link.dealer.send(payload, zmq.NOBLOCK)
+
+    def _drain_wake(self) -> None:
+        while True:
+            try:
+                self._wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._running or self._thread is not None:
+                with contextlib.suppress(zmq.ZMQError):  # closing
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+
+
+def _newer(candidate: LiveMember, held: LiveMember) -> bool:
+    c, h = candidate.record.spec.incarnation, held.record.spec.incarnation
+    return c > h or (c == h and candidate.load_at > held.load_at)

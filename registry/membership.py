@@ -226,8 +226,8 @@ class Membership:
 
     def tick(self, now: float) -> None:
         """Suspect the late, expire the long gone. Run on the loop's timer, not on messages."""
-        lag = loop_lag(self._last_tick, now, self.config.tick_period_s)
-        self._last_tick: float | None = None  # lag is measured from the first tick on
+        previous, self._last_tick = self._last_tick, now
+        lag = 0.0 if previous is None else loop_lag(previous, now, self.config.tick_period_s)
         if lag > 0:
             # The registry was stalled, not the members: give everyone that time back.
             self.last_lag_s = lag
