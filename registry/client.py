@@ -484,3 +484,30 @@ class MembershipView:
 def _newer(candidate: LiveMember, held: LiveMember) -> bool:
     c, h = candidate.record.spec.incarnation, held.record.spec.incarnation
     return c > h or (c == h and candidate.load_at > held.load_at)
+
+
+def request_snapshot(address: str, *, timeout_s: float = 2.0,
+                     models: Sequence[str] = ()) -> Snapshot:
+    """One Sync round trip (for CLIs): the snapshot, which also names the HTTP port."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{address}")
+        sock.send(make_encoder().encode(Sync(models=list(models))))
+        if not sock.poll(timeout_s * 1e3):
+            raise TimeoutError(f"registry {address} did not answer within {timeout_s:.0f}s; "
+                               f"is it running? (set --registry or ${REGISTRY_ENV})")
+        reply = reply_decoder().decode(sock.recv())
+    finally:
+        sock.close(linger=0)
+    if not isinstance(reply, Snapshot):
+        raise RuntimeError(f"registry {address} refused the sync: {reply.reason}")
+    return reply
+
+
+def http_base(address: str, snapshot: Snapshot) -> str:
+    """The registry's HTTP base URL: its control host with the HTTP port it announced."""
+    if not snapshot.http_port:
+        raise RuntimeError(f"registry {address} runs without HTTP")
+    return f"http://{address.rpartition(':')[0]}:{snapshot.http_port}"

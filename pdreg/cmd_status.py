@@ -1,0 +1,102 @@
+"""`pdreg status`: the membership table (or JSON) from one or more registries."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from registry.client import http_base, parse_registries, request_snapshot
+
+WATCH_PERIOD_S = 1.0
+COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "ADDRESS", "RUN", "WAIT", "KV%", "HB AGE", "UPTIME")
+ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="show the live membership")
+    p.add_argument("--registry", default=None,
+                   help="HOST:PORT[,HOST:PORT...] (default $PDREG_REGISTRY or 127.0.0.1:7600)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of members")
+    p.add_argument("--watch", action="store_true", help="refresh the table in place")
+    p.set_defaults(func=run)
+
+
+def fetch_members(registries: str | list[str] | None) -> list[dict[str, Any]]:
+    """Members from every registry; per id the newest incarnation wins."""
+    merged: dict[str, dict[str, Any]] = {}
+    errors = []
+    for address in parse_registries(registries):
+        try:
+            base = http_base(address, request_snapshot(address))
+            response = httpx.get(f"{base}/v1/members", timeout=5.0)
+            response.raise_for_status()
+        except (OSError, RuntimeError, httpx.HTTPError) as exc:
+            errors.append(f"{address}: {exc}")
+            continue
+        for member in response.json():
+            held = merged.get(member["id"])
+            if held is None or member["incarnation"] > held["incarnation"]:
+                merged[member["id"]] = member
+    if errors and not merged and len(errors) == len(parse_registries(registries)):
+        raise RuntimeError("; ".join(errors))
+    return sorted(merged.values(), key=lambda m: (ROLE_ORDER.get(m["role"], 9), m["model"],
+                                                   m["id"]))
+
+
+def render(members: list[dict[str, Any]]) -> str:
+    """A table people read at a glance."""
+    rows = [COLUMNS]
+    for m in members:
+        state = m["state"] + (" (suspect)" if m["suspect"] else "")
+        load = m["load"]
+        address = m["endpoints"]["http"].removeprefix("http://").removeprefix("https://")
+        rows.append((m["id"], m["role"], m["model"] or "-", state, address,
+                     str(load["running"]), str(load["waiting"]),
+                     f"{100 * load['kv_usage']:.0f}", f"{m['heartbeat_age_s']:.1f}s",
+                     _duration(m["uptime_s"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    by_role: dict[str, int] = {}
+    for m in members:
+        if m["routable"]:
+            by_role[m["role"]] = by_role.get(m["role"], 0) + 1
+    summary = ", ".join(f"{n} {role}" for role, n in sorted(by_role.items())) or "none"
+    lines.append(f"{len(members)} members; routable: {summary}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if not args.watch:
+            members = fetch_members(args.registry)
+            print(json.dumps(members, indent=2) if args.json else render(members))
+            return 0
+        while True:
+            members = fetch_members(args.registry)
+            text = json.dumps(members) if args.json else render(members)
+            # Home the cursor and clear below: the table refreshes in place.
+            sys.stdout.write(f"\x1b[H\x1b[J{time.strftime('%H:%M:%S')}  pdreg status\n{text}\n")
+            sys.stdout.flush()
+            time.sleep(WATCH_PERIOD_S)
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"pdreg status: {exc}", file=sys.stderr)
+        return 1
+
+
