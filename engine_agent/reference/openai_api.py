@@ -1,0 +1,217 @@
+"""OpenAI-compatible request parsing and response shapes, with vLLM's and SGLang's extras.
+
+Extras understood: `ignore_eos`, `return_token_ids` (vLLM: `prompt_token_ids` and
+`token_ids`), `seed`, `kv_transfer_params` (vLLM P/D), `bootstrap_host`/`bootstrap_port`/
+`bootstrap_room` (SGLang P/D). Unknown fields are ignored, as vLLM does by default.
+Unlike OpenAI, the default temperature is 0 (greedy), so tests and demos are repeatable.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from engine_agent.reference import tokens
+from engine_agent.reference.backend import SamplingParams
+from engine_agent.reference.engine import EngineError, FetchKv, GenerationRequest, HoldKv
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    n: int = 1
+    kv_transfer_params: dict[str, Any] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+class CompletionBody(_Common, kw_only=True):
+    prompt: str | list[Any]
+
+
+class ChatBody(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def _prompt_ids(prompt: str | list[Any]) -> list[int]:
+    if isinstance(prompt, str):
+        return tokens.encode(prompt)
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return tokens.encode(prompt[0])
+    if prompt and all(isinstance(p, str) for p in prompt):
+        raise EngineError("only one prompt per request is supported")
+    try:
+        return tokens.check_token_ids(prompt)
+    except tokens.PromptError as exc:
+        raise EngineError(str(exc)) from None
+
+
+def _message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    return "".join(str(part.get("text", "")) for part in message.content
+                   if part.get("type") == "text")
+
+
+def _sampling(body: _Common, max_tokens: int | None) -> SamplingParams:
+    if body.n != 1:
+        raise EngineError("n must be 1")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise EngineError("max_tokens must be at least 1")
+    temperature = 0.0 if body.temperature is None else body.temperature
+    if temperature < 0:
+        raise EngineError("temperature must be >= 0")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=body.seed,
+                          ignore_eos=body.ignore_eos)
+
+
+def _int(params: dict[str, Any], name: str) -> int:
+    value = params.get(name)
+    if type(value) is not int:
+        raise EngineError(f"kv_transfer_params.{name} must be an integer, got {value!r}")
+    return value
+
+
+def _str(params: dict[str, Any], name: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str) or not value:
+        raise EngineError(f"kv_transfer_params.{name} must be a non-empty string, "
+                          f"got {value!r}")
+    return value
+
+
+def _handshake(body: _Common, role: str, new_handle: str) -> tuple[
+        HoldKv | None, FetchKv | None]:
+    params = body.kv_transfer_params
+    if params:
+        if params.get("do_remote_decode"):
+            return HoldKv(key=f"h:{new_handle}", vllm_handle=new_handle), None
+        if params.get("do_remote_prefill"):
+            handle = _str(params, "remote_request_id")
+            expected = params.get("remote_num_tokens")
+            return None, FetchKv(host=_str(params, "remote_host"),
+                                 port=_int(params, "remote_port"), key=f"h:{handle}",
+                                 engine_id=_str(params, "remote_engine_id"),
+                                 expected_tokens=expected if type(expected) is int else None)
+    if body.bootstrap_room is not None and role != "mixed":
+        # A mixed engine serves SGLang's P/D fields as a plain request.
+        key = f"r:{body.bootstrap_room}"
+        if role == "prefill":
+            return HoldKv(key=key), None
+        if not body.bootstrap_host or not body.bootstrap_port:
+            raise EngineError("bootstrap_room needs bootstrap_host and bootstrap_port")
+        return None, FetchKv(host=body.bootstrap_host, port=body.bootstrap_port, key=key,
+                             bootstrap=True)
+    return None, None
+
+
+def completion_request(body: CompletionBody, *, role: str,
+                       new_handle: str) -> GenerationRequest:
+    """`role` is the engine's: "prefill", "decode" or "mixed"."""
+    hold, fetch = _handshake(body, role, new_handle)
+    return GenerationRequest(prompt=_prompt_ids(body.prompt),
+                             params=_sampling(body, body.max_tokens), hold=hold, fetch=fetch)
+
+
+def chat_request(body: ChatBody, *, role: str, new_handle: str) -> GenerationRequest:
+    text = tokens.chat_prompt([(m.role, _message_text(m)) for m in body.messages])
+    as_completion = CompletionBody(prompt=text, **{
+        f: getattr(body, f) for f in _Common.__struct_fields__})
+    request = completion_request(as_completion, role=role, new_handle=new_handle)
+    if body.max_completion_tokens is not None and body.max_tokens is None:
+        params = _sampling(body, body.max_completion_tokens)
+        request = GenerationRequest(prompt=request.prompt, params=params, hold=request.hold,
+                                    fetch=request.fetch)
+    return request
+
+
+# --- Responses ---------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "code": status}, "object": "error"}
+
+
+class ResponseShape:
+    """Builds one request's response objects (completion or chat, streamed or not)."""
+
+    def __init__(self, *, chat: bool, request_id: str, model: str, prompt: list[int],
+                 return_token_ids: bool) -> None:
+        self.chat = chat
+        self.request_id = request_id
+        self.model = model
+        self.prompt = prompt
+        self.return_token_ids = return_token_ids
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def full(self, text: str, token_ids: list[int], finish_reason: str,
+             kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                      "message": {"role": "assistant", "content": text},
+                                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        response = self._envelope(self.object, [choice])
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+            if self.chat:
+                response["prompt_token_ids"] = self.prompt
+            else:
+                choice["prompt_token_ids"] = self.prompt
+        response["usage"] = usage(len(self.prompt), len(token_ids))
+        if kv_transfer_params is not None:
+            response["kv_transfer_params"] = kv_transfer_params
+        return response
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              first: bool) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+            if first:
+                choice["prompt_token_ids"] = self.prompt
+        return self._envelope(f"{self.object}.chunk" if self.chat else self.object, [choice])
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        response = self._envelope(f"{self.object}.chunk" if self.chat else self.object, [])
+        response["usage"] = usage(len(self.prompt), completion_tokens)
+        return response

@@ -1,0 +1,227 @@
+"""Start-up, registration, readiness and drain for one reference engine process.
+
+Order: bind HTTP, KV and bootstrap sockets (ports known) -> register JOINING -> load and
+warm the model -> READY, print one JSON "ready" line on stdout -> serve until SIGTERM or
+SIGINT -> DRAINING, wait for in-flight requests and held KV -> bye -> exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+from aiohttp import web
+
+from engine_agent.reference.backend import Backend, SamplingParams
+from engine_agent.reference.bootstrap import Route, RouteResolver, bootstrap_app
+from engine_agent.reference.engine import Engine, GenerationRequest
+from engine_agent.reference.kv_store import KvStore
+from engine_agent.reference.kv_transfer import KvClient, KvServer
+from engine_agent.reference.scheduler import Scheduler
+from engine_agent.reference.server import EngineServer, ServerState
+from engine_agent.reference.tokens import encode
+from registry.protocol import Endpoints, MemberSpec, MemberState, Role, role_name
+
+logger = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    role: Role
+    model: str = "tiny"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""  # "" = host
+    kv_port: int = 0
+    bootstrap_port: int = 0
+    backend: str = "torch"  # "torch" | "sim"
+    protocol: str = "vllm-nixl"
+    max_running: int = 8
+    kv_capacity_tokens: int = 65536
+    kv_lease_s: float = 30.0
+    kv_fetch_timeout_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    register: bool = True
+    registries: str | None = None
+    token: str = ""
+    threads: int = 1
+    sim_prefill_s_per_token: float = 0.0
+    sim_decode_s_per_token: float = 0.0
+    sim_kv_bytes_per_token: int = 128
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def make_backend(config: EngineConfig) -> Backend:
+    if config.backend == "sim":
+        from engine_agent.reference.sim import SimBackend
+
+        return SimBackend(prefill_s_per_token=config.sim_prefill_s_per_token,
+                          decode_s_per_token=config.sim_decode_s_per_token,
+                          kv_bytes_per_token=config.sim_kv_bytes_per_token)
+    if config.backend == "torch":
+        # torch warns at import when numpy is absent; the engine never needs numpy.
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        from engine_agent.reference.torch_backend import TorchBackend  # imports torch: slow
+
+        return TorchBackend(config.model, threads=config.threads)
+    raise ValueError(f"unknown backend {config.backend!r}; expected torch or sim")
+
+
+async def _warm_up(engine: Engine) -> None:
+    """One short request end to end, so the first real one does not pay for lazy init."""
+    generation = await engine.start(GenerationRequest(
+        prompt=encode("warm up"), params=SamplingParams(max_tokens=2, ignore_eos=True)))
+    try:
+        async for _ in generation.tokens():
+            pass
+    finally:
+        await generation.close()
+    engine.requests_total = 0
+
+
+async def _start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = runner.addresses[0][1]
+    return runner, bound_port
+
+
+def _make_agent(config: EngineConfig, spec_for: Callable[[str, int], MemberSpec],
+                load: Callable[[], Any], port: int) -> tuple[Any, MemberSpec]:
+    """The registration agent (engine_agent.agent), or None with --no-register."""
+    advertise = config.advertise_host or config.host
+    try:
+        from engine_agent.agent import Agent, default_member_id, new_incarnation
+    except ImportError:
+        if config.register:
+            raise
+        member_id = f"{role_name(config.role)}-{advertise}-{port}"
+        return None, spec_for(member_id, time.time_ns())
+    spec = spec_for(default_member_id(config.role, advertise, port), new_incarnation())
+    if not config.register:
+        return None, spec
+    agent = Agent(spec, registries=config.registries, load=load, token=config.token,
+                  state=MemberState.JOINING)
+    return agent.start(), spec
+
+
+async def run_engine(config: EngineConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    role = role_name(config.role)
+    is_prefill = config.role is Role.PREFILL
+    advertise = config.advertise_host or config.host
+    engine_id = uuid.uuid4().hex  # per process: a restarted prefill refuses old handles
+    model_dir = tempfile.mkdtemp(prefix="pdreg-reference-model-")
+    scheduler = Scheduler(config.max_running, config.kv_capacity_tokens)
+    ctx = zmq.asyncio.Context()
+    store = KvStore(scheduler, config.kv_lease_s) if is_prefill else None
+    kv_server: KvServer | None = None
+    tasks: list[asyncio.Task[None]] = []
+    runners: list[web.AppRunner] = []
+    backend: Backend | None = None
+    agent: Any = None
+    resolver = RouteResolver()
+    kv_client = KvClient(ctx)
+    try:
+        bootstrap_port = 0
+        if store is not None:
+            kv_server = KvServer(ctx, store, engine_id, config.host, config.kv_port)
+            tasks.append(asyncio.create_task(kv_server.serve()))
+            tasks.append(asyncio.create_task(store.run_sweeper()))
+            route = Route(engine_id=engine_id, kv_host=advertise, kv_port=kv_server.port)
+            runner, bootstrap_port = await _start_site(bootstrap_app(route), config.host,
+                                                       config.bootstrap_port)
+            runners.append(runner)
+        state = ServerState(role=role, model=config.model, model_dir=model_dir,
+                            bootstrap_port=bootstrap_port)
+        runner, port = await _start_site(EngineServer(state).app(), config.host, config.port)
+        runners.append(runner)
+        url = f"http://{advertise}:{port}"
+        kv_port = kv_server.port if kv_server is not None else 0
+
+        def spec_for(member_id: str, incarnation: int) -> MemberSpec:
+            return MemberSpec(
+                id=member_id, incarnation=incarnation, role=config.role, model=config.model,
+                protocol=config.protocol,
+                endpoints=Endpoints(http=url, kv_host=advertise if kv_port else "",
+                                    kv_port=kv_port, bootstrap_port=bootstrap_port),
+                capacity=config.max_running, labels=config.labels, started_at=time.time())
+
+        agent, spec = _make_agent(config, spec_for, scheduler.load, port)
+        backend = await loop.run_in_executor(None, make_backend, config)
+        engine = Engine(backend, scheduler, engine_id=engine_id, store=store,
+                        kv_client=kv_client, resolver=resolver, kv_host=advertise,
+                        kv_port=kv_port, fetch_timeout_s=config.kv_fetch_timeout_s)
+        await _warm_up(engine)
+        state.engine = engine
+        if agent is not None:
+            agent.set_state(MemberState.READY)
+        logger.info("[engine] ready id=%s role=%s backend=%s url=%s kv_port=%d "
+                    "bootstrap_port=%d", spec.id, role, backend.name, url, kv_port,
+                    bootstrap_port)
+        print(json.dumps({"event": "ready", "id": spec.id, "engine_id": engine_id,
+                          "url": url, "kv_port": kv_port, "bootstrap_port": bootstrap_port,
+                          "pid": os.getpid()}), flush=True)
+        await stop.wait()
+        state.draining = True
+        drained = await _drain(engine, agent, config.drain_timeout_s)
+        logger.info("[shutdown] engine id=%s drained=%s", spec.id, drained)
+        return 0
+    finally:
+        if agent is not None:
+            await loop.run_in_executor(None, agent.stop)
+        for task in tasks:
+            task.cancel()
+        for runner in reversed(runners):
+            await runner.cleanup()
+        if kv_server is not None:
+            kv_server.close()
+        kv_client.close()
+        await resolver.close()
+        ctx.term()
+        if backend is not None:
+            backend.close()
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+async def _drain(engine: Engine, agent: Any, timeout_s: float) -> bool:
+    """DRAINING until nothing is in flight (requests, KV not yet pulled) or the timeout."""
+    loop = asyncio.get_running_loop()
+    if agent is not None:
+        # Agent.drain blocks (it polls in_flight and says bye); it reads an int we own,
+        # which is safe to read from its thread.
+        return bool(await loop.run_in_executor(
+            None, agent.drain, lambda: engine.in_flight, timeout_s))
+    deadline = loop.time() + timeout_s
+    while engine.in_flight > 0 and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    return engine.in_flight == 0
+
+
+def run(config: EngineConfig) -> int:
+    """Run one engine on uvloop (when installed) until it is told to stop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run_engine(config))
+    return uvloop.run(run_engine(config))

@@ -1,0 +1,117 @@
+"""The torch backend: real compute on one CPU thread, off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import random
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine_agent.reference.backend import Prefilled, SamplingParams, TensorMeta
+from engine_agent.reference.model import ModelConfig, TinyTransformer
+
+
+@dataclass(slots=True)
+class TorchSequence:
+    cache: torch.Tensor  # (L, 2, H, capacity, Dh)
+    length: int
+
+
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy view of a contiguous CPU tensor's bytes (no numpy needed).
+
+    The view keeps the tensor alive through the ctypes array it wraps.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("tensor_buffer needs a contiguous tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array.owner = tensor  # type: ignore[attr-defined]  # ctypes arrays accept attributes
+    return memoryview(array)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model_name: str, *, threads: int = 1,
+                 config: ModelConfig | None = None) -> None:
+        # One compute thread per engine: many engines share two cores, and a single
+        # executor thread serialises steps the way one GPU stream would.
+        torch.set_num_threads(threads)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.model = TinyTransformer(model_name, config)
+        self.config = self.model.config
+        self.kv_bytes_per_token = self.config.kv_bytes_per_token
+        self.max_model_len = self.config.max_positions
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def prefill(self, prompt: list[int]) -> Prefilled:
+        kv, logits = await self._run(self.model.prefill, prompt)
+        return Prefilled(num_tokens=len(prompt), kv=kv, logits=logits)
+
+    def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> TorchSequence:
+        cache = self.model.new_cache(prefilled.kv, prefilled.num_tokens + max_new_tokens)
+        return TorchSequence(cache=cache, length=prefilled.num_tokens)
+
+    async def step(self, seq: TorchSequence, token: int) -> torch.Tensor:
+        logits = await self._run(self.model.step, seq.cache, seq.length, token)
+        seq.length += 1
+        return logits
+
+    def make_sampler(self, params: SamplingParams) -> torch.Generator | None:
+        if params.temperature <= 0:
+            return None
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, params: SamplingParams,
+               sampler: torch.Generator | None) -> int:
+        if sampler is None:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=sampler))
+
+    def pack(self, prefilled: Prefilled) -> tuple[list[TensorMeta], list[memoryview]]:
+        kv: torch.Tensor = prefilled.kv
+        logits: torch.Tensor = prefilled.logits.contiguous()
+        metas = [TensorMeta("kv", "float32", list(kv.shape)),
+                 TensorMeta("logits", "float32", list(logits.shape))]
+        return metas, [tensor_buffer(kv), tensor_buffer(logits)]
+
+    def _expected_shapes(self, num_tokens: int) -> dict[str, list[int]]:
+        c = self.config
+        return {"kv": [c.n_layers, 2, c.n_heads, num_tokens, c.head_dim],
+                "logits": [c.vocab_size]}
+
+    def unpack(self, num_tokens: int, metas: Sequence[TensorMeta],
+               buffers: Sequence[memoryview]) -> Prefilled:
+        expected = self._expected_shapes(num_tokens)
+        if [m.name for m in metas] != list(expected) or len(buffers) != len(metas):
+            raise ValueError(f"expected tensors {list(expected)}, got {[m.name for m in metas]}"
+                             f" with {len(buffers)} buffers")
+        tensors: dict[str, torch.Tensor] = {}
+        for meta, buf in zip(metas, buffers, strict=True):
+            if meta.dtype != "float32" or meta.shape != expected[meta.name]:
+                raise ValueError(f"tensor {meta.name}: got {meta.dtype}{meta.shape}, expected "
+                                 f"float32{expected[meta.name]} (another model or layout?)")
+            count = 1
+            for dim in meta.shape:
+                count *= dim
+            if buf.nbytes != count * 4:
+                raise ValueError(f"tensor {meta.name}: {buf.nbytes} bytes for {count} floats")
+            with warnings.catch_warnings():
+                # The received frame is read-only; the tensor is only ever read (the cache
+                # copies it), so the "non-writable buffer" warning does not apply.
+                warnings.simplefilter("ignore", UserWarning)
+                tensors[meta.name] = torch.frombuffer(buf, dtype=torch.float32).view(meta.shape)
+        return Prefilled(num_tokens=num_tokens, kv=tensors["kv"], logits=tensors["logits"])
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
