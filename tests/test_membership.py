@@ -1,0 +1,367 @@
+"""The membership state machine: table tests of each rule and Hypothesis properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from registry.detector import DetectorConfig
+from registry.membership import Membership
+from registry.protocol import (
+    ByeReason,
+    Endpoints,
+    LeaveReason,
+    Load,
+    MemberJoined,
+    MemberLeft,
+    MemberRecord,
+    MemberSpec,
+    MemberState,
+    MemberUpdated,
+    ReplyStatus,
+    Role,
+)
+
+CONFIG = DetectorConfig(heartbeat_interval_s=1.0, lease_s=3.0, tick_period_s=0.1)
+READY, JOINING, DRAINING = MemberState.READY, MemberState.JOINING, MemberState.DRAINING
+
+
+def spec(member_id: str = "p0", incarnation: int = 1, model: str = "m") -> MemberSpec:
+    return MemberSpec(id=member_id, incarnation=incarnation, role=Role.PREFILL, model=model,
+                      protocol="reference", endpoints=Endpoints(http="http://127.0.0.1:9000"))
+
+
+def fresh(config: DetectorConfig = CONFIG) -> Membership:
+    return Membership(epoch=7, config=config)
+
+
+def ticks(m: Membership, start: float, end: float, step: float = 0.1) -> None:
+    """Tick like the loop does: at least once per tick period."""
+    t = start
+    while t < end:
+        t = min(end, t + step)
+        m.tick(t)
+
+
+# --- one rule at a time ------------------------------------------------------------------
+
+
+def test_register_then_ready_emits_joined_then_updated():
+    m = fresh()
+    assert m.register(spec(), JOINING, Load(), 0.0).status is ReplyStatus.OK
+    assert m.heartbeat("p0", 1, READY, Load(running=2), 0.5).status is ReplyStatus.OK
+    events = m.take_events()
+    assert [type(e) for e in events] == [MemberJoined, MemberUpdated]
+    assert [e.version for e in events] == [1, 2]
+    assert m.get("p0").routable
+
+
+@pytest.mark.parametrize(("held", "sent", "expected"), [
+    (5, 4, ReplyStatus.STALE),    # an older process must not come back
+    (5, 5, ReplyStatus.OK),       # a retried registration
+    (5, 6, ReplyStatus.OK),       # a restart replaces
+])
+def test_register_incarnation_rules(held, sent, expected):
+    m = fresh()
+    m.register(spec(incarnation=held), READY, Load(), 0.0)
+    assert m.register(spec(incarnation=sent), READY, Load(), 0.1).status is expected
+    assert m.get("p0").spec.incarnation == max(held, sent)
+
+
+def test_newer_incarnation_leaves_as_replaced_and_joins_again():
+    m = fresh()
+    m.register(spec(incarnation=1), READY, Load(), 0.0)
+    m.take_events()
+    m.register(spec(incarnation=2), READY, Load(), 0.1)
+    left, joined = m.take_events()
+    assert isinstance(left, MemberLeft) and left.reason is LeaveReason.REPLACED
+    assert left.incarnation == 1
+    assert isinstance(joined, MemberJoined) and joined.member.spec.incarnation == 2
+
+
+@pytest.mark.parametrize(("incarnation", "expected"), [
+    (0, ReplyStatus.STALE),
+    (1, ReplyStatus.OK),
+    (2, ReplyStatus.UNKNOWN),  # a restarted process we have not seen register
+])
+def test_heartbeat_incarnation_rules(incarnation, expected):
+    m = fresh()
+    m.register(spec(incarnation=1), READY, Load(), 0.0)
+    assert m.heartbeat("p0", incarnation, READY, Load(), 0.5).status is expected
+
+
+def test_heartbeat_from_unknown_member_says_register_again():
+    outcome = fresh().heartbeat("ghost", 1, READY, Load(), 0.0)
+    assert outcome.status is ReplyStatus.UNKNOWN
+    assert "register again" in outcome.reason
+
+
+def test_draining_is_one_way():
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    m.heartbeat("p0", 1, DRAINING, Load(), 0.1)
+    m.heartbeat("p0", 1, READY, Load(), 0.2)
+    assert m.get("p0").state is DRAINING
+
+
+def test_admin_drain_sticks_against_member_claims():
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    assert m.drain("p0").status is ReplyStatus.OK
+    m.heartbeat("p0", 1, READY, Load(), 0.1)
+    assert m.get("p0").state is DRAINING
+    assert m.drain("nobody").status is ReplyStatus.REJECTED
+
+
+@pytest.mark.parametrize(("reason", "leave"), [
+    (ByeReason.SHUTDOWN, LeaveReason.BYE),
+    (ByeReason.CRASHED, LeaveReason.CRASHED),
+])
+def test_bye_removes_at_once(reason, leave):
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    m.take_events()
+    assert m.bye("p0", 1, reason).status is ReplyStatus.OK
+    (event,) = m.take_events()
+    assert isinstance(event, MemberLeft) and event.reason is leave
+    assert "p0" not in m
+
+
+def test_bye_from_an_old_incarnation_is_ignored():
+    m = fresh()
+    m.register(spec(incarnation=2), READY, Load(), 0.0)
+    assert m.bye("p0", 1, ByeReason.SHUTDOWN).status is ReplyStatus.STALE
+    assert "p0" in m
+
+
+def test_suspect_then_expire_on_the_timer():
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    ticks(m, 0.0, 2.0)
+    assert not m.get("p0").suspect  # age 2.0 is not past 2 intervals
+    ticks(m, 2.0, 2.2)
+    assert m.get("p0").suspect and not m.get("p0").routable
+    ticks(m, 2.2, 3.0)
+    assert "p0" in m
+    ticks(m, 3.0, 3.2)
+    assert "p0" not in m
+    assert m.take_events()[-1].reason is LeaveReason.EXPIRED
+
+
+def test_heartbeat_clears_suspicion():
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    ticks(m, 0.0, 2.5)
+    assert m.get("p0").suspect
+    m.heartbeat("p0", 1, READY, Load(), 2.5)
+    assert not m.get("p0").suspect
+
+
+def test_router_report_suspects_until_next_heartbeat():
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    assert m.report("p0", 1, 0.1).status is ReplyStatus.OK
+    assert m.get("p0").suspect
+    assert m.report("p0", 9, 0.1).status is ReplyStatus.STALE
+    m.heartbeat("p0", 1, READY, Load(), 0.2)
+    assert not m.get("p0").suspect
+
+
+def test_loop_lag_moves_deadlines():
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    m.tick(0.1)
+    m.tick(10.0)  # the registry was stalled for ~10 s
+    assert "p0" in m and not m.get("p0").suspect
+    assert m.last_lag_s == pytest.approx(9.7)
+
+
+def test_self_preservation_pauses_expiry_when_most_go_silent_at_once():
+    m = fresh()
+    for i in range(4):
+        m.register(spec(f"p{i}"), READY, Load(), 0.0)
+    ticks(m, 0.0, 10.0)  # nobody heard from
+    assert len(m) == 4 and m.self_preserving
+    for i in range(4):
+        m.heartbeat(f"p{i}", 1, READY, Load(), 10.0)
+    m.tick(10.1)
+    assert not m.self_preserving
+
+
+def test_self_preservation_gives_up_after_its_limit():
+    config = DetectorConfig(heartbeat_interval_s=1.0, lease_s=3.0,
+                            self_preservation_max_s=5.0)
+    m = fresh(config)
+    for i in range(4):
+        m.register(spec(f"p{i}"), READY, Load(), 0.0)
+    ticks(m, 0.0, 8.0)
+    assert len(m) == 0 and not m.self_preserving
+
+
+def test_a_lone_death_is_not_self_preservation():
+    m = fresh()
+    m.register(spec("dead"), READY, Load(), 0.0)
+    for i in range(3):
+        m.register(spec(f"alive{i}"), READY, Load(), 0.0)
+    t = 0.0
+    while t < 4.0:
+        t += 0.1
+        for i in range(3):
+            m.heartbeat(f"alive{i}", 1, READY, Load(), t)
+        m.tick(t)
+    assert "dead" not in m and len(m) == 3
+
+
+def test_load_changes_are_digested_not_published_as_events():
+    m = fresh()
+    m.register(spec(), READY, Load(), 0.0)
+    m.take_events()
+    m.heartbeat("p0", 1, READY, Load(running=1), 0.1)
+    m.heartbeat("p0", 1, READY, Load(running=3), 0.2)
+    assert m.take_events() == []
+    digests = m.take_load_digests(0.3)
+    assert [entry.load.running for entry in digests["m"]] == [3]
+    assert m.take_load_digests(0.4) == {}
+
+
+def test_interval_grows_with_fleet_size():
+    config = DetectorConfig(heartbeat_interval_s=1.0, lease_s=3.0, max_ingest_per_s=10)
+    m = fresh(config)
+    for i in range(30):
+        m.register(spec(f"p{i}"), READY, Load(), 0.0)
+    assert m.timing.heartbeat_interval_s == pytest.approx(3.0)
+    assert m.timing.lease_s >= 3 * m.timing.heartbeat_interval_s
+
+
+# --- properties --------------------------------------------------------------------------
+
+IDS = ["a", "b", "c", "d"]
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    member: str = "a"
+    incarnation: int = 1
+    state: MemberState = READY
+    dt: float = 0.0
+
+
+ops = st.one_of(
+    st.builds(Op, st.just("register"), st.sampled_from(IDS), st.integers(1, 4),
+              st.sampled_from(list(MemberState))),
+    st.builds(Op, st.just("heartbeat"), st.sampled_from(IDS), st.integers(0, 5),
+              st.sampled_from(list(MemberState))),
+    st.builds(Op, st.just("bye"), st.sampled_from(IDS), st.integers(1, 4)),
+    st.builds(Op, st.just("report"), st.sampled_from(IDS), st.integers(1, 4)),
+    st.builds(Op, st.just("drain"), st.sampled_from(IDS)),
+    st.builds(Op, st.just("evict"), st.sampled_from(IDS)),
+    st.builds(Op, st.just("wait"), dt=st.floats(0.01, 2.0)),
+)
+
+
+def apply(m: Membership, op: Op, now: float) -> float:
+    if op.kind == "register":
+        m.register(spec(op.member, op.incarnation), op.state, Load(), now)
+    elif op.kind == "heartbeat":
+        m.heartbeat(op.member, op.incarnation, op.state, Load(running=op.incarnation), now)
+    elif op.kind == "bye":
+        m.bye(op.member, op.incarnation, ByeReason.SHUTDOWN)
+    elif op.kind == "report":
+        m.report(op.member, op.incarnation, now)
+    elif op.kind == "drain":
+        m.drain(op.member)
+    elif op.kind == "evict":
+        m.evict(op.member)
+    else:
+        end = now + op.dt
+        ticks(m, now, end)
+        return end
+    m.tick(now)
+    return now
+
+
+def essence(record: MemberRecord) -> tuple:
+    """What events must reproduce (load travels in digests, not events)."""
+    return (record.spec, record.state, record.suspect)
+
+
+def replay(snapshot: dict[str, MemberRecord], events: list) -> dict[str, MemberRecord]:
+    state = dict(snapshot)
+    for event in events:
+        if isinstance(event, MemberLeft):
+            if state.get(event.id) and state[event.id].spec.incarnation == event.incarnation:
+                del state[event.id]
+        else:
+            state[event.member.spec.id] = event.member
+    return state
+
+
+@given(st.lists(ops, max_size=60), st.integers(0, 60))
+def test_clone_replaying_events_on_a_snapshot_reproduces_state(sequence, cut):
+    cut = min(cut, len(sequence))
+    m = fresh()
+    now = 0.0
+    for op in sequence[:cut]:
+        now = apply(m, op, now)
+    before = m.take_events()
+    snapshot = {r.spec.id: r for r in m.records()}
+    assert m.version == len(before)
+    for op in sequence[cut:]:
+        now = apply(m, op, now)
+    after = m.take_events()
+    # Versions strictly increase, one per change, with no gaps.
+    assert [e.version for e in before + after] == list(range(1, m.version + 1))
+    replayed = replay(snapshot, after)
+    assert {k: essence(v) for k, v in replayed.items()} == {
+        r.spec.id: essence(r) for r in m.records()}
+
+
+@given(st.lists(ops, max_size=60))
+def test_a_stale_incarnation_never_overrides_a_newer_one(sequence):
+    m = fresh()
+    now = 0.0
+    highest: dict[str, int] = {}
+    for op in sequence:
+        now = apply(m, op, now)
+        for record in m.records():
+            member_id = record.spec.id
+            # Whatever is held is at least as new as anything held before, while it stays.
+            assert record.spec.incarnation >= highest.get(member_id, 0) or \
+                highest.get(member_id) is None
+            highest[member_id] = record.spec.incarnation
+        for member_id in list(highest):
+            if member_id not in m:
+                del highest[member_id]
+
+
+@given(st.lists(ops, max_size=40), st.floats(0.0, 1.0), st.booleans())
+def test_without_heartbeats_everyone_is_gone_after_the_lease(sequence, extra, preserve):
+    config = DetectorConfig(heartbeat_interval_s=1.0, lease_s=3.0,
+                            self_preservation_min_silent=3 if preserve else 1000)
+    m = fresh(config)
+    now = 0.0
+    for op in sequence:
+        now = apply(m, op, now)
+    held = len(m)
+    ticks(m, now, now + config.lease_s + config.tick_period_s + extra)
+    if m.self_preserving:
+        # Only a mass silence may keep members past their lease.
+        assert preserve and held >= 3 and len(m) == held
+    else:
+        assert len(m) == 0
+
+
+@given(st.lists(st.sampled_from(IDS), min_size=1, max_size=4, unique=True),
+       st.floats(3.5, 600.0))
+def test_a_lagging_loop_expires_nobody_early(members, stall):
+    m = fresh()
+    for member_id in members:
+        m.register(spec(member_id), READY, Load(), 0.0)
+    m.tick(0.05)
+    m.tick(0.05 + stall)  # the loop did not run for `stall` seconds
+    assert len(m) == len(members)
+    assert not any(r.suspect for r in m.records())

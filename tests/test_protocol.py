@@ -1,0 +1,135 @@
+"""The wire contract: round trips, refusals, no pickle."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from registry.protocol import (
+    Bye,
+    ByeReason,
+    Endpoints,
+    Heartbeat,
+    LeaveReason,
+    Load,
+    LoadDigest,
+    LoadEntry,
+    MemberLeft,
+    MemberRecord,
+    MemberSpec,
+    MemberState,
+    MemberUpdated,
+    Parallel,
+    Register,
+    Reply,
+    ReplyStatus,
+    Report,
+    Role,
+    Snapshot,
+    Sync,
+    control_decoder,
+    event_decoder,
+    make_encoder,
+    parse_role,
+    reply_decoder,
+    topic_for,
+    validate_spec,
+)
+
+SPEC = MemberSpec(
+    id="prefill-10.0.0.5-8100", incarnation=1_700_000_000_000_000_000, role=Role.PREFILL,
+    model="llama-3-8b", protocol="vllm-nixl",
+    endpoints=Endpoints(http="http://10.0.0.5:8100", kv_host="10.0.0.5", kv_port=5600),
+    parallel=Parallel(tp_size=8), capacity=64, labels={"zone": "a", "rack": "r1"},
+    started_at=1.5)
+RECORD = MemberRecord(spec=SPEC, state=MemberState.READY, load=Load(1, 2, 0.5))
+
+CONTROL = [
+    Register(spec=SPEC, state=MemberState.READY, token="t"),
+    Heartbeat("x", 1, 7, MemberState.DRAINING, Load(3, 4, 0.25, {"tok_s": 10.0})),
+    Bye("x", 1, ByeReason.CRASHED),
+    Sync(models=["a", "b"]),
+    Report("x", 1, "connect refused", "router-1"),
+]
+REPLIES = [Reply(ReplyStatus.UNKNOWN, 5, 1.0, "register again", 7601, 7680),
+           Snapshot(5, 9, [RECORD], 1.0, 7601, 7680)]
+EVENTS = [MemberUpdated(5, 10, RECORD), MemberLeft(5, 11, "x", 1, "m", LeaveReason.EXPIRED),
+          LoadDigest(5, 11, "m", [LoadEntry("x", 1, Load(1, 0, 0.1), 0.3)], 1.0)]
+
+
+@pytest.mark.parametrize("message", CONTROL, ids=lambda m: type(m).__name__)
+def test_control_round_trip(message):
+    assert control_decoder().decode(make_encoder().encode(message)) == message
+
+
+@pytest.mark.parametrize("message", REPLIES, ids=lambda m: type(m).__name__)
+def test_reply_round_trip(message):
+    assert reply_decoder().decode(make_encoder().encode(message)) == message
+
+
+@pytest.mark.parametrize("message", EVENTS, ids=lambda m: type(m).__name__)
+def test_event_round_trip(message):
+    assert event_decoder().decode(make_encoder().encode(message)) == message
+
+
+def test_heartbeat_is_compact():
+    beat = Heartbeat("decode-10.0.0.7-8200", 1_700_000_000_000_000_000, 123456,
+                     MemberState.READY, Load(12, 3, 0.42))
+    assert len(make_encoder().encode(beat)) < 64
+
+
+@pytest.mark.parametrize("payload", [
+    b"",
+    b"\xc1",                                      # never-used msgpack byte
+    msgspec.msgpack.encode({"type": "Heartbeat"}),
+    msgspec.msgpack.encode(["Nope", 1]),
+    msgspec.msgpack.encode(["Heartbeat", "x", -1, 0, 2, [0, 0, 0.0]]),   # negative incarnation
+    msgspec.msgpack.encode(["Heartbeat", "x", 1, 0, 9, [0, 0, 0.0]]),    # bad state
+    msgspec.msgpack.encode(["Heartbeat", "x", 1, 0, 2, [0, 0, 1.5]]),    # kv_usage > 1
+    msgspec.msgpack.encode(["Heartbeat", "x" * 500, 1, 0, 2, [0, 0, 0]]),  # id too long
+    msgspec.msgpack.encode(["Heartbeat", "bad id!", 1, 0, 2, [0, 0, 0]]),
+])
+def test_malformed_control_messages_are_refused(payload):
+    with pytest.raises(msgspec.MsgspecError):
+        control_decoder().decode(payload)
+
+
+def test_too_many_labels_are_refused():
+    raw = msgspec.to_builtins(Register(spec=SPEC))
+    raw[1]["labels"] = {f"k{i}": "v" for i in range(100)}
+    with pytest.raises(msgspec.ValidationError, match="labels"):
+        control_decoder().decode(msgspec.msgpack.encode(raw))
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    ({"endpoints": Endpoints(http="ftp://x:1")}, "http"),
+    ({"endpoints": Endpoints(http="http://:80")}, "http"),
+    ({"endpoints": Endpoints(http="http://h:99999")}, "not a URL"),
+    ({"endpoints": Endpoints(http="http://h:80/?q=1")}, "query"),
+    ({"model": ""}, "model"),
+    ({"parallel": Parallel(tp_size=2, tp_rank=2)}, "rank"),
+])
+def test_semantic_validation(change, problem):
+    bad = msgspec.structs.replace(SPEC, **change)
+    assert problem in (validate_spec(bad) or "")
+    assert validate_spec(SPEC) is None
+
+
+def test_encoder_never_pickles():
+    with pytest.raises(TypeError, match="no pickle"):
+        make_encoder().encode(Heartbeat("x", 1, 1, MemberState.READY, Load(extra={"a": object()})))
+
+
+def test_topics_do_not_prefix_match():
+    assert not topic_for("llama-70b").startswith(topic_for("llama"))
+
+
+@pytest.mark.parametrize(("text", "role"), [("prefill", Role.PREFILL), ("API-SERVER",
+                                                                         Role.API_SERVER)])
+def test_parse_role(text, role):
+    assert parse_role(text) is role
+
+
+def test_parse_role_names_the_choices():
+    with pytest.raises(ValueError, match="prefill, decode, mixed, api_server"):
+        parse_role("encoder")
