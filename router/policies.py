@@ -69,6 +69,7 @@ class Candidate:
     queue: int  # reported running + waiting
     kv_usage: float
     load_at: float  # monotonic time the load was measured
+    http: str = ""  # base URL, no trailing slash
     member: LiveMember | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -80,7 +81,7 @@ class Candidate:
             protocol=spec.protocol,
             locality=spec.labels.get(locality_key, "") if locality_key else "",
             queue=load.running + load.waiting, kv_usage=load.kv_usage,
-            load_at=member.load_at, member=member,
+            load_at=member.load_at, http=spec.endpoints.http.rstrip("/"), member=member,
         )
 
 
@@ -245,7 +246,9 @@ class PairingTable:
     pools: Mapping[str, tuple[ProtocolPool, ...]]
 
     @classmethod
-    def build(cls, members: Mapping[str, LiveMember], locality_key: str = "") -> PairingTable:
+    def build(cls, members: Mapping[str, LiveMember], locality_key: str = "",
+              protocols: Collection[str] | None = None) -> PairingTable:
+        """`protocols`: the handshakes this router speaks; members of others are left out."""
         by_key: dict[tuple[str, str], dict[str, list[Candidate]]] = {}
         for member in members.values():
             record = member.record
@@ -254,6 +257,8 @@ class PairingTable:
             spec = record.spec
             if spec.role is Role.API_SERVER:
                 continue
+            if protocols is not None and spec.protocol not in protocols:
+                continue  # a pair we could not drive
             tiers = by_key.setdefault((spec.model, spec.protocol), {
                 "p": [], "ps": [], "d": [], "ds": []})
             candidate = Candidate.of(member, locality_key)

@@ -1,0 +1,319 @@
+"""P/D handshakes, one per registered `protocol`: how a pair is driven for one request.
+
+Each adapter turns (pair, path, body) into an `Exchange`: the decode worker's response
+with its status and headers received, ready to be relayed to the client. Failures that a
+retry on another pair can fix raise `LegFailure` naming the member at fault; a 4xx from
+a prefill (the client's own mistake) raises `UpstreamRejected` to be relayed as is.
+
+Contracts (see /work/shared/notes/engines-and-peers.md):
+- vllm-nixl: P gets the body with max_tokens=1, stream=false and the request-side
+  `kv_transfer_params`; P's response's top-level `kv_transfer_params` go verbatim to D.
+- sglang: the same body to P and D at once, plus bootstrap_host/port/room; the client
+  gets D's response, P's is drained; either leg failing cancels both.
+- vllm-p2p: the pair rides in `X-Request-Id`; P (max_tokens=1) first, then D.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+
+from router.policies import Candidate, Pair
+
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "Exchange",
+    "LegFailure",
+    "UpstreamRejected",
+    "adapter_for",
+]
+
+logger = logging.getLogger(__name__)
+
+JSON_HEADERS: Final = {"Content-Type": "application/json"}
+ERROR_BODY_CHARS: Final = 300  # how much of an upstream error body a log line keeps
+SGLANG_ROOM_LIMIT: Final = 2**63  # bootstrap_room is a random integer below this
+
+# What vLLM's NixlConnector expects on the prefill request (request side of the handshake).
+NIXL_PREFILL_PARAMS: Final = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+
+
+class LegFailure(Exception):
+    """One leg failed in a way another pair may not: connection error, 5xx, bad reply.
+
+    `quarantine`: whether the member itself is to blame (a decode's 5xx may be the
+    prefill's fault, e.g. KV that could not be pulled, so it is retried, not quarantined).
+    """
+
+    def __init__(self, member: Candidate, role: str, reason: str, *, status: int = 0,
+                 quarantine: bool = True) -> None:
+        super().__init__(f"{role} {member.id}: {reason}")
+        self.member = member
+        self.role = role
+        self.reason = reason
+        self.status = status
+        self.quarantine = quarantine
+
+
+class UpstreamRejected(Exception):
+    """A prefill answered 4xx: the request itself is at fault; relay the answer."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"upstream rejected the request with {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+@dataclass(slots=True)
+class Exchange:
+    """D's response (headers in) plus any leg still running beside it (SGLang's P)."""
+
+    response: aiohttp.ClientResponse
+    companion: asyncio.Task[None] | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    def companion_failure(self) -> LegFailure | None:
+        task = self.companion
+        if task is None or not task.done() or task.cancelled():
+            return None
+        exc = task.exception()
+        return exc if isinstance(exc, LegFailure) else None
+
+    async def finish(self, timeout_s: float) -> LegFailure | None:
+        """After D is done: let the companion leg end (bounded), report its failure."""
+        task = self.companion
+        if task is not None and not task.done():
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        return self.companion_failure()
+
+    def close(self) -> None:
+        """Give the connection back to the pool if D's answer was read to the end, else
+        drop it (that is how an engine learns to stop generating); cancel the companion
+        leg if still running. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.response.release()  # aiohttp closes instead when the body is not at EOF
+        if self.companion is not None and not self.companion.done():
+            self.companion.cancel()
+
+
+class Adapter(Protocol):
+    name: str
+
+    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+                   body: dict[str, Any], request_id: str) -> Exchange: ...
+
+
+# --- shared leg helpers -----------------------------------------------------------------
+
+
+async def _post(session: aiohttp.ClientSession, member: Candidate, role: str, path: str,
+                payload: bytes, headers: dict[str, str], *,
+                quarantine_on_5xx: bool = True) -> aiohttp.ClientResponse:
+    """POST and wait for the status line. Connection errors and 5xx become LegFailure."""
+    try:
+        response = await session.post(member.http + path, data=payload, headers=headers)
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise LegFailure(member, role, f"connect: {type(exc).__name__}: {exc}") from None
+    if response.status >= 500:
+        text = await _read_quietly(response)
+        raise LegFailure(member, role, f"HTTP {response.status}: {text[:ERROR_BODY_CHARS]}",
+                         status=response.status, quarantine=quarantine_on_5xx)
+    return response
+
+
+async def _read_quietly(response: aiohttp.ClientResponse) -> str:
+    try:
+        return (await response.read()).decode(errors="replace")
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return ""
+    finally:
+        response.release()
+
+
+async def _read_all(response: aiohttp.ClientResponse, member: Candidate, role: str) -> bytes:
+    try:
+        return await response.read()
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise LegFailure(member, role, f"read: {type(exc).__name__}: {exc}") from None
+    finally:
+        response.release()
+
+
+async def _reject_4xx(response: aiohttp.ClientResponse, member: Candidate, role: str) -> None:
+    if response.status >= 400:
+        body = await _read_all(response, member, role)
+        raise UpstreamRejected(response.status, body,
+                               response.headers.get("Content-Type", "application/json"))
+
+
+async def _prefill_json(session: aiohttp.ClientSession, member: Candidate, path: str,
+                        payload: bytes, headers: dict[str, str]) -> Any:
+    response = await _post(session, member, "prefill", path, payload, headers)
+    await _reject_4xx(response, member, "prefill")
+    raw = await _read_all(response, member, "prefill")
+    try:
+        return _decode(raw)
+    except msgspec.DecodeError:
+        raise LegFailure(member, "prefill", "response is not JSON") from None
+
+
+def _kv_address(member: Candidate) -> str:
+    endpoints = member.member.record.spec.endpoints if member.member else None
+    if endpoints is None:
+        return ""
+    return f"{endpoints.kv_host or _http_host(member.http)}:{endpoints.kv_port}"
+
+
+def _http_host(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+# --- adapters -----------------------------------------------------------------------------
+
+
+class DirectAdapter:
+    """A mixed member serving both phases: the request goes through unchanged."""
+
+    name = "direct"
+
+    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+                   body: dict[str, Any], request_id: str) -> Exchange:
+        headers = {**JSON_HEADERS, "X-Request-Id": request_id}
+        return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
+                                    headers))
+
+
+class VllmNixlAdapter:
+    name = "vllm-nixl"
+
+    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+                   body: dict[str, Any], request_id: str) -> Exchange:
+        headers = {**JSON_HEADERS, "X-Request-Id": request_id}
+        prefill_body = dict(body)
+        prefill_body["max_tokens"] = 1
+        if "max_completion_tokens" in prefill_body:
+            prefill_body["max_completion_tokens"] = 1
+        prefill_body["stream"] = False
+        prefill_body.pop("stream_options", None)  # vLLM refuses it when stream is false
+        prefill_body["kv_transfer_params"] = NIXL_PREFILL_PARAMS
+        reply = await _prefill_json(session, pair.prefill, path, _encode(prefill_body), headers)
+        params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
+        if not isinstance(params, dict):
+            raise LegFailure(pair.prefill, "prefill",
+                             "response has no kv_transfer_params (is a kv_producer "
+                             "connector configured?)")
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = params  # verbatim: the decode pulls with these
+        # The decode's 5xx may be the prefill's fault (KV gone): retry, quarantine neither.
+        return Exchange(await _post(session, pair.decode, "decode", path, _encode(decode_body),
+                                    headers, quarantine_on_5xx=False))
+
+
+class SglangAdapter:
+    name = "sglang"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.SystemRandom()
+
+    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+                   body: dict[str, Any], request_id: str) -> Exchange:
+        endpoints = pair.prefill.member.record.spec.endpoints if pair.prefill.member else None
+        bootstrap_host = (endpoints.kv_host if endpoints else "") or _http_host(
+            pair.prefill.http)
+        bootstrap_port = endpoints.bootstrap_port if endpoints else 0
+        both_body = dict(body)
+        both_body["bootstrap_host"] = bootstrap_host
+        both_body["bootstrap_port"] = bootstrap_port or None  # None: the engine's default
+        both_body["bootstrap_room"] = self._rng.randrange(SGLANG_ROOM_LIMIT)
+        payload = _encode(both_body)
+        headers = {**JSON_HEADERS, "X-Request-Id": request_id}
+        prefill = asyncio.ensure_future(_drain_leg(session, pair.prefill, path, payload,
+                                                   headers))
+        decode = asyncio.ensure_future(_post(session, pair.decode, "decode", path, payload,
+                                             headers, quarantine_on_5xx=False))
+        try:
+            done, _ = await asyncio.wait((prefill, decode),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done and prefill.exception() is not None:
+                raise prefill.exception()  # type: ignore[misc]
+            response = await decode
+        except BaseException:
+            # Either leg failing (or the client leaving) abandons both.
+            for task in (prefill, decode):
+                task.cancel()
+            if decode.done() and not decode.cancelled() and decode.exception() is None:
+                decode.result().close()
+            raise
+        exchange = Exchange(response, companion=prefill)
+        # A prefill that dies while D streams: abort D, so the client hears of it at once.
+        prefill.add_done_callback(
+            lambda t: response.close() if not t.cancelled() and t.exception() else None)
+        return exchange
+
+
+async def _drain_leg(session: aiohttp.ClientSession, member: Candidate, path: str,
+                     payload: bytes, headers: dict[str, str]) -> None:
+    response = await _post(session, member, "prefill", path, payload, headers)
+    await _reject_4xx(response, member, "prefill")
+    await _read_all(response, member, "prefill")
+
+
+class VllmP2pAdapter:
+    name = "vllm-p2p"
+
+    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+                   body: dict[str, Any], request_id: str) -> Exchange:
+        pair_id = (f"___prefill_addr_{_kv_address(pair.prefill)}"
+                   f"___decode_addr_{_kv_address(pair.decode)}_{uuid.uuid4().hex}")
+        headers = {**JSON_HEADERS, "X-Request-Id": pair_id}
+        prefill_body = dict(body)
+        prefill_body["max_tokens"] = 1
+        if "max_completion_tokens" in prefill_body:
+            prefill_body["max_completion_tokens"] = 1
+        response = await _post(session, pair.prefill, "prefill", path, _encode(prefill_body),
+                               headers)
+        await _reject_4xx(response, pair.prefill, "prefill")
+        await _read_all(response, pair.prefill, "prefill")
+        return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
+                                    headers, quarantine_on_5xx=False))
+
+
+ADAPTERS: Final[dict[str, Adapter]] = {
+    a.name: a for a in (VllmNixlAdapter(), SglangAdapter(), VllmP2pAdapter())
+}
+DIRECT: Final = DirectAdapter()
+
+
+def adapter_for(pair: Pair) -> Adapter:
+    """The handshake for a pair: direct for one mixed member, else the pair's protocol."""
+    if pair.direct:
+        return DIRECT
+    adapter = ADAPTERS.get(pair.prefill.protocol)
+    if adapter is None:  # the pairing table leaves such members out; this is a guard
+        raise LegFailure(pair.prefill, "prefill", f"no adapter for protocol "
+                         f"{pair.prefill.protocol!r}", quarantine=False)
+    return adapter

@@ -1,0 +1,391 @@
+"""Contract stand-ins for vLLM's and SGLang's P/D endpoints, plus a static membership.
+
+Each stand-in is a real aiohttp server on loopback that checks the handshake fields
+exactly as the engine's contract states them (see /work/shared/notes/engines-and-peers.md)
+and answers 400 to anything else. KV "transfer" goes through a `KvHub` shared by the
+stand-ins of one test: a prefill stores the prompt it processed; the decode takes it and
+refuses (500, as vLLM does with kv_load_failure_policy=fail) when it is missing or is not
+the prompt of its own request. Output is a deterministic function of the prompt, so a
+disaggregated answer can be compared with a mixed engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from registry.client import LiveMember
+from registry.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
+
+T = TypeVar("T")
+
+NIXL_REQUEST_PARAMS = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+P2P_ID = re.compile(r"^___prefill_addr_(?P<p>[^_]+:\d+)___decode_addr_(?P<d>[^_]+:\d+)_"
+                    r"(?P<uid>[0-9a-f]{32})$")
+KV_WAIT_S = 5.0  # how long a decode waits for its prefill's KV (SGLang, P2P: concurrent)
+
+
+# --- running servers on a private loop -------------------------------------------------------
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; tests submit coroutines to it. Stop with close()."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="standins-loop")
+        self._runners: list[web.AppRunner] = []
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, app: web.Application) -> str:
+        async def start() -> str:
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self._runners.append(runner)
+            port = runner.addresses[0][1]
+            return f"http://127.0.0.1:{port}"
+        return self.run(start())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for runner in self._runners:
+                await runner.cleanup()
+        try:
+            self.run(stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+
+# --- output: a deterministic function of the prompt ------------------------------------------
+
+def prompt_text(path: str, body: dict[str, Any]) -> str:
+    if path.endswith("/chat/completions"):
+        return "\n".join(str(m.get("content", "")) for m in body["messages"])
+    prompt = body["prompt"]
+    return prompt if isinstance(prompt, str) else msgspec.json.encode(prompt).decode()
+
+
+def tokens_for(prompt: str, n: int) -> list[str]:
+    seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=4).digest(), "big")
+    return [f" t{(seed + 7 * i) % 997}" for i in range(n)]
+
+
+# --- the KV hub -----------------------------------------------------------------------------
+
+@dataclass
+class KvHub:
+    entries: dict[Any, str] = field(default_factory=dict)
+
+    def put(self, key: Any, prompt: str) -> None:
+        self.entries[key] = prompt
+
+    async def take(self, key: Any, timeout_s: float) -> str | None:
+        """Wait (polling: a stand-in, not a KV engine) for a prefill to fill `key`."""
+        deadline = time.monotonic() + timeout_s
+        while key not in self.entries:
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.002)
+        return self.entries.pop(key)
+
+
+# --- the stand-in engine ------------------------------------------------------------------------
+
+@dataclass
+class Faults:
+    """Failure injection. Each applies to every request until reset."""
+
+    status: int = 0  # answer this status instead of serving
+    drop: bool = False  # close the connection without an answer
+    cut_after_chunks: int = -1  # stream this many chunks, then drop the connection
+    delay_s: float = 0.0  # before answering
+    token_delay_s: float = 0.0  # between streamed chunks
+
+
+KV_REPLY = web.RequestKey("kv_reply", dict)
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+class Rejected(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class StandinEngine:
+    """One engine endpoint: role prefill|decode|mixed, protocol vllm-nixl|sglang|vllm-p2p."""
+
+    def __init__(self, role: Role, protocol: str, hub: KvHub, *, model: str = "m",
+                 kv_port: int = 0, bootstrap_port: int = 0) -> None:
+        self.role = role
+        self.protocol = protocol
+        self.hub = hub
+        self.model = model
+        self.kv_port = kv_port
+        self.bootstrap_port = bootstrap_port
+        self.engine_id = uuid.uuid4().hex
+        self.faults = Faults()
+        self.requests: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.rejections: list[str] = []
+        self.cancelled = 0  # streams whose client went away
+        self.url = ""
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/health", _health)
+        self.app = app
+
+    @property
+    def kv_address(self) -> str:
+        return f"127.0.0.1:{self.kv_port}"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = msgspec.json.decode(await request.read())
+        self.requests.append((request.path, body, dict(request.headers)))
+        f = self.faults
+        if f.delay_s:
+            await asyncio.sleep(f.delay_s)
+        if f.drop:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)
+        if f.status:
+            return web.json_response({"error": {"message": "injected"}}, status=f.status)
+        try:
+            prompt = prompt_text(request.path, body)
+            check = getattr(self, f"_check_{self.protocol.replace('-', '_')}")
+            if self.role is Role.MIXED:
+                self._check_plain(body)
+            else:
+                failure = await check(request, body, prompt)
+                if failure:
+                    return web.json_response({"error": {"message": failure}}, status=500)
+        except (Rejected, KeyError, TypeError) as exc:
+            message = exc.message if isinstance(exc, Rejected) else f"bad request: {exc!r}"
+            self.rejections.append(message)
+            return web.json_response({"error": {"message": message}}, status=400)
+        return await self._generate(request, body, prompt)
+
+    # Contract checks: return a failure string for a 500, raise Rejected for a 400.
+
+    def _check_plain(self, body: dict[str, Any]) -> None:
+        for key in ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"):
+            if key in body:
+                raise Rejected(f"a mixed engine got handshake field {key}")
+
+    async def _check_vllm_nixl(self, request: web.Request, body: dict[str, Any],
+                               prompt: str) -> str | None:
+        params = body.get("kv_transfer_params")
+        if self.role is Role.PREFILL:
+            if params != NIXL_REQUEST_PARAMS:
+                raise Rejected(f"prefill kv_transfer_params must be {NIXL_REQUEST_PARAMS}")
+            if body.get("max_tokens") != 1 or body.get("stream") is not False:
+                raise Rejected("prefill needs max_tokens=1 and stream=false")
+            if "stream_options" in body:
+                raise Rejected("stream_options is only allowed with stream=true")
+            if "max_completion_tokens" in body and body["max_completion_tokens"] != 1:
+                raise Rejected("prefill needs max_completion_tokens=1")
+            request_id = uuid.uuid4().hex
+            self.hub.put((self.engine_id, request_id), prompt)
+            request[KV_REPLY] = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [1, 2, 3], "remote_engine_id": self.engine_id,
+                "remote_request_id": request_id, "remote_host": "127.0.0.1",
+                "remote_port": self.kv_port, "tp_size": 1, "transfer_mode": "pull",
+            }
+            return None
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            raise Rejected("decode needs the prefill's kv_transfer_params")
+        for key in ("remote_engine_id", "remote_request_id", "remote_block_ids",
+                    "remote_host", "remote_port", "tp_size"):
+            if key not in params:
+                raise Rejected(f"kv_transfer_params lacks {key}: not passed verbatim")
+        stored = self.hub.entries.pop((params["remote_engine_id"],
+                                       params["remote_request_id"]), None)
+        if stored != prompt:
+            return "KV load failed: no such blocks for this prompt"
+        return None
+
+    async def _check_sglang(self, request: web.Request, body: dict[str, Any],
+                            prompt: str) -> str | None:
+        host, port, room = (body.get("bootstrap_host"), body.get("bootstrap_port"),
+                            body.get("bootstrap_room"))
+        if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
+            raise Rejected("bootstrap_room must be an integer below 2**63")
+        if not isinstance(host, str) or not isinstance(port, int):
+            raise Rejected("bootstrap_host and bootstrap_port are required")
+        if self.role is Role.PREFILL:
+            if (host, port) != ("127.0.0.1", self.bootstrap_port):
+                raise Rejected(f"bootstrap {host}:{port} is not this prefill's")
+            self.hub.put((host, port, room), prompt)
+            return None
+        stored = await self.hub.take((host, port, room), KV_WAIT_S)
+        if stored != prompt:
+            return "bootstrap room never filled by the prefill"
+        return None
+
+    async def _check_vllm_p2p(self, request: web.Request, body: dict[str, Any],
+                              prompt: str) -> str | None:
+        match = P2P_ID.match(request.headers.get("X-Request-Id", ""))
+        if match is None:
+            raise Rejected("X-Request-Id must encode ___prefill_addr_..___decode_addr_.._uuid")
+        if self.role is Role.PREFILL:
+            if match["p"] != self.kv_address or body.get("max_tokens") != 1:
+                raise Rejected("prefill address mismatch or max_tokens != 1")
+            self.hub.put(match["uid"], prompt)
+            return None
+        if match["d"] != self.kv_address:
+            raise Rejected("decode address mismatch")
+        stored = await self.hub.take(match["uid"], KV_WAIT_S)
+        return None if stored == prompt else "no KV arrived from the prefill"
+
+    # Generation.
+
+    async def _generate(self, request: web.Request, body: dict[str, Any],
+                        prompt: str) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        tokens = tokens_for(prompt, n)
+        created = int(time.time())
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if not body.get("stream"):
+            text = "".join(tokens)
+            choice: dict[str, Any] = (
+                {"index": 0, "message": {"role": "assistant", "content": text},
+                 "finish_reason": "length"} if chat else
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+            reply: dict[str, Any] = {
+                "id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": body.get("model", self.model),
+                "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
+                          "total_tokens": len(prompt.split()) + n}}
+            if KV_REPLY in request:
+                reply["kv_transfer_params"] = request[KV_REPLY]
+            return web.json_response(reply)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i, token in enumerate(tokens):
+                if i == self.faults.cut_after_chunks:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return response
+                last = i == n - 1
+                chunk_choice: dict[str, Any] = (
+                    {"index": 0, "delta": {"content": token},
+                     "finish_reason": "length" if last else None} if chat else
+                    {"index": 0, "text": token, "logprobs": None,
+                     "finish_reason": "length" if last else None})
+                chunk = {"id": rid,
+                         "object": "chat.completion.chunk" if chat else "text_completion",
+                         "created": created, "model": body.get("model", self.model),
+                         "choices": [chunk_choice]}
+                await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+                if self.faults.token_delay_s:
+                    await asyncio.sleep(self.faults.token_delay_s)
+            await response.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled += 1
+            raise
+        return response
+
+
+# --- membership ------------------------------------------------------------------------------
+
+def live_member(member_id: str, role: Role, url: str, *, model: str = "m",
+                protocol: str = "vllm-nixl", kv_port: int = 0, bootstrap_port: int = 0,
+                state: MemberState = MemberState.READY, suspect: bool = False,
+                incarnation: int = 1, labels: dict[str, str] | None = None,
+                load: Load | None = None, load_at: float | None = None) -> LiveMember:
+    spec = MemberSpec(
+        id=member_id, incarnation=incarnation, role=role, model=model, protocol=protocol,
+        endpoints=Endpoints(http=url, kv_host="127.0.0.1" if kv_port or bootstrap_port else "",
+                            kv_port=kv_port, bootstrap_port=bootstrap_port),
+        labels=labels or {})
+    load = load or Load()
+    record = MemberRecord(spec=spec, state=state, suspect=suspect, load=load)
+    return LiveMember(record=record, load=load,
+                      load_at=time.monotonic() if load_at is None else load_at, registry="static")
+
+
+class StaticView:
+    """What the router needs of a MembershipView: members() and report(), for unit tests."""
+
+    def __init__(self, members: dict[str, LiveMember] | None = None) -> None:
+        self._members: dict[str, LiveMember] = dict(members or {})
+        self.reports: list[tuple[str, int, str]] = []
+
+    def members(self) -> dict[str, LiveMember]:
+        return self._members
+
+    def set(self, members: dict[str, LiveMember]) -> None:
+        self._members = dict(members)  # swapped by reference, as the real view does
+
+    def report(self, member_id: str, incarnation: int, problem: str) -> None:
+        self.reports.append((member_id, incarnation, problem))
+
+
+@dataclass
+class Fleet:
+    """Stand-in engines of one protocol, serving on a LoopThread, and their membership."""
+
+    loop: LoopThread
+    protocol: str
+    hub: KvHub = field(default_factory=KvHub)
+    engines: dict[str, StandinEngine] = field(default_factory=dict)
+    view: StaticView = field(default_factory=StaticView)
+    _next_port: int = 20000
+
+    def add(self, member_id: str, role: Role, *, model: str = "m", **member_kw: Any
+            ) -> StandinEngine:
+        # KV/bootstrap ports are labels here (nothing binds them): any distinct numbers.
+        self._next_port += 1
+        engine = StandinEngine(role, self.protocol, self.hub, model=model,
+                               kv_port=self._next_port, bootstrap_port=self._next_port + 500)
+        engine.url = self.loop.serve(engine.app)
+        self.engines[member_id] = engine
+        members = dict(self.view.members())
+        members[member_id] = live_member(
+            member_id, role, engine.url, model=model, protocol=self.protocol,
+            kv_port=engine.kv_port, bootstrap_port=engine.bootstrap_port, **member_kw)
+        self.view.set(members)
+        return engine
+
+    def remove(self, member_id: str) -> None:
+        members = dict(self.view.members())
+        members.pop(member_id, None)
+        self.view.set(members)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0,
+               interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

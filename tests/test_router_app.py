@@ -1,0 +1,285 @@
+"""The router's HTTP front against contract stand-ins with a static membership."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import openai
+import pytest
+from standins_engines import Fleet, LoopThread, live_member, tokens_for, wait_until
+
+from registry.protocol import MemberState, Role
+from router.service import RouterConfig, RouterServer
+
+P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
+PROTOCOLS = ("vllm-nixl", "sglang", "vllm-p2p")
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    try:
+        yield lt
+    finally:
+        lt.close()
+
+
+@pytest.fixture(params=PROTOCOLS)
+def fleet(loop_thread: LoopThread, request: pytest.FixtureRequest) -> Fleet:
+    f = Fleet(loop_thread, request.param)
+    f.add("p1", P)
+    f.add("d1", D)
+    return f
+
+
+@pytest.fixture
+def nixl(loop_thread: LoopThread) -> Fleet:
+    return Fleet(loop_thread, "vllm-nixl")
+
+
+class RouterFixture:
+    def __init__(self) -> None:
+        self.servers: list[RouterServer] = []
+
+    def __call__(self, fleet: Fleet, **config: object) -> RouterServer:
+        config.setdefault("port", 0)
+        server = RouterServer(RouterConfig(**config), fleet.view).start()  # type: ignore[arg-type]
+        self.servers.append(server)
+        return server
+
+
+@pytest.fixture
+def router() -> Iterator[RouterFixture]:
+    fixture = RouterFixture()
+    try:
+        yield fixture
+    finally:
+        for server in fixture.servers:
+            server.close()
+
+
+def client(server: RouterServer, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0,
+                         timeout=30)
+
+
+def expected(prompt: str, n: int) -> str:
+    return "".join(tokens_for(prompt, n))
+
+
+# --- the handshakes, end to end through the openai client -------------------------------------
+
+def test_completion_matches_a_mixed_engine(fleet: Fleet, router: RouterFixture) -> None:
+    server = router(fleet)
+    got = client(server).completions.create(model="m", prompt="hello world", max_tokens=5)
+    assert got.choices[0].text == expected("hello world", 5)
+    p, d = fleet.engines["p1"], fleet.engines["d1"]
+    assert len(p.requests) == 1 and len(d.requests) == 1
+    assert not p.rejections and not d.rejections
+
+
+def test_chat_stream_matches_a_mixed_engine(fleet: Fleet, router: RouterFixture) -> None:
+    server = router(fleet)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chunks = client(server).chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
+                                                    max_tokens=7, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == expected("be brief\nhi", 7)
+
+
+def test_completion_stream_and_chat_plain(fleet: Fleet, router: RouterFixture) -> None:
+    server = router(fleet)
+    c = client(server)
+    stream = c.completions.create(model="m", prompt="abc", max_tokens=4, stream=True)
+    assert "".join(x.choices[0].text for x in stream) == expected("abc", 4)
+    chat = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+                                     max_completion_tokens=3)
+    assert chat.choices[0].message.content == expected("q", 3)
+
+
+def test_mixed_member_serves_directly(loop_thread: LoopThread, router: RouterFixture) -> None:
+    fleet = Fleet(loop_thread, "sglang")
+    x = fleet.add("x1", X)
+    server = router(fleet)
+    got = client(server).completions.create(model="m", prompt="direct", max_tokens=3)
+    assert got.choices[0].text == expected("direct", 3)
+    assert not x.rejections and len(x.requests) == 1
+
+
+def test_standins_reject_requests_off_contract(nixl: Fleet) -> None:
+    p = nixl.add("p1", P)
+    d = nixl.add("d1", D)
+    body = {"model": "m", "prompt": "x", "max_tokens": 2}
+    assert httpx.post(p.url + "/v1/completions", json=body).status_code == 400
+    assert httpx.post(d.url + "/v1/completions", json=body).status_code == 400
+
+
+# --- admission --------------------------------------------------------------------------------
+
+def test_no_decode_is_503_fast(nixl: Fleet, router: RouterFixture) -> None:
+    nixl.add("p1", P)
+    server = router(nixl)
+    started = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 503 and time.monotonic() - started < 1.0
+    assert r.json()["error"]["code"] == "no_capacity"
+    assert r.headers["Retry-After"] == "1"
+    assert httpx.get(server.url + "/v1/models").json()["data"] == []
+
+
+def test_models_health_metrics(fleet: Fleet, router: RouterFixture) -> None:
+    server = router(fleet)
+    assert [m.id for m in client(server).models.list()] == ["m"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    client(server).completions.create(model="m", prompt="x", max_tokens=2)
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pdreg_router_requests_total{model="m",outcome="ok"} 1.0' in text
+    assert 'pdreg_router_picks_total{member="p1",role="prefill"} 1.0' in text
+    assert 'pdreg_router_in_flight{member="d1"} 0.0' in text
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    (b"{not json", 400), (b'{"prompt": "x"}', 400), (b"[1, 2]", 400),
+    (b'{"model": "unknown", "prompt": "x"}', 503),
+])
+def test_bad_requests_get_clear_errors(nixl: Fleet, router: RouterFixture, body: bytes,
+                                       status: int) -> None:
+    nixl.add("p1", P)
+    nixl.add("d1", D)
+    server = router(nixl)
+    r = httpx.post(server.url + "/v1/completions", content=body)
+    assert r.status_code == status
+    assert "message" in r.json()["error"]
+
+
+def test_api_key(nixl: Fleet, router: RouterFixture) -> None:
+    nixl.add("p1", P)
+    nixl.add("d1", D)
+    server = router(nixl, api_key="sekrit")
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong").completions.create(model="m", prompt="x", max_tokens=1)
+    got = client(server, "sekrit").completions.create(model="m", prompt="x", max_tokens=1)
+    assert got.choices[0].text == expected("x", 1)
+
+
+def test_prefill_4xx_is_relayed_not_retried(nixl: Fleet, router: RouterFixture) -> None:
+    p = nixl.add("p1", P)
+    nixl.add("d1", D)
+    p.faults.status = 422
+    server = router(nixl)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 422 and len(p.requests) == 1
+    assert nixl.view.reports == []
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault", ["status", "drop"])
+def test_failing_prefill_is_quarantined_reported_and_retried(
+        fleet: Fleet, router: RouterFixture, fault: str) -> None:
+    bad = fleet.engines["p1"]
+    fleet.add("p2", P)
+    if fault == "status":
+        bad.faults.status = 503
+    else:
+        bad.faults.drop = True
+    server = router(fleet, policy="round_robin")
+    c = client(server)
+    for i in range(4):
+        got = c.completions.create(model="m", prompt=f"q{i}", max_tokens=2)
+        assert got.choices[0].text == expected(f"q{i}", 2)
+    assert len(bad.requests) == 1  # quarantined after its first failure
+    assert wait_until(lambda: [r[0] for r in fleet.view.reports] == ["p1"])
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pdreg_router_retries_total{reason="prefill_failed"} 1.0' in text
+    assert 'pdreg_router_quarantines_total{member="p1"} 1.0' in text
+
+
+def test_decode_failure_before_first_byte_is_retried(nixl: Fleet, router: RouterFixture
+                                                     ) -> None:
+    nixl.add("p1", P)
+    bad = nixl.add("d1", D)
+    nixl.add("d2", D)
+    bad.faults.drop = True
+    server = router(nixl, policy="round_robin")
+    c = client(server)
+    for i in range(3):
+        chunks = c.completions.create(model="m", prompt=f"s{i}", max_tokens=3, stream=True)
+        assert "".join(x.choices[0].text for x in chunks) == expected(f"s{i}", 3)
+    assert len(bad.requests) == 1
+
+
+def test_all_pairs_failing_is_502(nixl: Fleet, router: RouterFixture) -> None:
+    p = nixl.add("p1", P)
+    nixl.add("d1", D)
+    p.faults.status = 500
+    server = router(nixl)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
+    # Quarantined now: the next request is refused at admission, fast.
+    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 503
+
+
+def test_mid_stream_failure_ends_with_an_sse_error(nixl: Fleet, router: RouterFixture
+                                                   ) -> None:
+    nixl.add("p1", P)
+    d = nixl.add("d1", D)
+    d.faults.cut_after_chunks = 2
+    server = router(nixl)
+    body = {"model": "m", "prompt": "x", "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200
+    assert len(events) == 4, events
+    assert all("choices" in e for e in events[:2])
+    assert "error" in msgspec.json.decode(events[2][6:])
+    assert events[3] == "data: [DONE]"
+    text = httpx.get(server.url + "/metrics").text
+    assert 'outcome="failed_midstream"} 1.0' in text
+
+
+def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixture) -> None:
+    d = fleet.engines["d1"]
+    d.faults.token_delay_s = 0.05
+    server = router(fleet)
+    body = {"model": "m", "prompt": "long", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then hang up
+    assert wait_until(lambda: d.cancelled == 1, timeout_s=10)
+    assert wait_until(lambda: server.router._in_flight == {}, timeout_s=10)
+
+
+def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread,
+                                                         router: RouterFixture) -> None:
+    fleet = Fleet(loop_thread, "sglang")
+    bad = fleet.add("p1", P)
+    fleet.add("p2", P)
+    d = fleet.add("d1", D)
+    bad.faults.status = 500
+    server = router(fleet, policy="round_robin")
+    got = client(server).completions.create(model="m", prompt="room", max_tokens=2)
+    assert got.choices[0].text == expected("room", 2)
+    # The first decode leg was abandoned when its prefill failed, the second served.
+    assert len(d.requests) == 2
+    rooms = {r[1]["bootstrap_room"] for r in d.requests}
+    assert len(rooms) == 2  # a new room for the new pair
+
+
+def test_draining_member_gets_nothing_new(nixl: Fleet, router: RouterFixture) -> None:
+    p1 = nixl.add("p1", P)
+    p2 = nixl.add("p2", P)
+    nixl.add("d1", D)
+    server = router(nixl)
+    members = dict(nixl.view.members())
+    members["p1"] = live_member("p1", P, p1.url, kv_port=p1.kv_port, state=MemberState.DRAINING)
+    nixl.view.set(members)
+    c = client(server)
+    for i in range(5):
+        c.completions.create(model="m", prompt=str(i), max_tokens=1)
+    assert len(p1.requests) == 0 and len(p2.requests) == 5
