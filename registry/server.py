@@ -21,6 +21,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ from registry.protocol import (
 logger = logging.getLogger(__name__)
 
 DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
-SNAPSHOT_PERIOD_S = 0.5  # the HTTP snapshot picks up load changes at most this often
+SNAPSHOT_PERIOD_S = 0.5
+RECENT_EVENTS = 100  # membership events the HTTP side can show  # the HTTP snapshot picks up load changes at most this often
 BATCH_MAX_MESSAGES = 1024  # control messages handled between two ticks
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 EVENTS_HWM = 100_000
@@ -93,6 +95,7 @@ class Published:
     lease_s: float
     self_preserving: bool
     taken_at: float  # unix time
+    recent_events: tuple[MembershipEvent, ...] = ()  # newest last, for the dashboard
 
 
 class ShutdownState(enum.Enum):
@@ -131,6 +134,7 @@ class RegistryServer:
         self._published = Published(self.epoch, 0, (), self.config.heartbeat_interval_s,
                                     self.config.lease_s, False, time.time())
         self._last_reject_log = 0.0
+        self._recent_events: deque[MembershipEvent] = deque(maxlen=RECENT_EVENTS)
         for sock in (self._control, self._events, self._wake_rx, self._wake_tx):
             sock.setsockopt(zmq.LINGER, 0)
         self._control.setsockopt(zmq.MAXMSGSIZE, HARD_MESSAGE_CAP_BYTES)
@@ -375,6 +379,7 @@ class RegistryServer:
             model = event.model if isinstance(event, MemberLeft) else event.member.spec.model
             self._events.send_multipart((topic_for(model), encode(event)), copy=False)
             self.stats.count_event(event)
+            self._recent_events.append(event)
         return bool(events)
 
     def _publish_digests(self, now: float, *, pulse: bool) -> None:
@@ -402,6 +407,7 @@ class RegistryServer:
             lease_s=membership.timing.lease_s,
             self_preserving=membership.self_preserving,
             taken_at=now + membership.wall_offset,
+            recent_events=tuple(self._recent_events),
         )
 
     # --- plumbing ----------------------------------------------------------------------
