@@ -57,8 +57,8 @@ from registry.protocol import (
 logger = logging.getLogger(__name__)
 
 DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
-SNAPSHOT_PERIOD_S = 0.5
-RECENT_EVENTS = 100  # membership events the HTTP side can show  # the HTTP snapshot picks up load changes at most this often
+SNAPSHOT_PERIOD_S = 0.5  # the HTTP snapshot picks up load changes at most this often
+RECENT_EVENTS = 100  # membership events the HTTP side can show
 BATCH_MAX_MESSAGES = 1024  # control messages handled between two ticks
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 EVENTS_HWM = 100_000
