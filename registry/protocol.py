@@ -93,11 +93,13 @@ def parse_role(text: str) -> Role:
 
 # --- Member description (sent once, at registration) -----------------------------------
 
+# Types bound sizes and ranges, which are cheap to check on every decode. Character
+# patterns cost a regex per field, so they are checked once, at registration
+# (`validate_spec`), not on every heartbeat and snapshot.
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS,
-                                       pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
+MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
-Host = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9._:\[\]-]*$")]
+Host = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Url = Annotated[str, msgspec.Meta(max_length=MAX_URL_CHARS)]
 LabelText = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
 Labels = Annotated[dict[LabelText, LabelText], msgspec.Meta(max_length=MAX_LABELS)]
@@ -137,7 +139,7 @@ class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     incarnation: Incarnation  # new on every process start; newer replaces older
     role: Role
     model: Name
-    protocol: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
+    protocol: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     endpoints: Endpoints
     parallel: Parallel = Parallel()
     capacity: Count = 0  # max concurrent requests it serves well; 0 = unknown
@@ -317,11 +319,17 @@ def event_decoder() -> msgspec.msgpack.Decoder[Event]:
 
 # --- Semantic validation (beyond what the types enforce) --------------------------------
 
+_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")
 _HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
+_PROTOCOL_OK = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
 def validate_spec(spec: MemberSpec) -> str | None:
     """Return why `spec` is unacceptable, or None. Types were already checked on decode."""
+    if not _ID_OK.match(spec.id):
+        return f"id {spec.id!r} must be letters, digits and ._:@/- (starting alphanumeric)"
+    if not _PROTOCOL_OK.match(spec.protocol):
+        return f"protocol {spec.protocol!r} must be lower-case letters, digits and ._-"
     url = spec.endpoints.http
     try:
         parts = urlsplit(url)
@@ -339,8 +347,6 @@ def validate_spec(spec: MemberSpec) -> str | None:
     p = spec.parallel
     if p.tp_rank >= p.tp_size or p.pp_rank >= p.pp_size or p.dp_rank >= p.dp_size:
         return "parallel: every rank must be below its size"
-    if spec.endpoints.kv_port and spec.endpoints.kv_host and not _HOST_OK.match(
-        spec.endpoints.kv_host
-    ):
+    if spec.endpoints.kv_host and not _HOST_OK.match(spec.endpoints.kv_host):
         return f"endpoints.kv_host {spec.endpoints.kv_host!r} is not a host name"
     return None

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from registry.detector import DetectorConfig
-from registry.membership import Membership, Outcome
+from registry.membership import OK, Membership, Outcome
 from registry.metrics import LoopStats
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
@@ -134,6 +134,7 @@ class RegistryServer:
         self._published = Published(self.epoch, 0, (), self.config.heartbeat_interval_s,
                                     self.config.lease_s, False, time.time())
         self._last_reject_log = 0.0
+        self._ok_reply: tuple[float, bytes] = (0.0, b"")  # (interval, encoded OK reply)
         self._recent_events: deque[MembershipEvent] = deque(maxlen=RECENT_EVENTS)
         for sock in (self._control, self._events, self._wake_rx, self._wake_tx):
             sock.setsockopt(zmq.LINGER, 0)
@@ -317,11 +318,22 @@ class RegistryServer:
         return self._membership.register(message.spec, message.state, message.load, now)
 
     def _reply(self, identity: bytes, outcome: Outcome) -> None:
+        interval = self._membership.timing.heartbeat_interval_s
+        if outcome is OK and self._ok_reply[0] == interval:
+            # The hot path: nearly every reply is this one, so encode it once.
+            self._send(identity, self._ok_reply[1])
+            return
+        payload = self._encode_reply(outcome)
+        if outcome is OK:
+            self._ok_reply = (interval, payload)
+        self._send(identity, payload)
+
+    def _encode_reply(self, outcome: Outcome) -> bytes:
         reply = Reply(status=outcome.status, epoch=self.epoch,
                       heartbeat_interval_s=self._membership.timing.heartbeat_interval_s,
                       reason=outcome.reason, events_port=self.events_port,
                       http_port=self.http_port)
-        self._send(identity, self._encoder.encode(reply))
+        return self._encoder.encode(reply)
 
     def _reject(self, identity: bytes, reason: str, detail: str) -> None:
         self.stats.count_rejection(reason)
