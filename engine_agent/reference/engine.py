@@ -227,7 +227,9 @@ class Engine:
             metas, buffers = await self.kv_client.fetch(
                 host, port, key=source.key, engine_id=engine_id,
                 prompt_digest=prompt_digest(prompt), num_tokens=len(prompt),
-                wait_s=self.fetch_timeout_s)
+                # A vLLM handle exists once the prefill has answered: no waiting. A room
+                # may be fetched before its prefill ran (both legs start at once).
+                wait_s=self.fetch_timeout_s if source.bootstrap else 0.0)
         except KvFetchError as exc:
             if source.bootstrap:
                 self.resolver.forget(source.host, source.port)

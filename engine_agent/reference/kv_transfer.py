@@ -29,7 +29,7 @@ from engine_agent.reference.kv_store import KvStore, KvUnavailable
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024  # fetch requests are small; refuse anything bigger unread
-TRANSFER_MARGIN_S = 5.0  # beyond the prefill-side wait, for the bytes themselves
+TRANSFER_MARGIN_S = 2.0  # beyond the prefill-side wait, for the bytes themselves
 
 
 class FetchRequest(msgspec.Struct, frozen=True, array_like=True):
