@@ -46,7 +46,9 @@ from registry.protocol import (
     validate_spec,
 )
 
-__all__ = ["Agent", "default_member_id", "new_incarnation", "resolve_registries"]
+__all__ = [
+    "Agent", "default_member_id", "new_incarnation", "resolve_registries", "wait_for_idle",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +145,29 @@ class _Link:
                    max(MIN_REPLY_TIMEOUT_S, REPLY_TIMEOUT_INTERVALS * self.interval_s))
 
 
+def wait_for_idle(in_flight: Callable[[], int], timeout_s: float, member_id: str) -> bool:
+    """Wait until in_flight() is 0 or timeout_s passes; whether it reached 0.
+
+    A raising in_flight() counts as "not yet" (logged once).
+    """
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    pause = threading.Event()
+    failed = False
+    while True:
+        try:
+            if int(in_flight()) <= 0:
+                logger.info("[agent] drain id=%s done", member_id)
+                return True
+        except Exception:
+            if not failed:
+                logger.exception("[agent] drain id=%s: in_flight() failed", member_id)
+            failed = True
+        if time.monotonic() >= deadline:
+            logger.warning("[agent] drain id=%s timed out after %.1fs", member_id, timeout_s)
+            return False
+        pause.wait(DRAIN_POLL_S)
+
+
 def backoff_delay_s(failures: int, rng: random.Random) -> float:
     """Exponential backoff with 'equal jitter': half the step fixed, half random."""
     step = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** max(0, failures - 1))
@@ -236,19 +261,7 @@ class Agent:
         Returns whether the work drained. A raising in_flight() counts as "not yet".
         """
         self.set_state(MemberState.DRAINING)
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        drained = False
-        waker = threading.Event()
-        while True:
-            try:
-                drained = int(in_flight()) <= 0
-            except Exception:
-                logger.exception("[agent] drain id=%s in_flight() failed", self._spec.id)
-            if drained or time.monotonic() >= deadline:
-                break
-            waker.wait(DRAIN_POLL_S)
-        logger.info("[agent] drain id=%s %s", self._spec.id,
-                    "done" if drained else f"timed out after {timeout_s:.1f}s")
+        drained = wait_for_idle(in_flight, timeout_s, self._spec.id)
         self.stop(ByeReason.SHUTDOWN)
         return drained
 

@@ -1,0 +1,282 @@
+"""The engine agent against a real registry (RegistryServer in-process, short intervals)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from engine_agent.agent import (
+    BACKOFF_MAX_S,
+    Agent,
+    _parse_registries,
+    backoff_delay_s,
+    default_member_id,
+    new_incarnation,
+)
+from engine_agent.standins import free_low_port, wait_until
+from registry.protocol import (
+    ByeReason,
+    Endpoints,
+    Load,
+    MemberSpec,
+    MemberState,
+    Role,
+)
+from registry.server import RegistryConfig, RegistryServer
+
+INTERVAL_S = 0.2
+LEASE_S = 1.5
+TIMEOUT_S = 10.0  # generous: the machine is shared and loaded
+
+
+def make_server(port: int = 0, token: str = "") -> RegistryServer:
+    return RegistryServer(RegistryConfig(
+        host="127.0.0.1", port=port, events_port=0, http_port=-1,
+        heartbeat_interval_s=INTERVAL_S, lease_s=LEASE_S, token=token)).start()
+
+
+def make_spec(port: int = 8100, role: Role = Role.PREFILL,
+              incarnation: int | None = None) -> MemberSpec:
+    return MemberSpec(
+        id=default_member_id(role, "127.0.0.1", port),
+        incarnation=new_incarnation() if incarnation is None else incarnation,
+        role=role, model="tiny", protocol="vllm-nixl",
+        endpoints=Endpoints(http=f"http://127.0.0.1:{port}", kv_host="127.0.0.1",
+                            kv_port=5600))
+
+
+@pytest.fixture
+def server() -> Iterator[RegistryServer]:
+    srv = make_server()
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    started: list[Agent] = []
+    try:
+        yield started
+    finally:
+        for agent in started:
+            agent.stop()
+
+
+def test_registers_heartbeats_load_and_leaves(server: RegistryServer,
+                                              agents: list[Agent]) -> None:
+    load = Load(running=3, waiting=1, kv_usage=0.25)
+    spec = make_spec()
+    agent = Agent(spec, registries=server.control_address, load=lambda: load).start()
+    agents.append(agent)
+    assert wait_until(lambda: spec.id in server.members(), TIMEOUT_S)
+    assert server.members()[spec.id].state is MemberState.JOINING
+    assert wait_until(lambda: agent.registered, TIMEOUT_S)
+
+    agent.set_state(MemberState.READY)
+    assert wait_until(lambda: server.members()[spec.id].state is MemberState.READY, TIMEOUT_S)
+    assert wait_until(lambda: server.members()[spec.id].load == load, TIMEOUT_S)
+    load = Load(running=7, waiting=0, kv_usage=0.5)
+    assert wait_until(lambda: server.members()[spec.id].load == load, TIMEOUT_S)
+
+    agent.stop()
+    assert wait_until(lambda: spec.id not in server.members(), TIMEOUT_S)
+    agent.stop()  # safe twice
+
+
+def test_failing_or_invalid_load_callback_sends_last_good_load(
+        server: RegistryServer, agents: list[Agent]) -> None:
+    good = Load(running=5)
+    calls = {"n": 0}
+
+    def flaky_load() -> Load:
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            return good
+        if calls["n"] % 2:
+            raise RuntimeError("metrics endpoint down")
+        return Load(running=1, kv_usage=2.0)  # out of range: must not reach the wire
+
+    spec = make_spec()
+    agent = Agent(spec, registries=server.control_address, load=flaky_load,
+                  state=MemberState.READY).start()
+    agents.append(agent)
+    assert wait_until(lambda: calls["n"] >= 8, TIMEOUT_S)
+    member = server.members()[spec.id]
+    assert member.load == good
+    assert agent.registered
+
+
+def test_rejoins_within_about_one_interval_after_registry_restart(agents: list[Agent]) -> None:
+    srv = make_server()
+    port = srv.control_port
+    spec = make_spec()
+    try:
+        agent = Agent(spec, registries=srv.control_address, state=MemberState.READY).start()
+        agents.append(agent)
+        assert wait_until(lambda: spec.id in srv.members(), TIMEOUT_S)
+    finally:
+        srv.close()
+    srv = make_server(port)
+    try:
+        started = time.monotonic()
+        assert wait_until(lambda: spec.id in srv.members(), TIMEOUT_S)
+        rejoin_s = time.monotonic() - started
+        # Interval + one round trip, plus slack for a loaded machine and the snapshot
+        # period of the registry's members() view.
+        assert rejoin_s < 2.5, rejoin_s
+        assert srv.members()[spec.id].state is MemberState.READY
+    finally:
+        srv.close()
+
+
+def test_keeps_trying_while_registry_is_down_and_joins_when_it_appears(
+        agents: list[Agent]) -> None:
+    port = free_low_port()
+    spec = make_spec()
+    agent = Agent(spec, registries=f"127.0.0.1:{port}").start()
+    agents.append(agent)
+    assert not wait_until(lambda: agent.registered, 1.0)
+    srv = make_server(port)
+    try:
+        assert wait_until(lambda: spec.id in srv.members(), TIMEOUT_S)
+        assert agent.registered
+    finally:
+        srv.close()
+
+
+def test_unreachable_or_silent_registry_never_blocks_the_caller() -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    registries = [f"127.0.0.1:{free_low_port()}", f"127.0.0.1:{silent_port}"]
+    agent = Agent(make_spec(), registries=registries)
+    try:
+        started = time.monotonic()
+        agent.start()
+        agent.set_state(MemberState.READY)
+        assert time.monotonic() - started < 0.2
+        assert not wait_until(lambda: agent.registered, 0.8)
+        started = time.monotonic()
+        agent.stop()
+        assert time.monotonic() - started < 1.5  # bye is skipped after a short wait
+    finally:
+        agent.stop()
+        silent.close()
+        ctx.term()
+
+
+def test_newer_incarnation_makes_the_older_agent_give_up(
+        server: RegistryServer, agents: list[Agent], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="engine_agent.agent")
+    old_spec = make_spec(incarnation=1000)
+    old = Agent(old_spec, registries=server.control_address).start()
+    agents.append(old)
+    assert wait_until(lambda: old.registered, TIMEOUT_S)
+    new = Agent(make_spec(incarnation=2000), registries=server.control_address).start()
+    agents.append(new)
+    assert wait_until(
+        lambda: server.members().get(old_spec.id) is not None
+        and server.members()[old_spec.id].spec.incarnation == 2000, TIMEOUT_S)
+    assert wait_until(lambda: not old.registered, TIMEOUT_S)
+    assert wait_until(lambda: "STALE" in caplog.text, TIMEOUT_S)
+    assert new.registered
+    old.stop()  # its bye must not remove the newer incarnation
+    assert not wait_until(lambda: old_spec.id not in server.members(), 3 * INTERVAL_S)
+
+
+def test_bad_token_is_rejected_and_logged(agents: list[Agent],
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="engine_agent.agent")
+    srv = make_server(token="s3cret")
+    try:
+        spec = make_spec()
+        agent = Agent(spec, registries=srv.control_address, token="wrong").start()
+        agents.append(agent)
+        assert wait_until(lambda: "REJECTED" in caplog.text, TIMEOUT_S)
+        assert "token" in caplog.text
+        assert not agent.registered and spec.id not in srv.members()
+        good = Agent(make_spec(port=8101), registries=srv.control_address,
+                     token="s3cret").start()
+        agents.append(good)
+        assert wait_until(lambda: good.registered, TIMEOUT_S)
+    finally:
+        srv.close()
+
+
+def test_drain_waits_for_in_flight_then_says_bye(server: RegistryServer,
+                                                agents: list[Agent]) -> None:
+    spec = make_spec(role=Role.DECODE)
+    agent = Agent(spec, registries=server.control_address, state=MemberState.READY).start()
+    agents.append(agent)
+    assert wait_until(lambda: spec.id in server.members(), TIMEOUT_S)
+    in_flight = {"n": 2}
+    result: dict[str, bool] = {}
+    drainer = threading.Thread(target=lambda: result.update(
+        drained=agent.drain(lambda: in_flight["n"], timeout_s=TIMEOUT_S)))
+    drainer.start()
+    try:
+        assert wait_until(
+            lambda: server.members()[spec.id].state is MemberState.DRAINING, TIMEOUT_S)
+        in_flight["n"] = 0
+        assert wait_until(lambda: spec.id not in server.members(), TIMEOUT_S)
+    finally:
+        in_flight["n"] = 0
+        drainer.join(TIMEOUT_S)
+    assert result == {"drained": True}
+
+
+def test_drain_times_out(server: RegistryServer) -> None:
+    agent = Agent(make_spec(), registries=server.control_address).start()
+    try:
+        started = time.monotonic()
+        assert agent.drain(lambda: 1, timeout_s=0.3) is False
+        assert time.monotonic() - started < 2.0
+    finally:
+        agent.stop(ByeReason.SHUTDOWN)
+
+
+def test_invalid_spec_fails_at_construction() -> None:
+    bad_url = make_spec()
+    bad_url = MemberSpec(id=bad_url.id, incarnation=1, role=Role.PREFILL, model="tiny",
+                         protocol="vllm-nixl", endpoints=Endpoints(http="not a url"))
+    with pytest.raises(ValueError, match=r"endpoints\.http"):
+        Agent(bad_url, registries="127.0.0.1:7600")
+    with pytest.raises(ValueError, match="invalid member spec"):
+        Agent(MemberSpec(id="has space", incarnation=1, role=Role.PREFILL, model="m",
+                         protocol="vllm-nixl", endpoints=Endpoints(http="http://h:1")),
+              registries="127.0.0.1:7600")
+
+
+@pytest.mark.parametrize(("failures", "low", "high"), [
+    (1, 0.05, 0.1),
+    (2, 0.1, 0.2),
+    (3, 0.2, 0.4),
+    (10, BACKOFF_MAX_S / 2, BACKOFF_MAX_S),
+    (100, BACKOFF_MAX_S / 2, BACKOFF_MAX_S),
+])
+def test_backoff_is_exponential_with_jitter_and_capped(failures: int, low: float,
+                                                       high: float) -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        assert low <= backoff_delay_s(failures, rng) <= high
+
+
+def test_parse_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _parse_registries("a:1, b:2,a:1") == ["a:1", "b:2"]
+    assert _parse_registries(["tcp://h:7600"]) == ["h:7600"]
+    monkeypatch.setenv("PDREG_REGISTRY", "env:9")
+    assert _parse_registries(None) == ["env:9"]
+    monkeypatch.delenv("PDREG_REGISTRY")
+    assert _parse_registries(None) == ["127.0.0.1:7600"]
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        _parse_registries("nohost")
