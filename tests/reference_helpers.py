@@ -214,6 +214,16 @@ def sglang_pd(client: httpx.Client, prefill: EngineHandle, decode_url: str,
     return decode
 
 
+class BodyFor:
+    """Request bodies tests keep needing."""
+
+    @staticmethod
+    def slow(max_tokens: int, prompt: str = "keep me busy") -> dict[str, Any]:
+        """A completion of exactly `max_tokens` tokens (with --sim-decode-delay: slow)."""
+        return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "return_token_ids": True}
+
+
 def metrics(url: str) -> dict[str, float]:
     """Prometheus text from /metrics as {name: value} (labels dropped; one series each)."""
     text = httpx.get(url + "/metrics", timeout=HTTP_TIMEOUT_S).text
