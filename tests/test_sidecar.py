@@ -1,0 +1,199 @@
+"""The sidecar as a real subprocess (`python -m pdreg agent ...`) against stand-in engines
+that follow vLLM's and SGLang's /health and /metrics contracts, and a real registry."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from engine_agent.standins import StandinServer, free_low_port, wait_until
+from registry.protocol import MemberRecord, MemberState
+from registry.server import RegistryConfig, RegistryServer
+
+INTERVAL_S = 0.2
+TIMEOUT_S = 15.0  # generous: subprocess start on a loaded 2-core machine
+EXIT_TIMEOUT_S = 15.0
+
+
+@pytest.fixture
+def registry() -> Iterator[RegistryServer]:
+    server = RegistryServer(RegistryConfig(
+        host="127.0.0.1", port=0, events_port=0, http_port=-1,
+        heartbeat_interval_s=INTERVAL_S, lease_s=1.5)).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class Sidecar:
+    """One `pdreg agent` subprocess; `close()` makes sure it and its engine are gone."""
+
+    def __init__(self, registry: RegistryServer, engine: str, engine_port: int,
+                 args: list[str], command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.engine_port = engine_port
+        argv = [sys.executable, "-m", "pdreg", "agent", "--engine", engine,
+                "--engine-url", f"http://127.0.0.1:{engine_port}",
+                "--registry", registry.control_address, "--health-interval", "0.1",
+                "--kill-grace", "3", *args]
+        if command:
+            argv += ["--", *command]
+        self.process = subprocess.Popen(argv, env={**os.environ, **(env or {})})
+
+    def control(self, path: str, body: dict[str, object]) -> None:
+        """Steer the stand-in engine (POST /standin/...)."""
+        httpx.post(f"http://127.0.0.1:{self.engine_port}/standin/{path}", json=body,
+                   timeout=5).raise_for_status()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # drains, stops the engine, says bye
+            try:
+                self.process.wait(EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(httpx.HTTPError):  # a child left by a killed sidecar
+            self.control("exit", {"code": 0})
+
+
+@pytest.fixture
+def sidecars() -> Iterator[list[Sidecar]]:
+    started: list[Sidecar] = []
+    try:
+        yield started
+    finally:
+        for sidecar in started:
+            sidecar.close()
+
+
+def standin_command(kind: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "engine_agent.standins", "--kind", kind,
+            "--port", str(port), "--model", "tiny", *extra]
+
+
+def member(registry: RegistryServer, member_id: str) -> MemberRecord | None:
+    return registry.members().get(member_id)
+
+
+def test_vllm_ready_gating_load_health_and_sigterm_drain(
+        registry: RegistryServer, sidecars: list[Sidecar]) -> None:
+    port = free_low_port()
+    nixl_port = free_low_port()
+    sidecar = Sidecar(
+        registry, "vllm", port, ["--role", "prefill", "--label", "zone=a",
+                                 "--drain-timeout", "20"],
+        command=standin_command("vllm", port, "--unhealthy"),
+        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port)})
+    sidecars.append(sidecar)
+    member_id = f"prefill-127.0.0.1-{port}"
+
+    # Registered from /v1/models while /health says 503: JOINING, never READY.
+    assert wait_until(lambda: member(registry, member_id) is not None, TIMEOUT_S)
+    record = member(registry, member_id)
+    assert record is not None
+    assert record.state is MemberState.JOINING
+    assert record.spec.model == "tiny" and record.spec.protocol == "vllm-nixl"
+    assert record.spec.endpoints.http == f"http://127.0.0.1:{port}"
+    assert (record.spec.endpoints.kv_host, record.spec.endpoints.kv_port) == (
+        "127.0.0.1", nixl_port)
+    assert record.spec.labels == {"zone": "a"}
+    assert not wait_until(
+        lambda: member(registry, member_id).state is MemberState.READY, 0.5)
+
+    # Healthy -> READY, and /metrics load reaches the registry.
+    sidecar.control("state", {"healthy": True, "running": 2, "waiting": 1, "kv_usage": 0.25})
+    assert wait_until(lambda: member(registry, member_id).state is MemberState.READY,
+                      TIMEOUT_S)
+    assert wait_until(lambda: (member(registry, member_id).load.running,
+                               member(registry, member_id).load.waiting,
+                               member(registry, member_id).load.kv_usage) == (2, 1, 0.25),
+                      TIMEOUT_S)
+
+    # /health failing -> no longer READY; healthy again -> READY again.
+    sidecar.control("state", {"healthy": False})
+    assert wait_until(lambda: member(registry, member_id).state is MemberState.JOINING,
+                      TIMEOUT_S)
+    sidecar.control("state", {"healthy": True})
+    assert wait_until(lambda: member(registry, member_id).state is MemberState.READY,
+                      TIMEOUT_S)
+
+    # SIGTERM: DRAINING while requests run; gone once they reach zero; exit 0.
+    sidecar.process.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: member(registry, member_id).state is MemberState.DRAINING,
+                      TIMEOUT_S)
+    assert not wait_until(lambda: member(registry, member_id) is None, 0.5)
+    assert sidecar.process.poll() is None
+    sidecar.control("state", {"running": 0, "waiting": 0})
+    assert wait_until(lambda: member(registry, member_id) is None, TIMEOUT_S)
+    assert sidecar.process.wait(EXIT_TIMEOUT_S) == 0
+    with pytest.raises(httpx.ConnectError):  # the engine was stopped too
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_child_crash_says_bye_at_once_and_exits_with_its_code(
+        registry: RegistryServer, sidecars: list[Sidecar]) -> None:
+    port = free_low_port()
+    sidecar = Sidecar(registry, "sglang", port, ["--role", "decode"],
+                      command=standin_command("sglang", port))
+    sidecars.append(sidecar)
+    member_id = f"decode-127.0.0.1-{port}"
+    assert wait_until(lambda: (m := member(registry, member_id)) is not None
+                      and m.state is MemberState.READY, TIMEOUT_S)
+    record = member(registry, member_id)
+    assert record is not None and record.spec.protocol == "sglang"
+    assert record.spec.endpoints.bootstrap_port == 0  # decode servers run no bootstrap
+
+    crashed_at = time.monotonic()
+    sidecar.control("exit", {"code": 3})
+    assert wait_until(lambda: member(registry, member_id) is None, TIMEOUT_S)
+    gone_after_s = time.monotonic() - crashed_at
+    assert gone_after_s < 1.0, gone_after_s  # bye CRASHED, not lease expiry (1.5 s)
+    assert sidecar.process.wait(EXIT_TIMEOUT_S) == 3
+
+
+def test_attach_to_running_sglang_prefill_reads_server_info(
+        registry: RegistryServer, sidecars: list[Sidecar]) -> None:
+    with StandinServer("sglang", port=free_low_port(), model="tiny",
+                       bootstrap_port=free_low_port(),
+                       disaggregation_mode="prefill") as engine:
+        engine.state.running = 4
+        sidecar = Sidecar(registry, "sglang", engine.port,
+                          ["--role", "prefill", "--advertise-host", "localhost"])
+        sidecars.append(sidecar)
+        member_id = f"prefill-localhost-{engine.port}"
+        assert wait_until(lambda: (m := member(registry, member_id)) is not None
+                          and m.state is MemberState.READY and m.load.running == 4,
+                          TIMEOUT_S)
+        record = member(registry, member_id)
+        assert record is not None
+        assert record.spec.model == "tiny"
+        assert record.spec.endpoints.http == f"http://localhost:{engine.port}"
+        assert record.spec.endpoints.bootstrap_port == engine.bootstrap_port
+        assert record.spec.endpoints.kv_host == "localhost"
+
+        # SIGINT drains like SIGTERM; an attached engine is left running.
+        engine.state.running = 0
+        sidecar.process.send_signal(signal.SIGINT)
+        assert wait_until(lambda: member(registry, member_id) is None, TIMEOUT_S)
+        assert sidecar.process.wait(EXIT_TIMEOUT_S) == 0
+        assert httpx.get(f"{engine.url}/health", timeout=2).status_code == 200
+
+
+def test_bad_flags_exit_2_with_a_clear_message() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdreg", "agent", "--engine", "generic",
+         "--engine-url", "http://127.0.0.1:1", "--role", "decode", "--model", "m"],
+        capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "--protocol is required" in result.stderr
