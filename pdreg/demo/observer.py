@@ -1,0 +1,147 @@
+"""Timelines of each member, sampled from the registry's HTTP and the router's /metrics.
+
+Every `period_s` the observer reads `GET /v1/members` (what the registry holds) and the
+router's `pdreg_router_picks_total` (how often the router chose each member), and keeps,
+per member id: when it was first routable, when the router first and last picked it, and
+when it left the registry. The scenario asks it questions; nothing here judges.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_PERIOD_S = 0.1
+HTTP_TIMEOUT_S = 2.0
+_PICKS = re.compile(r'^pdreg_router_picks_total\{member="([^"]+)",role="[^"]*"\} (\S+)$')
+
+Members = list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class MemberTimeline:
+    id: str
+    routable_at: float | None = None  # time.monotonic() of the first routable sample
+    gone_at: float | None = None  # first sample without it (cleared if it comes back)
+    picks: float = 0.0
+    first_pick_at: float | None = None
+    last_pick_at: float | None = None  # the sample where the count last grew
+
+
+def parse_picks(metrics_text: str) -> dict[str, float]:
+    picks: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        match = _PICKS.match(line)
+        if match:
+            picks[match.group(1)] = picks.get(match.group(1), 0.0) + float(match.group(2))
+    return picks
+
+
+class Observer:
+    def __init__(self, registry_url: str, router_url: str,
+                 period_s: float = SAMPLE_PERIOD_S) -> None:
+        self.registry_url = registry_url
+        self.router_url = router_url
+        self.period_s = period_s
+        self._timelines: dict[str, MemberTimeline] = {}
+        self._members: Members | None = None  # None while the registry does not answer
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Observer:
+        self._thread = threading.Thread(target=self._run, name="demo-observer", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    # --- questions (any thread) --------------------------------------------------------
+
+    def timeline(self, member_id: str) -> MemberTimeline:
+        with self._changed:
+            return self._timelines.get(member_id) or MemberTimeline(member_id)
+
+    def members(self) -> Members | None:
+        return self._members
+
+    def wait_for(self, predicate: Callable[[Members], bool], timeout_s: float) -> bool:
+        """Block until predicate(registry members) holds on a fresh sample, or timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                members = self._members
+                if members is not None and predicate(members):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+
+    # --- sampling (observer thread) ----------------------------------------------------
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as http:
+            while not self._stopping.is_set():
+                started = time.monotonic()
+                self._sample(http, started)
+                self._stopping.wait(max(0.0, self.period_s - (time.monotonic() - started)))
+
+    def _sample(self, http: httpx.Client, now: float) -> None:
+        members = self._get_json(http, f"{self.registry_url}/v1/members")
+        picks = self._get_picks(http)
+        with self._changed:
+            if members is not None:
+                self._apply_members(members, now)
+            if picks is not None:
+                self._apply_picks(picks, now)
+            self._members = members
+            self._changed.notify_all()
+
+    def _apply_members(self, members: Members, now: float) -> None:
+        present = {m["id"] for m in members}
+        for member in members:
+            held = self._timelines.get(member["id"]) or MemberTimeline(member["id"])
+            if held.routable_at is None and member.get("routable"):
+                held = replace(held, routable_at=now)
+            self._timelines[member["id"]] = replace(held, gone_at=None)
+        for member_id, held in self._timelines.items():
+            if member_id not in present and held.gone_at is None:
+                self._timelines[member_id] = replace(held, gone_at=now)
+
+    def _apply_picks(self, picks: dict[str, float], now: float) -> None:
+        for member_id, count in picks.items():
+            held = self._timelines.get(member_id) or MemberTimeline(member_id)
+            if count > held.picks:
+                held = replace(held, picks=count, last_pick_at=now,
+                               first_pick_at=held.first_pick_at or now)
+            self._timelines[member_id] = held
+
+    @staticmethod
+    def _get_json(http: httpx.Client, url: str) -> Members | None:
+        try:
+            response = http.get(url)
+            response.raise_for_status()
+            return response.json()
+        except (httpx.HTTPError, ValueError):
+            return None  # the registry is away (e.g. restarting): keep the last timelines
+
+    def _get_picks(self, http: httpx.Client) -> dict[str, float] | None:
+        try:
+            response = http.get(f"{self.router_url}/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return parse_picks(response.text)
