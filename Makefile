@@ -26,3 +26,12 @@ test: venv lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info
+
+# Real vLLM (CPU) under `pdreg agent`: builds .venv-vllm and a tiny model once (stamp
+# files), then runs prefill + decode against a real registry. A few minutes.
+VLLM_VENV ?= .venv-vllm
+VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
+
+test-vllm: venv
+	VLLM_VENV=$(VLLM_VENV) VLLM_MODEL_DIR=$(VLLM_MODEL_DIR) PYTHON=$(PYTHON) tests/vllm/setup.sh
+	$(BIN)/python tests/vllm/check_vllm_sidecar.py --vllm-venv $(VLLM_VENV) --model-dir $(VLLM_MODEL_DIR)

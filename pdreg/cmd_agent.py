@@ -64,6 +64,8 @@ def _parse_labels(items: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # httpx logs every probe at INFO: one line per /health and /metrics call.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = SidecarConfig(
             engine=EngineKind(args.engine), engine_url=args.engine_url,

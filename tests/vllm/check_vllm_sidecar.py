@@ -1,0 +1,283 @@
+"""Real-engine check: two `vllm serve` (prefill + decode, NixlConnector on CPU), each
+under `pdreg agent`, against a real registry. Run by `make test-vllm` after setup.sh.
+
+    .venv/bin/python tests/vllm/check_vllm_sidecar.py [--vllm-venv .venv-vllm]
+        [--model-dir .cache/vllm-tiny-model]
+
+Asserts: both members READY with the right role, model, protocol and NIXL side channel;
+load figures that move while completions run; SIGTERM on the decode's sidecar drains it
+(DRAINING while requests run), it leaves /v1/members and its vLLM processes exit.
+Every process it starts carries a marker in its environment, and all of them are killed
+at the end, pass or fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine_agent.standins import free_low_port, wait_until
+from registry.server import RegistryConfig, RegistryServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+STARTUP_TIMEOUT_S = 300.0  # vLLM takes ~50-85 s to become healthy here; two at once
+STEP_TIMEOUT_S = 60.0
+SIDECAR_EXIT_TIMEOUT_S = 90.0
+HEARTBEAT_INTERVAL_S = 0.5
+MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
+MODEL_NAME = "tiny"
+LONG_COMPLETION = {"model": MODEL_NAME, "prompt": "The registry keeps", "max_tokens": 400,
+                   "ignore_eos": True, "temperature": 0.0}
+
+
+def say(message: str) -> None:
+    print(f"[test-vllm {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass
+class Engine:
+    role: str
+    port: int
+    side_channel_port: int
+    marker: str
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def member_id(self) -> str:
+        return f"{self.role}-127.0.0.1-{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_engine(engine: Engine, registry: str, vllm_venv: Path, model_dir: Path,
+                 omp_bind: str) -> None:
+    kv_role = "kv_producer" if engine.role == "prefill" else "kv_consumer"
+    kv_config = json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
+                            "kv_buffer_device": "cpu"})
+    env = {
+        **os.environ,
+        MARKER_ENV: engine.marker,
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_OMP_THREADS_BIND": omp_bind,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(engine.side_channel_port),
+        "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self",
+    }
+    argv = [
+        str(REPO / ".venv" / "bin" / "python"), "-m", "pdreg", "agent",
+        "--engine", "vllm", "--engine-url", engine.url, "--role", engine.role,
+        "--registry", registry, "--health-interval", "0.5", "--drain-timeout", "60",
+        "--kill-grace", "20", "--label", "test=vllm",
+        "--",
+        str(vllm_venv / "bin" / "vllm"), "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(engine.port), "--dtype", "float32",
+        "--max-model-len", "512", "--served-model-name", MODEL_NAME, "--enforce-eager",
+        "-O0", "--kv-transfer-config", kv_config,
+    ]
+    log = engine.log_path.open("wb")
+    engine.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=REPO)
+    say(f"started {engine.role}: sidecar pid {engine.process.pid}, vLLM on port "
+        f"{engine.port}, NIXL side channel {engine.side_channel_port}, log {engine.log_path}")
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Every live process whose environment carries `marker` (sidecar, vLLM, workers)."""
+    pids = []
+    needle = f"{MARKER_ENV}={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return pids
+
+
+def kill_marked(marker: str) -> None:
+    for pid in marked_pids(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def members(registry_http: str) -> dict[str, dict[str, Any]]:
+    try:
+        response = httpx.get(f"{registry_http}/v1/members", timeout=5)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    return {m["id"]: m for m in response.json()}
+
+
+def wait_logged(what: str, predicate: Callable[[], object], timeout_s: float,
+                progress: Callable[[], str] = lambda: "") -> None:
+    """wait_until with a progress line every 10 s; raises AssertionError on timeout."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while time.monotonic() < deadline:
+        if wait_until(predicate, min(10.0, deadline - time.monotonic())):
+            say(f"ok: {what} ({time.monotonic() - started:.1f}s)")
+            return
+        say(f"waiting for {what} ({time.monotonic() - started:.0f}s) {progress()}")
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def fire_completions(url: str, count: int) -> list[threading.Thread]:
+    def one() -> None:
+        try:
+            httpx.post(f"{url}/v1/completions", json=LONG_COMPLETION, timeout=120)
+        except httpx.HTTPError as exc:
+            say(f"completion to {url} ended: {exc!r}")
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def check(registry_http: str, registry_address: str, vllm_venv: Path, model_dir: Path,
+          workdir: Path) -> None:
+    prefill = Engine("prefill", free_low_port(), free_low_port(), uuid.uuid4().hex,
+                     workdir / "prefill.log")
+    decode = Engine("decode", free_low_port(), free_low_port(), uuid.uuid4().hex,
+                    workdir / "decode.log")
+    try:
+        start_engine(prefill, registry_address, vllm_venv, model_dir, omp_bind="0")
+        start_engine(decode, registry_address, vllm_venv, model_dir, omp_bind="1")
+
+        def both_ready() -> bool:
+            view = members(registry_http)
+            return all(view.get(e.member_id, {}).get("state") == "ready"
+                       for e in (prefill, decode))
+
+        def states() -> str:
+            view = members(registry_http)
+            return ", ".join(f"{e.role}={view.get(e.member_id, {}).get('state', 'absent')}"
+                             for e in (prefill, decode))
+
+        def sidecars_alive() -> None:
+            for e in (prefill, decode):
+                assert e.process is not None
+                if e.process.poll() is not None:
+                    raise AssertionError(f"{e.role} sidecar exited with "
+                                         f"{e.process.returncode}; see {e.log_path}")
+
+        def ready_or_dead() -> bool:
+            sidecars_alive()
+            return both_ready()
+
+        wait_logged("both members READY", ready_or_dead, STARTUP_TIMEOUT_S, states)
+        view = members(registry_http)
+        for engine in (prefill, decode):
+            m = view[engine.member_id]
+            say(f"{engine.role}: " + json.dumps({k: m[k] for k in (
+                "role", "model", "state", "protocol", "endpoints", "load")}))
+            assert m["role"] == engine.role, m
+            assert m["model"] == MODEL_NAME, m
+            assert m["protocol"] == "vllm-nixl", m
+            assert m["endpoints"]["http"] == engine.url, m
+            assert m["endpoints"]["kv_host"] == "127.0.0.1", m
+            assert m["endpoints"]["kv_port"] == engine.side_channel_port, m
+            assert m["labels"] == {"test": "vllm"}, m
+
+        # Load moves while completions run.
+        threads = fire_completions(prefill.url, 6) + fire_completions(decode.url, 6)
+
+        def busy(engine: Engine) -> Callable[[], bool]:
+            return lambda: members(registry_http).get(engine.member_id, {}).get(
+                "load", {}).get("running", 0) > 0
+
+        wait_logged("prefill reports running > 0", busy(prefill), STEP_TIMEOUT_S)
+        wait_logged("decode reports running > 0", busy(decode), STEP_TIMEOUT_S)
+        for thread in threads:
+            thread.join(STEP_TIMEOUT_S)
+        wait_logged("load back to 0", lambda: all(
+            members(registry_http)[e.member_id]["load"]["running"] == 0
+            for e in (prefill, decode)), STEP_TIMEOUT_S)
+
+        # SIGTERM the decode's sidecar while it serves: DRAINING, then gone.
+        threads = fire_completions(decode.url, 6)
+        wait_logged("decode busy again", busy(decode), STEP_TIMEOUT_S)
+        assert decode.process is not None
+        decode.process.send_signal(signal.SIGTERM)
+        say("sent SIGTERM to the decode's sidecar")
+        wait_logged("decode DRAINING", lambda: members(registry_http).get(
+            decode.member_id, {}).get("state") == "draining", STEP_TIMEOUT_S)
+        wait_logged("decode gone from /v1/members",
+                    lambda: decode.member_id not in members(registry_http),
+                    SIDECAR_EXIT_TIMEOUT_S)
+        code = decode.process.wait(SIDECAR_EXIT_TIMEOUT_S)
+        assert code == 0, f"decode sidecar exit code {code}"
+        wait_logged("decode's vLLM processes exited",
+                    lambda: not marked_pids(decode.marker), STEP_TIMEOUT_S)
+        for thread in threads:
+            thread.join(STEP_TIMEOUT_S)
+        assert members(registry_http)[prefill.member_id]["state"] == "ready"
+        say("prefill still READY")
+    finally:
+        for engine in (decode, prefill):
+            if engine.process is not None and engine.process.poll() is None:
+                engine.process.send_signal(signal.SIGTERM)
+        for engine in (decode, prefill):
+            if engine.process is not None:
+                try:
+                    engine.process.wait(SIDECAR_EXIT_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    say(f"{engine.role} sidecar did not exit; killing")
+            kill_marked(engine.marker)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
+    parser.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "vllm-tiny-model")
+    args = parser.parse_args()
+    if not (args.vllm_venv / "bin" / "vllm").exists():
+        say(f"no vLLM at {args.vllm_venv}; run tests/vllm/setup.sh first")
+        return 2
+    started = time.monotonic()
+    server = RegistryServer(RegistryConfig(
+        host="127.0.0.1", port=0, events_port=0, http_port=0,
+        heartbeat_interval_s=HEARTBEAT_INTERVAL_S, lease_s=5.0)).start()
+    say(f"registry at {server.control_address}, HTTP {server.http_url}")
+    with tempfile.TemporaryDirectory(prefix="pdreg-vllm-") as tmp:
+        workdir = Path(tmp)
+        try:
+            check(server.http_url, server.control_address, args.vllm_venv.resolve(),
+                  args.model_dir.resolve(), workdir)
+        except AssertionError as exc:
+            say(f"FAILED: {exc}")
+            for log in sorted(workdir.glob("*.log")):
+                print(f"----- last lines of {log.name} -----", flush=True)
+                print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+            return 1
+        finally:
+            server.close()
+    say(f"PASSED in {time.monotonic() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
