@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from registry.client import parse_registries
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
     Bye,
@@ -65,9 +66,6 @@ MAX_POLL_S = 1.0  # the loop never polls longer than this, even with nothing due
 DRAIN_POLL_S = 0.05  # how often drain() asks in_flight()
 THREAD_JOIN_MARGIN_S = 2.0
 
-_DEFAULT_REGISTRY = "127.0.0.1:7600"
-_REGISTRY_ENV = "PDREG_REGISTRY"
-
 
 def default_member_id(role: Role, advertise_host: str, port: int) -> str:
     """The stable id of a serving endpoint: several instances per host differ by port."""
@@ -80,35 +78,8 @@ def new_incarnation() -> int:
 
 
 def resolve_registries(registries: str | Sequence[str] | None) -> list[str]:
-    """Registry control addresses, via registry.client.parse_registries when it is ready."""
-    from registry import client
-
-    try:
-        return client.parse_registries(registries)
-    except NotImplementedError:
-        return _parse_registries(registries)
-
-
-def _parse_registries(registries: str | Sequence[str] | None) -> list[str]:
-    # Private fallback while registry.client is a stub; same rules: commas separate,
-    # None means $PDREG_REGISTRY or the default.
-    if registries is None:
-        registries = os.environ.get(_REGISTRY_ENV) or _DEFAULT_REGISTRY
-    items = registries.split(",") if isinstance(registries, str) else list(registries)
-    addresses: list[str] = []
-    for item in items:
-        text = item.strip()
-        if not text:
-            continue
-        text = text.removeprefix("tcp://")
-        host, sep, port = text.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"registry address {item!r} must be HOST:PORT")
-        if text not in addresses:
-            addresses.append(text)
-    if not addresses:
-        raise ValueError("no registry address given")
-    return addresses
+    """Registry control addresses (see registry.client.parse_registries), each once."""
+    return list(dict.fromkeys(parse_registries(registries)))
 
 
 class LinkPhase(enum.Enum):

@@ -13,10 +13,10 @@ import pytest
 from engine_agent.agent import (
     BACKOFF_MAX_S,
     Agent,
-    _parse_registries,
     backoff_delay_s,
     default_member_id,
     new_incarnation,
+    resolve_registries,
 )
 from engine_agent.standins import free_low_port, wait_until
 from registry.protocol import (
@@ -271,12 +271,10 @@ def test_backoff_is_exponential_with_jitter_and_capped(failures: int, low: float
         assert low <= backoff_delay_s(failures, rng) <= high
 
 
-def test_parse_registries(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _parse_registries("a:1, b:2,a:1") == ["a:1", "b:2"]
-    assert _parse_registries(["tcp://h:7600"]) == ["h:7600"]
+def test_resolve_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_registries("a:1, b:2,a:1") == ["a:1", "b:2"]
+    assert resolve_registries(["tcp://h:7600"]) == ["h:7600"]
     monkeypatch.setenv("PDREG_REGISTRY", "env:9")
-    assert _parse_registries(None) == ["env:9"]
-    monkeypatch.delenv("PDREG_REGISTRY")
-    assert _parse_registries(None) == ["127.0.0.1:7600"]
+    assert resolve_registries(None) == ["env:9"]
     with pytest.raises(ValueError, match="HOST:PORT"):
-        _parse_registries("nohost")
+        Agent(make_spec(), registries="nohost")
