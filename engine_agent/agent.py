@@ -65,6 +65,7 @@ BYE_TIMEOUT_S = 0.5  # stop() waits this long for registries to acknowledge bye
 MAX_POLL_S = 1.0  # the loop never polls longer than this, even with nothing due
 DRAIN_POLL_S = 0.05  # how often drain() asks in_flight()
 THREAD_JOIN_MARGIN_S = 2.0
+LOOP_ERROR_PAUSE_S = 0.1  # after an unexpected error, so a persistent one cannot spin
 
 
 def default_member_id(role: Role, advertise_host: str, port: int) -> str:
@@ -270,14 +271,20 @@ class Agent:
         context = zmq.Context()
         encoder = make_encoder()
         decoder = reply_decoder()  # one decoder per thread
+        pause = threading.Event()
         try:
             while self._shutdown is ShutdownState.RUNNING:
-                poller = self._send_due(context, encoder)
-                self._receive(poller, decoder)
+                try:
+                    plan = self._send_due(context, encoder)
+                    self._receive(plan, decoder)
+                except Exception:
+                    # One bad step never kills the loop (nor the engine): log, breathe, go on.
+                    logger.exception("[agent] loop step failed id=%s; continuing",
+                                     self._spec.id)
+                    pause.wait(LOOP_ERROR_PAUSE_S)
             self._say_bye(context, encoder, decoder)
         except Exception:
-            # Never take the engine down with us; the registry will expire the member.
-            logger.exception("[agent] loop id=%s crashed; heartbeats stop", self._spec.id)
+            logger.exception("[agent] bye id=%s failed", self._spec.id)
         finally:
             for link in self._links:
                 self._close_socket(link)
@@ -285,7 +292,8 @@ class Agent:
             context.term()
             self._shutdown = ShutdownState.STOPPED
 
-    def _send_due(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder) -> _PollPlan:
+    def _send_due(self, context: zmq.Context,
+                  encoder: msgspec.msgpack.Encoder) -> _PollPlan:
         """Time out late requests, send what is due, and plan the next poll."""
         now = time.monotonic()
         plan = _PollPlan(timeout_s=MAX_POLL_S)
@@ -337,7 +345,9 @@ class Agent:
                                 seq=link.seq, state=state, load=load or self._last_good_load)
         if link.socket is None:
             link.socket = self._open_socket(context, link.address)
-        link.socket.send(encoder.encode(message), zmq.NOBLOCK)
+        # A full queue counts as unanswered: the socket is recreated when the reply is late.
+        with contextlib.suppress(zmq.Again):
+            link.socket.send(encoder.encode(message), zmq.NOBLOCK)
         link.in_flight_since = now
         link.in_flight_state = state
 
@@ -410,7 +420,10 @@ class Agent:
                 continue
             if link.socket is None:
                 link.socket = self._open_socket(context, link.address)
-            link.socket.send(bye, zmq.NOBLOCK)
+            try:
+                link.socket.send(bye, zmq.NOBLOCK)
+            except zmq.Again:
+                continue
             waiting[link.socket] = 2 if link.in_flight_since is not None else 1
         deadline = time.monotonic() + BYE_TIMEOUT_S
         poller = zmq.Poller()
