@@ -15,6 +15,7 @@ from fastapi import FastAPI, Header, HTTPException, Query
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from registry.dashboard import dashboard_router
 from registry.metrics import make_metrics_registry
 from registry.protocol import ReplyStatus, parse_role
 from registry.views import matches, member_json
@@ -102,6 +103,7 @@ def create_app(server: RegistryServer) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(dashboard_router(server))
     return app
 
 
