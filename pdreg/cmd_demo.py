@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     display = TerminalDisplay()
     scenario = Scenario(config, display)
     signal.signal(signal.SIGTERM, _interrupt)
+    # Also when started in the background, where a shell leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ok = False
     try:
         ok = scenario.play()
