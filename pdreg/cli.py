@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdreg", description="Dynamic membership for prefill/decode disaggregated serving.")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Not "command": `pdreg agent -- COMMAND ...` uses that name for the engine's argv.
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(f"pdreg.cmd_{name}")
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # One line per HTTP request is noise in a CLI; their warnings still show.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     return int(args.func(args) or 0)
 
 

@@ -13,6 +13,7 @@ from engine_agent.sidecar import (
     Sidecar,
     SidecarConfig,
 )
+from pdreg.args import add_label_argument, add_registry_argument, labels_of
 from registry.protocol import parse_role
 
 logger = logging.getLogger(__name__)
@@ -27,8 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine", choices=[kind.value for kind in EngineKind], required=True)
     parser.add_argument("--engine-url", required=True, help="e.g. http://127.0.0.1:8100")
     parser.add_argument("--role", required=True, help="prefill | decode | mixed")
-    parser.add_argument("--registry", default=None,
-                        help="HOST:PORT[,HOST:PORT...] (default $PDREG_REGISTRY or 127.0.0.1:7600)")
+    add_registry_argument(parser)
     parser.add_argument("--model", default="", help="default: what the engine reports")
     parser.add_argument("--protocol", default="",
                         help="P/D handshake (default vllm -> vllm-nixl, sglang -> sglang)")
@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-host", default="")
     parser.add_argument("--kv-port", type=int, default=0)
     parser.add_argument("--bootstrap-port", type=int, default=0)
-    parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    add_label_argument(parser)
     parser.add_argument("--capacity", type=int, default=0)
     parser.add_argument("--token", default="")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -53,26 +53,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _parse_labels(items: list[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--label {item!r} must be KEY=VALUE")
-        labels[key] = value
-    return labels
-
 
 def run(args: argparse.Namespace) -> int:
-    # httpx logs every probe at INFO: one line per /health and /metrics call.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = SidecarConfig(
             engine=EngineKind(args.engine), engine_url=args.engine_url,
             role=parse_role(args.role), registries=args.registry, model=args.model,
             protocol=args.protocol, advertise_host=args.advertise_host,
             member_id=args.member_id, kv_host=args.kv_host, kv_port=args.kv_port,
-            bootstrap_port=args.bootstrap_port, labels=_parse_labels(args.label),
+            bootstrap_port=args.bootstrap_port, labels=labels_of(args),
             capacity=args.capacity, token=args.token, drain_timeout_s=args.drain_timeout,
             health_interval_s=args.health_interval, kill_grace_s=args.kill_grace,
             command=tuple(args.command))

@@ -8,6 +8,7 @@ import sys
 
 import httpx
 
+from pdreg.args import add_registry_argument
 from registry.client import http_base, parse_registries, request_snapshot
 from registry.server import ADMIN_TOKEN_ENV
 
@@ -15,7 +16,7 @@ from registry.server import ADMIN_TOKEN_ENV
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("drain", help="mark a member draining (admin)")
     p.add_argument("id", help="member id, as `pdreg status` shows it")
-    p.add_argument("--registry", default=None, help="HOST:PORT[,HOST:PORT...]")
+    add_registry_argument(p)
     p.add_argument("--admin-token", default=None, help=f"bearer token (or ${ADMIN_TOKEN_ENV})")
     p.set_defaults(func=run)
 

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdreg.args import add_label_argument, add_registry_argument, labels_of
 from registry.protocol import parse_role
-
-
-def _labels(items: list[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise argparse.ArgumentTypeError(f"--label {item!r}: expected KEY=VALUE")
-        labels[key] = value
-    return labels
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,9 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "an OpenAI-compatible server, speaking vLLM's and SGLang's P/D "
                     "handshakes. Prints one JSON 'ready' line on stdout once serving.")
     p.add_argument("--role", required=True, choices=("prefill", "decode", "mixed"))
-    p.add_argument("--registry", default=None,
-                   help="registry control address(es) HOST:PORT[,HOST:PORT] "
-                        "(default $PDREG_REGISTRY or 127.0.0.1:7600)")
+    add_registry_argument(p)
     p.add_argument("--token", default="", help="registration token")
     p.add_argument("--no-register", action="store_true", help="run without a registry")
     p.add_argument("--host", default="127.0.0.1", help="bind address")
@@ -59,8 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    dest="sim_decode_s_per_token", help="sim: seconds per output token")
     p.add_argument("--sim-kv-bytes-per-token", type=int, default=128,
                    help="sim: KV payload bytes per prompt token")
-    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
-                   help="member label (repeatable), e.g. zone=a")
+    add_label_argument(p)
     p.set_defaults(func=main)
 
 
@@ -77,5 +65,5 @@ def main(args: argparse.Namespace) -> int:
         registries=args.registry, token=args.token, threads=args.threads,
         sim_prefill_s_per_token=args.sim_prefill_s_per_token,
         sim_decode_s_per_token=args.sim_decode_s_per_token,
-        sim_kv_bytes_per_token=args.sim_kv_bytes_per_token, labels=_labels(args.label))
+        sim_kv_bytes_per_token=args.sim_kv_bytes_per_token, labels=labels_of(args))
     return run(config)

@@ -11,6 +11,7 @@ import threading
 import time
 
 from engine_agent.agent import Agent, default_member_id, new_incarnation
+from pdreg.args import add_registry_argument
 from registry.client import MembershipView
 from registry.protocol import Endpoints, MemberSpec, MemberState, Role
 from router.app import MAX_ATTEMPTS
@@ -26,9 +27,7 @@ ROUTER_PROTOCOL = "openai"  # what an api_server member speaks to its clients
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("router", help="run the OpenAI-compatible P/D router")
-    p.add_argument("--registry", default=None,
-                   help="registry control address(es) HOST:PORT[,HOST:PORT] "
-                        "(default $PDREG_REGISTRY or 127.0.0.1:7600)")
+    add_registry_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = OS picks)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES,

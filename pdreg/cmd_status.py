@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from pdreg.args import add_registry_argument
 from registry.client import http_base, parse_registries, request_snapshot
 
 WATCH_PERIOD_S = 1.0
@@ -19,8 +20,7 @@ ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the live membership")
-    p.add_argument("--registry", default=None,
-                   help="HOST:PORT[,HOST:PORT...] (default $PDREG_REGISTRY or 127.0.0.1:7600)")
+    add_registry_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON list of members")
     p.add_argument("--watch", action="store_true", help="refresh the table in place")
     p.set_defaults(func=run)
