@@ -23,54 +23,18 @@ import argparse
 import json
 import logging
 import os
-import random
 import signal
-import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["StandinServer", "StandinState", "free_low_port", "main", "wait_until"]
+__all__ = ["StandinServer", "StandinState", "main"]
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("vllm", "sglang")
-WAIT_POLL_S = 0.02
-LOW_PORT_RANGE = (20000, 32768)  # below Linux's ephemeral range: no clash with client sockets
-
-
-def free_low_port() -> int:
-    """For tests: a port below 32768 that nothing on 127.0.0.1 listens on right now.
-
-    Binding port 0 draws from the ephemeral range (32768+ here), so pick at random and
-    check instead; a child process binds it moments later.
-    """
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(*LOW_PORT_RANGE)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port in {LOW_PORT_RANGE}")
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float,
-               poll_s: float = WAIT_POLL_S) -> bool:
-    """For tests: poll `predicate` until it is truthy or `timeout_s` passes (no bare sleep)."""
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        pause.wait(poll_s)
 
 
 @dataclass

@@ -234,11 +234,3 @@ def metrics(url: str) -> dict[str, float]:
             values[series.split("{", 1)[0]] = float(value)
     return values
 
-
-def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())

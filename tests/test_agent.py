@@ -18,7 +18,7 @@ from engine_agent.agent import (
     new_incarnation,
     resolve_registries,
 )
-from engine_agent.standins import free_low_port, wait_until
+from pdreg.testing import free_low_port, wait_until
 from registry.protocol import (
     ByeReason,
     Endpoints,

@@ -12,7 +12,8 @@ from engine_agent.probes import (
     Health,
     load_from_metrics,
 )
-from engine_agent.standins import StandinServer, free_low_port
+from engine_agent.standins import StandinServer
+from pdreg.testing import free_low_port
 from registry.protocol import Load
 
 VLLM_TWO_ENGINES = """\

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from engine_agent.agent import Agent, new_incarnation
+from pdreg.testing import wait_until
 from registry.protocol import Endpoints, Load, MemberSpec, MemberState, Role
 from registry.server import RegistryConfig, RegistryServer
 
@@ -79,14 +80,6 @@ def members(registry: RegistryServer) -> Iterator[Members]:
         m.stop_all()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
 
 # --- HTTP: page, state, stream ----------------------------------------------------------
 
@@ -101,15 +94,15 @@ def test_page_is_self_contained(registry: RegistryServer) -> None:
 
 def test_state_lists_members_and_events(registry: RegistryServer, members: Members) -> None:
     members.join("prefill-a", Role.PREFILL, 21001, Load(running=3, waiting=1, kv_usage=0.25))
-    assert wait_until(lambda: "prefill-a" in registry.members())
+    assert wait_until(lambda: "prefill-a" in registry.members(), TIMEOUT_S)
     members.leave("prefill-a")
-    assert wait_until(lambda: "prefill-a" not in registry.members())
+    assert wait_until(lambda: "prefill-a" not in registry.members(), TIMEOUT_S)
     members.join("decode-b", Role.DECODE, 21002)
 
     def state() -> dict[str, Any]:
         return httpx.get(registry.http_url + "/v1/dashboard").json()
 
-    assert wait_until(lambda: [m["id"] for m in state()["members"]] == ["decode-b"])
+    assert wait_until(lambda: [m["id"] for m in state()["members"]] == ["decode-b"], TIMEOUT_S)
     events = state()["events"]
     kinds = [(e["kind"], e["id"]) for e in events]
     assert ("joined", "prefill-a") in kinds and ("left", "prefill-a") in kinds
@@ -235,7 +228,7 @@ def test_page_updates_live_in_chromium(registry: RegistryServer, members: Member
     members.join("prefill-127.0.0.1-21011", Role.PREFILL, 21011,
                  Load(running=5, waiting=2, kv_usage=0.4))
     members.join("decode-127.0.0.1-21021", Role.DECODE, 21021, Load(running=3, kv_usage=0.7))
-    assert wait_until(lambda: len(registry.members()) == 2)
+    assert wait_until(lambda: len(registry.members()) == 2, TIMEOUT_S)
     browser = Browser(registry.http_url + "/")
     try:
         asyncio.run(_drive(browser, registry, members))

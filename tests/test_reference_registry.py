@@ -11,7 +11,7 @@ import httpx
 import pytest
 from reference_helpers import BodyFor, start_engine
 
-from engine_agent.standins import wait_until
+from pdreg.testing import wait_until
 from registry.protocol import MemberState, Role
 from registry.server import RegistryConfig, RegistryServer
 

@@ -24,7 +24,7 @@ from reference_helpers import (
     vllm_pd,
 )
 
-from engine_agent.standins import wait_until
+from pdreg.testing import wait_until
 
 BODY = {"model": "tiny", "prompt": "sim prompt " * 8, "max_tokens": 8, "ignore_eos": True,
         "return_token_ids": True}

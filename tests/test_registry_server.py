@@ -16,6 +16,7 @@ import httpx
 import pytest
 import zmq
 
+from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
@@ -115,13 +116,8 @@ def view(registry: RegistryServer) -> Iterator[MembershipView]:
         yield v
 
 
-def wait_until(predicate, timeout: float = WAIT_S, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
+def settles(predicate) -> bool:
+    return wait_until(predicate, WAIT_S)
 
 
 def metric(registry: RegistryServer, series: str) -> float:
@@ -180,7 +176,7 @@ def test_heartbeats_carry_load_to_views(registry, member, view):
     member.heartbeat(Load(running=5, waiting=2, kv_usage=0.5))
     assert view.wait_for(lambda m: member.spec.id in m and m[member.spec.id].load.running == 5,
                          WAIT_S)
-    assert wait_until(lambda: registry.members()[member.spec.id].load.waiting == 2)
+    assert settles(lambda: registry.members()[member.spec.id].load.waiting == 2)
 
 
 def test_silent_member_is_suspected_then_expired():
@@ -227,7 +223,7 @@ def test_restarted_registry_asks_members_to_register_again(registry, member):
             assert reply.status is ReplyStatus.UNKNOWN
             assert "register again" in reply.reason
             assert member.register().status is ReplyStatus.OK
-            assert wait_until(lambda: member.spec.id in restarted.members())
+            assert settles(lambda: member.spec.id in restarted.members())
             # The view followed the new epoch and never lost the member on the way.
             assert view.wait_for(lambda m: view.links()[0].epoch not in (0, old_epoch),
                                  WAIT_S)
@@ -258,7 +254,7 @@ def test_garbage_is_refused_counted_and_harmless(registry, member, garbage):
         assert reply.status is ReplyStatus.REJECTED and reply.reason
     finally:
         intruder.close(linger=0)
-    assert wait_until(lambda: sum(_rejections(registry).values()) == before + 1)
+    assert settles(lambda: sum(_rejections(registry).values()) == before + 1)
     # The loop is alive and the member untouched.
     assert member.heartbeat().status is ReplyStatus.OK
     assert member.spec.id in registry.members()
@@ -280,7 +276,7 @@ def test_huge_frames_and_floods_do_not_hurt(registry, member):
             flood.send(b"\xc1", zmq.NOBLOCK)
         for _ in range(20):
             assert member.heartbeat().status is ReplyStatus.OK
-        assert wait_until(lambda: _rejections(registry).get("malformed", 0) >= 5000)
+        assert settles(lambda: _rejections(registry).get("malformed", 0) >= 5000)
     finally:
         huge.close(linger=0)
         flood.close(linger=0)
@@ -297,7 +293,7 @@ def test_wrong_token_is_refused():
         reply = wrong.register()
         assert reply.status is ReplyStatus.REJECTED and "token" in reply.reason
         assert right.register().status is ReplyStatus.OK
-        assert wait_until(lambda: list(server.members()) == ["decode-127.0.0.1-9002"])
+        assert settles(lambda: list(server.members()) == ["decode-127.0.0.1-9002"])
         assert metric(server, 'pdreg_registrations_total{result="rejected"}') == 1
         wrong.close()
         right.close()
@@ -312,7 +308,7 @@ def test_stale_incarnation_is_refused(registry):
         assert new.register().status is ReplyStatus.OK
         assert old.register().status is ReplyStatus.STALE
         assert old.heartbeat().status is ReplyStatus.STALE
-        assert wait_until(lambda: registry.members().get(new.spec.id) is not None)
+        assert settles(lambda: registry.members().get(new.spec.id) is not None)
         assert registry.members()[new.spec.id].spec.incarnation == 5
     finally:
         new.close()
@@ -324,19 +320,19 @@ def test_admin_actions_need_the_admin_token():
     m = RawMember(server.control_address)
     try:
         m.register()
-        assert wait_until(lambda: m.spec.id in server.members())
+        assert settles(lambda: m.spec.id in server.members())
         url = f"{server.http_url}/v1/members/{m.spec.id}"
         assert httpx.post(f"{url}/drain").status_code == 401
         assert httpx.post(f"{url}/drain",
                           headers={"Authorization": "Bearer nope"}).status_code == 401
         auth = {"Authorization": "Bearer adm"}
         assert httpx.post(f"{url}/drain", headers=auth).status_code == 200
-        assert wait_until(lambda: server.members()[m.spec.id].state is MemberState.DRAINING)
+        assert settles(lambda: server.members()[m.spec.id].state is MemberState.DRAINING)
         assert httpx.post(f"{server.http_url}/v1/members/ghost/drain",
                           headers=auth).status_code == 404
         assert httpx.delete(url).status_code == 401
         assert httpx.delete(url, headers=auth).status_code == 200
-        assert wait_until(lambda: m.spec.id not in server.members())
+        assert settles(lambda: m.spec.id not in server.members())
         # An evicted member that keeps heartbeating is told to register again.
         assert m.heartbeat().status is ReplyStatus.UNKNOWN
     finally:
@@ -346,18 +342,18 @@ def test_admin_actions_need_the_admin_token():
 
 def test_drain_cli(registry, member):
     member.register()
-    assert wait_until(lambda: member.spec.id in registry.members())
+    assert settles(lambda: member.spec.id in registry.members())
     out = subprocess.run([sys.executable, "-m", "pdreg", "drain", member.spec.id, "--registry",
                           registry.control_address], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert wait_until(
+    assert settles(
         lambda: registry.members()[member.spec.id].state is MemberState.DRAINING)
 
 
 def test_sync_filters_by_model(registry, member):
     member.register()
-    assert wait_until(lambda: member.spec.id in registry.members())
+    assert settles(lambda: member.spec.id in registry.members())
     assert [r.spec.id for r in member.ask(Sync(models=["tiny"])).members] == [member.spec.id]
     assert member.ask(Sync(models=["other"])).members == []
 

@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from reference_helpers import EngineHandle, collect, start_engine, start_engines, wait_until
+from reference_helpers import EngineHandle, collect, start_engine, start_engines
 
+from pdreg.testing import wait_until
 from registry.client import LiveMember, MembershipView
 from registry.protocol import MemberState, Role
 from registry.server import RegistryConfig, RegistryServer

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine_agent.standins import StandinServer, free_low_port, wait_until
+from engine_agent.standins import StandinServer
+from pdreg.testing import free_low_port, wait_until
 from registry.protocol import MemberRecord, MemberState
 from registry.server import RegistryConfig, RegistryServer
 

@@ -13,10 +13,8 @@ import ctypes
 import json
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pdreg.testing import free_low_port
+
 logger = logging.getLogger(__name__)
 
-PORT_RANGE = (20000, 32767)  # below the ephemeral range (32768+) that client sockets use
 READY_TIMEOUT_S = 120.0  # torch import on a loaded 2-core machine is slow
 STOP_TIMEOUT_S = 30.0  # engines drain on SIGTERM before they exit
 KILL_WAIT_S = 5.0
@@ -41,29 +40,15 @@ ReadyParser = Callable[[str], dict[str, Any] | None]
 class PortAllocator:
     """Free loopback ports below 32768, never the same one twice in this process."""
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
+    def __init__(self) -> None:
         self._given: set[int] = set()
         self._lock = threading.Lock()
 
     def take(self) -> int:
         with self._lock:
-            for _ in range(1000):
-                port = self._rng.randint(*PORT_RANGE)
-                if port in self._given or not _port_is_free(port):
-                    continue
-                self._given.add(port)
-                return port
-        raise RuntimeError(f"no free port in {PORT_RANGE} after 1000 tries")
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+            port = free_low_port(avoid=self._given)
+            self._given.add(port)
+            return port
 
 
 def _die_with_parent() -> None:

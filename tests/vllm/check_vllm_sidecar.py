@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from engine_agent.standins import free_low_port, wait_until
+from pdreg.testing import free_low_port, wait_until
 from registry.server import RegistryConfig, RegistryServer
 
 REPO = Path(__file__).resolve().parents[2]

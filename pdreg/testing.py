@@ -1,0 +1,43 @@
+"""Helpers for whatever runs a cluster on loopback: tests, benchmarks and the demo."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Container
+
+# Linux hands out 32768-60999 to client sockets (and to port-0 binds), and load tests fill
+# that range: a port a child process will bind later is chosen below it.
+LOW_PORT_RANGE = (20000, 32768)
+WAIT_POLL_S = 0.02
+
+
+def free_low_port(avoid: Container[int] = frozenset()) -> int:
+    """A port below 32768 that nothing on 127.0.0.1 listens on right now."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(*LOW_PORT_RANGE)
+        if port in avoid:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {LOW_PORT_RANGE} after 1000 tries")
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float,
+               poll_s: float = WAIT_POLL_S) -> bool:
+    """Poll `predicate` until it is truthy or `timeout_s` passes; whether it became so."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        pause.wait(poll_s)
