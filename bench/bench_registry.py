@@ -33,6 +33,7 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from pdreg.testing import die_with_parent  # noqa: E402
 from registry.client import MembershipView, request_snapshot  # noqa: E402
 from registry.protocol import (  # noqa: E402
     Endpoints,
@@ -53,7 +54,8 @@ def registry_process(interval_s: float = 1.0, lease_s: float = 30.0) -> Iterator
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "registry", "--port", "0",
          "--events-port", "0", "--http-port", "-1", "--heartbeat-interval", str(interval_s),
-         "--lease", str(lease_s)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+         "--lease", str(lease_s)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        preexec_fn=die_with_parent)
     try:
         line = proc.stdout.readline()
         address = line.split("control ")[1].split()[0]

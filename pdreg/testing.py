@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
+import signal
 import socket
 import threading
 import time
@@ -12,6 +14,7 @@ from collections.abc import Callable, Container
 # that range: a port a child process will bind later is chosen below it.
 LOW_PORT_RANGE = (20000, 32768)
 WAIT_POLL_S = 0.02
+_PR_SET_PDEATHSIG = 1
 
 
 def free_low_port(avoid: Container[int] = frozenset()) -> int:
@@ -41,3 +44,17 @@ def wait_until(predicate: Callable[[], object], timeout_s: float,
         if time.monotonic() >= deadline:
             return False
         pause.wait(poll_s)
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for child processes: SIGTERM when the parent dies, however it dies.
+
+    A test killed by its timeout, or a demo killed with -9, leaves no engines behind.
+    Linux ties this to the *thread* that started the child: use it only from threads
+    that outlive their children (the main thread, a supervisor thread).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: normal exits and Ctrl-C still stop children

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from engine_agent.agent import Agent, new_incarnation
-from pdreg.testing import wait_until
+from pdreg.testing import die_with_parent, wait_until
 from registry.protocol import Endpoints, Load, MemberSpec, MemberState, Role
 from registry.server import RegistryConfig, RegistryServer
 
@@ -154,7 +154,7 @@ class Browser:
              f"--user-data-dir={self.profile}", "--remote-debugging-address=127.0.0.1",
              "--remote-debugging-port=0", "--window-size=1280,860", url],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            text=True)
+            text=True, preexec_fn=die_with_parent)
         self.devtools = self._devtools_url()
 
     def _devtools_url(self) -> str:

@@ -29,6 +29,7 @@ from pdreg.demo.scenario import (
     ScenarioConfig,
     StepResult,
 )
+from pdreg.testing import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEASE_S = 2.0
@@ -111,7 +112,7 @@ def test_ctrl_c_stops_every_process() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "demo", "--backend", "sim"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, text=True)
+        stdin=subprocess.DEVNULL, text=True, preexec_fn=die_with_parent)
     children: set[int] = set()
     try:
         assert proc.stdout is not None

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine_agent.standins import StandinServer
-from pdreg.testing import free_low_port, wait_until
+from pdreg.testing import die_with_parent, free_low_port, wait_until
 from registry.protocol import MemberRecord, MemberState
 from registry.server import RegistryConfig, RegistryServer
 
@@ -48,7 +48,8 @@ class Sidecar:
                 "--kill-grace", "3", *args]
         if command:
             argv += ["--", *command]
-        self.process = subprocess.Popen(argv, env={**os.environ, **(env or {})})
+        self.process = subprocess.Popen(argv, env={**os.environ, **(env or {})},
+                                        preexec_fn=die_with_parent)
 
     def control(self, path: str, body: dict[str, object]) -> None:
         """Steer the stand-in engine (POST /standin/...)."""

@@ -9,7 +9,6 @@ stdout and stderr both go to a log file per process under one temporary director
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -25,14 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pdreg.testing import free_low_port
+from pdreg.testing import die_with_parent, free_low_port
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # torch import on a loaded 2-core machine is slow
 STOP_TIMEOUT_S = 30.0  # engines drain on SIGTERM before they exit
 KILL_WAIT_S = 5.0
-_PR_SET_PDEATHSIG = 1
 
 ReadyParser = Callable[[str], dict[str, Any] | None]
 
@@ -51,13 +49,6 @@ class PortAllocator:
             return port
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the demo dies, however it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: Ctrl-C and normal exits still stop children
 
 
 def json_ready_line(line: str) -> dict[str, Any] | None:
@@ -228,7 +219,7 @@ class Cluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         managed = ManagedProcess(name=name, proc=proc, log_path=log_path,
                                  ready_parser=ready_parser)
         managed.start_reader(log)
