@@ -241,23 +241,25 @@ class Router:
         await out.prepare(request)
         # Forward whole SSE events only, so an error event never lands inside a cut one.
         pending = first
-        try:
-            while True:
-                cut = pending.rfind(_SSE_EVENT_END)
-                if cut >= 0:
-                    await out.write(pending[:cut + 2])
-                    pending = pending[cut + 2:]
+        while True:
+            cut = pending.rfind(_SSE_EVENT_END)
+            if cut >= 0:
+                # A write error here is the client leaving: it propagates as such (not an
+                # upstream failure) and the handler's cleanup closes both legs.
+                await out.write(pending[:cut + 2])
+                pending = pending[cut + 2:]
+            try:
                 chunk = await content.readany()
-                if not chunk:
-                    break
-                pending += chunk
-        except _READ_ERRORS as exc:
-            failure = exchange.companion_failure() or LegFailure(
-                decode, "decode", f"mid-stream: {type(exc).__name__}")
-            self._on_failure(failure)
-            self._count(model, "failed_midstream")
-            await self._write_stream_error(out, str(failure))
-            return out
+            except _READ_ERRORS as exc:
+                failure = exchange.companion_failure() or LegFailure(
+                    decode, "decode", f"mid-stream: {type(exc).__name__}")
+                self._on_failure(failure)
+                self._count(model, "failed_midstream")
+                await self._write_stream_error(out, str(failure))
+                return out
+            if not chunk:
+                break
+            pending += chunk
         if pending:
             await out.write(pending)
         await self._check_companion(exchange)

@@ -253,6 +253,8 @@ def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixtur
                 break  # one event, then hang up
     assert wait_until(lambda: d.cancelled == 1, timeout_s=10)
     assert wait_until(lambda: server.router._in_flight == {}, timeout_s=10)
+    assert fleet.view.reports == []  # the client left; no engine is to blame
+    assert server.router.quarantine.active(time.monotonic()) == {}
 
 
 def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread,
