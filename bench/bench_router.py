@@ -13,9 +13,7 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from reference_helpers import EngineHandle, start_engine, start_engines  # noqa: E402
 
+from pdreg.testing import die_with_parent, free_low_port  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -39,20 +38,6 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc (psutil is not installed)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
-
-
-def free_port() -> int:
-    """A free loopback port below 32768 (port 0 would land in the ephemeral range, which
-    load tests need for client sockets): try random ones until one binds."""
-    rng = random.Random()
-    while True:
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
 
 
 async def run_load(url: str, requests: int, concurrency: int) -> tuple[list[float], float]:
@@ -124,11 +109,12 @@ def main() -> int:
         handles = start_engines(specs)
         direct = start_engine(role="mixed", backend="sim")
         handles.append(direct)
-        port = free_port()
+        port = free_low_port()
         router = subprocess.Popen(
             [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
              registry.control_address, "--port", str(port), "--policy", args.policy,
-             "--no-register"], cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+             "--no-register"], cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent)
         assert router.stdout is not None
         url = json.loads(router.stdout.readline())["url"]
         wait_for_pairs(url)

@@ -17,7 +17,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -379,13 +379,3 @@ class Fleet:
         members = dict(self.view.members())
         members.pop(member_id, None)
         self.view.set(members)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0,
-               interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()

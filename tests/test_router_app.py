@@ -9,8 +9,9 @@ import httpx
 import msgspec
 import openai
 import pytest
-from standins_engines import Fleet, LoopThread, live_member, tokens_for, wait_until
+from standins_engines import Fleet, LoopThread, live_member, tokens_for
 
+from pdreg.testing import wait_until
 from registry.protocol import MemberState, Role
 from router.service import RouterConfig, RouterServer
 
@@ -192,7 +193,7 @@ def test_failing_prefill_is_quarantined_reported_and_retried(
         got = c.completions.create(model="m", prompt=f"q{i}", max_tokens=2)
         assert got.choices[0].text == expected(f"q{i}", 2)
     assert len(bad.requests) == 1  # quarantined after its first failure
-    assert wait_until(lambda: [r[0] for r in fleet.view.reports] == ["p1"])
+    assert wait_until(lambda: [r[0] for r in fleet.view.reports] == ["p1"], 10)
     text = httpx.get(server.url + "/metrics").text
     assert 'pdreg_router_retries_total{reason="prefill_failed"} 1.0' in text
     assert 'pdreg_router_quarantines_total{member="p1"} 1.0' in text
@@ -251,8 +252,8 @@ def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixtur
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # one event, then hang up
-    assert wait_until(lambda: d.cancelled == 1, timeout_s=10)
-    assert wait_until(lambda: server.router._in_flight == {}, timeout_s=10)
+    assert wait_until(lambda: d.cancelled == 1, 10)
+    assert wait_until(lambda: server.router._in_flight == {}, 10)
     assert fleet.view.reports == []  # the client left; no engine is to blame
     assert server.router.quarantine.active(time.monotonic()) == {}
 

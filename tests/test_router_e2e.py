@@ -21,7 +21,7 @@ import openai
 import pytest
 from reference_helpers import EngineHandle, collect, start_engine, start_engines
 
-from pdreg.testing import wait_until
+from pdreg.testing import die_with_parent, wait_until
 from registry.client import LiveMember, MembershipView
 from registry.protocol import MemberState, Role
 from registry.server import RegistryConfig, RegistryServer
@@ -246,7 +246,8 @@ def test_cli_router_registers_itself_and_serves(registry: RegistryServer,
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "router", "--registry", registry.control_address,
          "--port", "0", "--policy", "least_loaded"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent)
     try:
         assert proc.stdout is not None
         ready = proc.stdout.readline().decode()
