@@ -92,6 +92,9 @@ def parse_role(text: str) -> Role:
 
 
 # --- Member description (sent once, at registration) -----------------------------------
+#
+# Structs that hold only strings, numbers and flat dicts cannot form reference cycles, so
+# they are `gc=False`: a 10,000-member snapshot then decodes without waking the collector.
 
 # Types bound sizes and ranges, which are cheap to check on every decode. Character
 # patterns cost a regex per field, so they are checked once, at registration
@@ -109,7 +112,7 @@ Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
-class Endpoints(msgspec.Struct, frozen=True, omit_defaults=True):
+class Endpoints(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """Where peers reach a member. Advertised addresses: behind NAT they differ from binds.
 
     `kv_host`/`kv_port` is the KV side of the P/D handshake: vLLM's NIXL side channel,
@@ -123,7 +126,7 @@ class Endpoints(msgspec.Struct, frozen=True, omit_defaults=True):
     bootstrap_port: Port = 0
 
 
-class Parallel(msgspec.Struct, frozen=True, omit_defaults=True):
+class Parallel(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     dp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
@@ -132,7 +135,7 @@ class Parallel(msgspec.Struct, frozen=True, omit_defaults=True):
     dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] = 0
 
 
-class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """Everything a member says about itself once, at registration."""
 
     id: MemberId
@@ -211,7 +214,7 @@ class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_default
     http_port: int = 0
 
 
-class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """A member as the registry holds it: spec, state, suspicion and last load."""
 
     spec: MemberSpec
@@ -230,7 +233,8 @@ class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True):
         return self.state is MemberState.READY and not self.suspect
 
 
-class Snapshot(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+class Snapshot(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True,
+               gc=False):
     epoch: int
     version: int
     members: list[MemberRecord]
