@@ -6,12 +6,9 @@ Per registry the view keeps one link through these states:
     LIVE      snapshot applied; events applied in version order; digests refresh loads
     AWAY      nothing heard for a few intervals: the last view is kept, Sync retried
 
-Rules (ZeroMQ Guide ch. 5): subscribe first, then ask for the snapshot; drop events at or
-below the snapshot's version; on a gap in `version` or a new `epoch`, resynchronise
-rather than guess. A registry that restarted comes back with a new, empty epoch while
-its agents re-register, so members learned from the old epoch are carried over for one
-lease and dropped only if they do not reappear: a registry restart never empties a
-router's view.
+Subscribe first, then ask for the snapshot (ZeroMQ Guide ch. 5). What a link holds and
+how snapshots and events apply to it is `registry.replica.Replica`, pure state; this
+module owns the sockets, the timers and the merge of several registries.
 """
 
 from __future__ import annotations
@@ -32,15 +29,8 @@ import zmq
 
 from registry.protocol import (
     Event,
-    Load,
-    LoadDigest,
-    MemberJoined,
-    MemberLeft,
-    MemberRecord,
-    MemberUpdated,
     Reply,
     Report,
-    Role,
     Snapshot,
     Sync,
     event_decoder,
@@ -48,6 +38,10 @@ from registry.protocol import (
     reply_decoder,
     topic_for,
 )
+from registry.replica import Applied, LiveMember, Replica
+
+__all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "LinkState", "LinkStatus", "LiveMember",
+           "MembershipView", "http_base", "parse_registries", "request_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +51,6 @@ SYNC_TIMEOUT_S = 1.0  # no snapshot by then: new socket, try again
 SYNC_BACKOFF_MAX_S = 2.0
 AWAY_AFTER_INTERVALS = 3.0  # registry silent this long (pulses come every interval): away
 MIN_AWAY_AFTER_S = 1.0
-CARRY_OVER_LEASES = 2.0  # old-epoch members are kept this many leases after a restart
 TICK_S = 0.1
 
 
@@ -80,30 +73,6 @@ def parse_registries(text: str | Sequence[str] | None) -> list[str]:
     return addresses
 
 
-@dataclass(frozen=True, slots=True)
-class LiveMember:
-    """One member as a view sees it: the registry's record plus the freshest load."""
-
-    record: MemberRecord
-    load: Load
-    load_at: float  # time.monotonic() when that load was measured (receipt - reported age)
-    registry: str  # the control address it was learned from
-
-    @property
-    def id(self) -> str:
-        return self.record.spec.id
-
-    @property
-    def role(self) -> Role:
-        return self.record.spec.role
-
-    @property
-    def model(self) -> str:
-        return self.record.spec.model
-
-    @property
-    def routable(self) -> bool:
-        return self.record.routable
 
 
 class LinkState(enum.Enum):
@@ -126,16 +95,12 @@ class _Link:
     """One registry, as seen from the view thread (which alone touches it)."""
 
     address: str
+    replica: Replica
     dealer: zmq.Socket | None = None
     sub: zmq.Socket | None = None
     events_port: int = 0
     state: LinkState = LinkState.SYNCING
-    epoch: int = 0
-    version: int = 0
-    interval_s: float = 1.0
-    members: dict[str, LiveMember] = field(default_factory=dict)
-    carried: dict[str, float] = field(default_factory=dict)  # id -> drop at (old epoch)
-    buffered: list[Event] = field(default_factory=list)
+    buffered: list[Event] = field(default_factory=list)  # events seen while syncing
     sync_sent_at: float = 0.0
     next_sync_at: float = 0.0
     backoff_s: float = 0.1
@@ -143,8 +108,7 @@ class _Link:
 
     @property
     def away_after_s(self) -> float:
-        return max(MIN_AWAY_AFTER_S, AWAY_AFTER_INTERVALS * self.interval_s)
-
+        return max(MIN_AWAY_AFTER_S, AWAY_AFTER_INTERVALS * self.replica.interval_s)
 
 class MembershipView:
     """A local, eventually consistent copy of membership from one or more registries.
@@ -160,7 +124,7 @@ class MembershipView:
         self.addresses = parse_registries(registries)
         self.models = tuple(models)
         self._ctx = zmq.Context()
-        self._links = [_Link(address) for address in self.addresses]
+        self._links = [_Link(address, Replica(address)) for address in self.addresses]
         self._members: Mapping[str, LiveMember] = types.MappingProxyType({})
         self._changed = threading.Condition()
         self._listeners: list[Callable[[Mapping[str, LiveMember]], None]] = []
@@ -209,13 +173,13 @@ class MembershipView:
         return self._members
 
     def links(self) -> list[LinkStatus]:
-        return [LinkStatus(link.address, link.state, link.epoch, link.version,
-                           len(link.members)) for link in self._links]
+        return [LinkStatus(link.address, link.state, link.replica.epoch, link.replica.version,
+                           len(link.replica.members)) for link in self._links]
 
     @property
     def synced(self) -> bool:
         """At least one registry has given us a snapshot."""
-        return any(link.epoch for link in self._links)
+        return any(link.replica.synced for link in self._links)
 
     def wait_for(self, predicate: Callable[[Mapping[str, LiveMember]], bool],
                  timeout: float) -> bool:
@@ -256,15 +220,7 @@ class MembershipView:
                 self._publish()
 
     def _check_timers(self, link: _Link, now: float) -> bool:
-        changed = False
-        if link.carried:
-            expired = [mid for mid, drop_at in link.carried.items() if now >= drop_at]
-            for member_id in expired:
-                del link.carried[member_id]
-                if link.members.pop(member_id, None) is not None:
-                    logger.info("[view] %s: %s did not re-register; dropped", link.address,
-                                member_id)
-                    changed = True
+        changed = link.replica.drop_carried(now)
         if link.state is LinkState.LIVE and now - link.last_heard > link.away_after_s:
             logger.warning("[view] registry %s silent for %.1fs: keeping last view, resyncing",
                            link.address, now - link.last_heard)
@@ -339,37 +295,18 @@ class MembershipView:
         needs_subscription = link.sub is None or link.events_port != snapshot.events_port
         link.sync_sent_at = 0.0
         link.backoff_s = 0.1
-        link.interval_s = snapshot.heartbeat_interval_s
         if needs_subscription:
             # Subscribe first, then snapshot: this snapshot only taught us the port.
             self._subscribe(link, snapshot.events_port)
             self._send_sync(link, now)
             return False
-        fresh = {r.spec.id: LiveMember(r, r.load, now - max(0.0, time.time() - r.heartbeat_at),
-                                       link.address) for r in snapshot.members}
-        if link.epoch and snapshot.epoch != link.epoch:
-            # The registry restarted: keep members it has not heard from again yet.
-            drop_at = now + CARRY_OVER_LEASES * AWAY_AFTER_INTERVALS * link.interval_s
-            for member_id, old in link.members.items():
-                if member_id not in fresh:
-                    fresh[member_id] = old
-                    link.carried[member_id] = drop_at
-            logger.info("[view] %s: new epoch %d (was %d); carrying %d members over",
-                        link.address, snapshot.epoch, link.epoch, len(link.carried))
-        else:
-            for member_id in list(link.carried):
-                if member_id not in fresh and member_id in link.members:
-                    fresh[member_id] = link.members[member_id]
-                else:
-                    link.carried.pop(member_id)
-        link.members = fresh
-        link.epoch = snapshot.epoch
-        link.version = snapshot.version
+        replica = link.replica
+        replica.apply_snapshot(snapshot, now, time.time())
         link.state = LinkState.LIVE
         link.last_heard = now
         buffered, link.buffered = link.buffered, []
         for event in buffered:
-            if event.epoch == link.epoch and event.version > link.version:
+            if event.epoch == replica.epoch and event.version > replica.version:
                 self._apply_event(link, event, now)
         logger.debug("[view] %s: snapshot epoch=%d version=%d members=%d", link.address,
                      snapshot.epoch, snapshot.version, len(snapshot.members))
@@ -398,48 +335,20 @@ class MembershipView:
         return changed
 
     def _apply_event(self, link: _Link, event: Event, now: float) -> bool:
-        """Apply one event in order; on a gap or a new epoch, resynchronise."""
-        if event.epoch != link.epoch or event.version > link.version + (
-                0 if isinstance(event, LoadDigest) else 1):
-            logger.info("[view] %s: gap (have %d/%d, got %d/%d): resync", link.address,
-                        link.epoch, link.version, event.epoch, event.version)
+        applied = link.replica.apply(event, now)
+        if applied is Applied.GAP:
             link.state = LinkState.SYNCING
             link.next_sync_at = now
             link.sync_sent_at = 0.0
-            return False
-        if isinstance(event, LoadDigest):
-            link.interval_s = event.heartbeat_interval_s
-            changed = False
-            for entry in event.loads:
-                current = link.members.get(entry.id)
-                if current is not None and current.record.spec.incarnation == entry.incarnation:
-                    link.members[entry.id] = LiveMember(current.record, entry.load,
-                                                        now - entry.heartbeat_age_s,
-                                                        link.address)
-                    changed = True
-            return changed
-        if event.version <= link.version:
-            return False  # already in the snapshot
-        link.version = event.version
-        if isinstance(event, MemberLeft):
-            current = link.members.get(event.id)
-            if current is not None and current.record.spec.incarnation == event.incarnation:
-                del link.members[event.id]
-            link.carried.pop(event.id, None)
-            return True
-        assert isinstance(event, MemberJoined | MemberUpdated)
-        record = event.member
-        link.members[record.spec.id] = LiveMember(record, record.load, now, link.address)
-        link.carried.pop(record.spec.id, None)
-        return True
+        return applied is Applied.CHANGED
 
     def _publish(self) -> None:
         if len(self._links) == 1:
-            merged = dict(self._links[0].members)
+            merged = dict(self._links[0].replica.members)
         else:
             merged = {}
             for link in self._links:
-                for member_id, member in link.members.items():
+                for member_id, member in link.replica.members.items():
                     held = merged.get(member_id)
                     if held is None or _newer(member, held):
                         merged[member_id] = member

@@ -392,3 +392,28 @@ def _rejections(registry: RegistryServer) -> dict[str, float]:
             reason = line.split('reason="')[1].split('"')[0]
             found[reason] = float(line.rsplit(" ", 1)[1])
     return found
+
+
+def test_a_view_merges_several_registries_and_survives_losing_one():
+    first, second = start_registry(), start_registry()
+    addresses = [first.control_address, second.control_address]
+    both = RawMember(first.control_address, member_id="decode-127.0.0.1-9100")
+    only_second = RawMember(second.control_address, member_id="prefill-127.0.0.1-9101")
+    also_second = RawMember(second.control_address, member_id="decode-127.0.0.1-9100")
+    try:
+        with MembershipView(addresses) as view:
+            both.register()
+            also_second.register()  # the same member heartbeats to each registry
+            only_second.register()
+            assert view.wait_for(lambda m: set(m) == {"decode-127.0.0.1-9100",
+                                                       "prefill-127.0.0.1-9101"}, WAIT_S)
+            first.close()  # one registry gone: the view keeps serving from the other
+            # Keep the members alive on the second while the view notices the first is away.
+            assert settles(lambda: (also_second.heartbeat(), only_second.heartbeat())
+                           and view.links()[0].state.value == "away")
+            assert set(view.members()) == {"decode-127.0.0.1-9100", "prefill-127.0.0.1-9101"}
+    finally:
+        for m in (both, only_second, also_second):
+            m.close()
+        first.close()
+        second.close()
