@@ -1,14 +1,18 @@
 """Real-engine check: two `vllm serve` (prefill + decode, NixlConnector on CPU), each
-under `pdreg agent`, against a real registry. Run by `make test-vllm` after setup.sh.
+under `pdreg agent`, against a real registry, behind `pdreg router`. Run by
+`make test-vllm` after setup.sh.
 
     .venv/bin/python tests/vllm/check_vllm_sidecar.py [--vllm-venv .venv-vllm]
         [--model-dir .cache/vllm-tiny-model]
 
-Asserts: both members READY with the right role, model, protocol and NIXL side channel;
-load figures that move while completions run; SIGTERM on the decode's sidecar drains it
-(DRAINING while requests run), it leaves /v1/members and its vLLM processes exit.
-Every process it starts carries a marker in its environment, and all of them are killed
-at the end, pass or fail.
+Asserts, in this order: both members READY with the right role, model, protocol and NIXL
+side channel; load figures that move while completions run; a `pdreg router` (registered
+as an api_server member) serves the model with output token-identical to a single vLLM
+instance while the KV travels from P to D (routing_checks.py); SIGTERM on the decode's
+sidecar drains it (DRAINING while requests run), it leaves /v1/members and its vLLM
+processes exit. Every process it starts carries a marker in its environment, and all of
+them are killed at the end, pass or fail. On failure it names the step that failed,
+prints the tail of every log and keeps the logs.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,15 +36,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import routing_checks  # tests/vllm/, beside this script
 
-from pdreg.testing import free_low_port, wait_until
+from pdreg.testing import die_with_parent, free_low_port, wait_until
 from registry.server import RegistryConfig, RegistryServer
 
 REPO = Path(__file__).resolve().parents[2]
+CHAT_TEMPLATE = Path(__file__).resolve().parent / "chat_template.jinja"
 
 STARTUP_TIMEOUT_S = 300.0  # vLLM takes ~50-85 s to become healthy here; two at once
 STEP_TIMEOUT_S = 60.0
 SIDECAR_EXIT_TIMEOUT_S = 90.0
+ROUTER_STARTUP_TIMEOUT_S = 60.0
+ROUTER_EXIT_TIMEOUT_S = 20.0
+LOG_TAIL_LINES = 60
 HEARTBEAT_INTERVAL_S = 0.5
 MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
 MODEL_NAME = "tiny"
@@ -48,6 +59,17 @@ LONG_COMPLETION = {"model": MODEL_NAME, "prompt": "The registry keeps", "max_tok
 
 def say(message: str) -> None:
     print(f"[test-vllm {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Steps:
+    """The step under way, so that a failure can say where it happened."""
+
+    def __init__(self) -> None:
+        self.current = "setup"
+
+    def begin(self, name: str) -> None:
+        self.current = name
+        say(f"== {name}")
 
 
 @dataclass
@@ -92,11 +114,11 @@ def start_engine(engine: Engine, registry: str, vllm_venv: Path, model_dir: Path
         str(vllm_venv / "bin" / "vllm"), "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(engine.port), "--dtype", "float32",
         "--max-model-len", "512", "--served-model-name", MODEL_NAME, "--enforce-eager",
-        "-O0", "--kv-transfer-config", kv_config,
+        "-O0", "--kv-transfer-config", kv_config, "--chat-template", str(CHAT_TEMPLATE),
     ]
-    log = engine.log_path.open("wb")
-    engine.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=REPO)
+    with engine.log_path.open("wb") as log:
+        engine.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=REPO, preexec_fn=die_with_parent)
     say(f"started {engine.role}: sidecar pid {engine.process.pid}, vLLM on port "
         f"{engine.port}, NIXL side channel {engine.side_channel_port}, log {engine.log_path}")
 
@@ -157,13 +179,94 @@ def fire_completions(url: str, count: int) -> list[threading.Thread]:
     return threads
 
 
-def check(registry_http: str, registry_address: str, vllm_venv: Path, model_dir: Path,
-          workdir: Path) -> None:
+@dataclass
+class Router:
+    port: int
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def member_id(self) -> str:
+        return f"api_server-127.0.0.1-{self.port}"
+
+
+def start_router(router: Router, registry: str) -> None:
+    """`pdreg router`, registered as an api_server member (so the registry shows it too)."""
+    argv = [str(REPO / ".venv" / "bin" / "python"), "-m", "pdreg", "router",
+            "--registry", registry, "--host", "127.0.0.1", "--port", str(router.port)]
+    with router.log_path.open("wb") as log:
+        router.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                          preexec_fn=die_with_parent)
+    say(f"started router: pid {router.process.pid}, port {router.port}, log {router.log_path}")
+
+
+def stop_router(router: Router) -> None:
+    process = router.process
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(ROUTER_EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        say("router did not exit on SIGTERM; killing")
+        process.kill()
+        process.wait()
+
+
+def router_lists(router: Router, model: str) -> bool:
+    if router.process is not None and router.process.poll() is not None:
+        raise AssertionError(f"router exited with {router.process.returncode}; "
+                             f"see {router.log_path}")
+    try:
+        response = httpx.get(f"{router.url}/v1/models", timeout=5)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200 and any(
+        m.get("id") == model for m in response.json().get("data", []))
+
+
+def check_routing(steps: Steps, registry_http: str, registry_address: str, prefill: Engine,
+                  decode: Engine, router: Router) -> None:
+    """Requests through `pdreg router` against the same requests served by one instance."""
+    steps.begin("registry shows prefill and decode routable")
+    routable = members(registry_http)
+    for engine in (prefill, decode):
+        assert routable.get(engine.member_id, {}).get("routable") is True, (
+            f"{engine.role} not routable in the registry: {routable.get(engine.member_id)}")
+    say("ok: both routable")
+
+    steps.begin("start pdreg router")
+    start_router(router, registry_address)
+    wait_logged("router lists the model in /v1/models", lambda: router_lists(router, MODEL_NAME),
+                ROUTER_STARTUP_TIMEOUT_S)
+    wait_logged("router registered as a READY api_server member", lambda: members(
+        registry_http).get(router.member_id, {}).get("state") == "ready", STEP_TIMEOUT_S)
+
+    steps.begin("router /v1/models through the openai client")
+    routing_checks.check_models(router.url, MODEL_NAME)
+    say("ok: /v1/models lists the model")
+
+    steps.begin("routed completions and chat = single instance; KV pulled by the decode")
+    routing_checks.check_routed_outputs(router.url, prefill.url, decode.url, MODEL_NAME, say)
+
+    steps.begin("router metrics: both members picked, no retries")
+    routing_checks.check_router_picks(router.url, prefill.member_id, decode.member_id)
+    say("ok: router picked both, retried nothing")
+
+
+def check(steps: Steps, registry_http: str, registry_address: str, vllm_venv: Path,
+          model_dir: Path, workdir: Path) -> None:
     prefill = Engine("prefill", free_low_port(), free_low_port(), uuid.uuid4().hex,
                      workdir / "prefill.log")
     decode = Engine("decode", free_low_port(), free_low_port(), uuid.uuid4().hex,
                     workdir / "decode.log")
+    router = Router(free_low_port(), workdir / "router.log")
     try:
+        steps.begin("start prefill and decode vLLM under pdreg agent")
         start_engine(prefill, registry_address, vllm_venv, model_dir, omp_bind="0")
         start_engine(decode, registry_address, vllm_venv, model_dir, omp_bind="1")
 
@@ -189,6 +292,7 @@ def check(registry_http: str, registry_address: str, vllm_venv: Path, model_dir:
             return both_ready()
 
         wait_logged("both members READY", ready_or_dead, STARTUP_TIMEOUT_S, states)
+        steps.begin("registration: role, model, protocol, endpoints, labels")
         view = members(registry_http)
         for engine in (prefill, decode):
             m = view[engine.member_id]
@@ -202,7 +306,7 @@ def check(registry_http: str, registry_address: str, vllm_venv: Path, model_dir:
             assert m["endpoints"]["kv_port"] == engine.side_channel_port, m
             assert m["labels"] == {"test": "vllm"}, m
 
-        # Load moves while completions run.
+        steps.begin("load figures move while completions run")
         threads = fire_completions(prefill.url, 6) + fire_completions(decode.url, 6)
 
         def busy(engine: Engine) -> Callable[[], bool]:
@@ -217,7 +321,10 @@ def check(registry_http: str, registry_address: str, vllm_venv: Path, model_dir:
             members(registry_http)[e.member_id]["load"]["running"] == 0
             for e in (prefill, decode)), STEP_TIMEOUT_S)
 
+        check_routing(steps, registry_http, registry_address, prefill, decode, router)
+
         # SIGTERM the decode's sidecar while it serves: DRAINING, then gone.
+        steps.begin("drain the decode with SIGTERM while it serves")
         threads = fire_completions(decode.url, 6)
         wait_logged("decode busy again", busy(decode), STEP_TIMEOUT_S)
         assert decode.process is not None
@@ -237,6 +344,8 @@ def check(registry_http: str, registry_address: str, vllm_venv: Path, model_dir:
         assert members(registry_http)[prefill.member_id]["state"] == "ready"
         say("prefill still READY")
     finally:
+        say("stopping router, decode, prefill")
+        stop_router(router)
         for engine in (decode, prefill):
             if engine.process is not None and engine.process.poll() is None:
                 engine.process.send_signal(signal.SIGTERM)
@@ -249,11 +358,35 @@ def check(registry_http: str, registry_address: str, vllm_venv: Path, model_dir:
             kill_marked(engine.marker)
 
 
+class DropLoopLag(logging.Filter):
+    """The in-process registry shares two cores with two vLLMs: its loop runs late all the
+    time and warns on every tick. That is expected here and drowns the progress lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("[registry] loop lag")
+
+
+def setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(name)s %(asctime)s] %(levelname)s %(message)s",
+                                           "%H:%M:%S"))
+    handler.addFilter(DropLoopLag())
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+
+
+def print_log_tails(workdir: Path) -> None:
+    for log in sorted(workdir.glob("*.log")):
+        print(f"----- last {LOG_TAIL_LINES} lines of {log} -----", flush=True)
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        print("\n".join(lines), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
     parser.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "vllm-tiny-model")
     args = parser.parse_args()
+    setup_logging()
     if not (args.vllm_venv / "bin" / "vllm").exists():
         say(f"no vLLM at {args.vllm_venv}; run tests/vllm/setup.sh first")
         return 2
@@ -262,19 +395,21 @@ def main() -> int:
         host="127.0.0.1", port=0, events_port=0, http_port=0,
         heartbeat_interval_s=HEARTBEAT_INTERVAL_S, lease_s=5.0)).start()
     say(f"registry at {server.control_address}, HTTP {server.http_url}")
-    with tempfile.TemporaryDirectory(prefix="pdreg-vllm-") as tmp:
-        workdir = Path(tmp)
-        try:
-            check(server.http_url, server.control_address, args.vllm_venv.resolve(),
-                  args.model_dir.resolve(), workdir)
-        except AssertionError as exc:
-            say(f"FAILED: {exc}")
-            for log in sorted(workdir.glob("*.log")):
-                print(f"----- last lines of {log.name} -----", flush=True)
-                print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
-            return 1
-        finally:
-            server.close()
+    # Kept on failure, for the logs; removed on success.
+    workdir = Path(tempfile.mkdtemp(prefix="pdreg-vllm-"))
+    steps = Steps()
+    try:
+        check(steps, server.http_url, server.control_address, args.vllm_venv.resolve(),
+              args.model_dir.resolve(), workdir)
+    except Exception as exc:  # any failure: name the step, show the logs, keep them
+        say(f"FAILED at step '{steps.current}': {type(exc).__name__}: {exc}")
+        print_log_tails(workdir)
+        say(f"FAILED at step '{steps.current}' after {time.monotonic() - started:.0f}s; "
+            f"full logs kept in {workdir}")
+        return 1
+    finally:
+        server.close()
+    shutil.rmtree(workdir, ignore_errors=True)
     say(f"PASSED in {time.monotonic() - started:.0f}s")
     return 0
 
