@@ -28,7 +28,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info
 
 # Real vLLM (CPU) under `pdreg agent`: builds .venv-vllm and a tiny model once (stamp
-# files), then runs prefill + decode against a real registry. A few minutes.
+# files), then runs prefill + decode against a real registry, routes completions and chat
+# through `pdreg router` (compared token by token with one instance), and drains the
+# decode. About 3 minutes after the first install; on failure it names the step and
+# prints the logs' tails.
 VLLM_VENV ?= .venv-vllm
 VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
 

@@ -50,6 +50,7 @@ SIDECAR_EXIT_TIMEOUT_S = 90.0
 ROUTER_STARTUP_TIMEOUT_S = 60.0
 ROUTER_EXIT_TIMEOUT_S = 20.0
 LOG_TAIL_LINES = 60
+ROUTER_MAX_ATTEMPTS = 3  # pairs the router tries per request (its --max-attempts)
 HEARTBEAT_INTERVAL_S = 0.5
 MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
 MODEL_NAME = "tiny"
@@ -197,7 +198,8 @@ class Router:
 def start_router(router: Router, registry: str) -> None:
     """`pdreg router`, registered as an api_server member (so the registry shows it too)."""
     argv = [str(REPO / ".venv" / "bin" / "python"), "-m", "pdreg", "router",
-            "--registry", registry, "--host", "127.0.0.1", "--port", str(router.port)]
+            "--registry", registry, "--host", "127.0.0.1", "--port", str(router.port),
+            "--max-attempts", str(ROUTER_MAX_ATTEMPTS)]
     with router.log_path.open("wb") as log:
         router.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                           preexec_fn=die_with_parent)
@@ -251,10 +253,12 @@ def check_routing(steps: Steps, registry_http: str, registry_address: str, prefi
     say("ok: /v1/models lists the model")
 
     steps.begin("routed completions and chat = single instance; KV pulled by the decode")
-    routing_checks.check_routed_outputs(router.url, prefill.url, decode.url, MODEL_NAME, say)
+    transit = routing_checks.check_routed_outputs(router.url, prefill.url, decode.url,
+                                                  MODEL_NAME, say)
 
     steps.begin("router metrics: both members picked, no retries")
-    routing_checks.check_router_picks(router.url, prefill.member_id, decode.member_id)
+    routing_checks.check_router_picks(router.url, prefill.member_id, decode.member_id,
+                                      transit, ROUTER_MAX_ATTEMPTS)
     say("ok: router picked both, retried nothing")
 
 

@@ -15,11 +15,18 @@ real `openai` client, it asserts:
 
 Every prompt starts with its own case name, so no request hits another's prefix cache on
 the decode (a local cache hit would be counted under another source).
+
+On a shared 2-core machine the whole box can stall for tens of seconds; the router then
+sees its 3 s connect timeout expire and, with one P and one D, answers 502 after its own
+retries. Such a routed request is tried again here (at most OVERLOAD_RETRIES times, each
+said loudly); the token comparison holds for the attempt that succeeded, and the KV and
+retry accounting allow for the failed attempts (and only for them).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +42,10 @@ logger = logging.getLogger(__name__)
 MAX_TOKENS = 16
 REQUEST_TIMEOUT_S = 120.0  # one request; vLLM on a loaded 2-core machine can stall a while
 METRICS_SETTLE_S = 30.0  # vLLM records prompt-token stats just after the response
+OVERLOAD_RETRIES = 2  # extra tries of a routed request that failed in transit (see above)
+OVERLOAD_PAUSE_S = 5.0
+# What a stalled machine looks like from the client: the router's 502/503, or a timeout.
+TRANSIT_STATUSES = (502, 503, 504)
 PROMPT_SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
 EXTERNAL_SOURCE = "external_kv_transfer"
 # Greedy, fixed length whatever the random model emits, and the ids to compare.
@@ -133,6 +144,33 @@ def _collect_stream(stream: Any, text_of: Callable[[Any], str | None]) -> Output
     return out
 
 
+@dataclass
+class Transit:
+    """Routed requests that failed in transit and were tried again, and their prompts."""
+
+    failures: int = 0
+    prompt_tokens: int = 0
+
+
+def run_routed(api: openai.OpenAI, model: str, case: Case, prompt_tokens: int,
+               transit: Transit, say: Callable[[str], None]) -> Output:
+    for attempt in range(OVERLOAD_RETRIES + 1):
+        try:
+            return run_case(api, model, case)
+        except (openai.APIStatusError, openai.APIConnectionError) as exc:
+            status = getattr(exc, "status_code", None)
+            transient = status in TRANSIT_STATUSES or isinstance(
+                exc, openai.APIConnectionError)
+            if not transient or attempt == OVERLOAD_RETRIES:
+                raise
+            transit.failures += 1
+            transit.prompt_tokens += prompt_tokens
+            say(f"WARNING: {case.name} through the router failed in transit ({exc}); "
+                f"machine overloaded? trying again in {OVERLOAD_PAUSE_S:.0f}s")
+            time.sleep(OVERLOAD_PAUSE_S)  # let the machine catch up; no condition to wait on
+    raise AssertionError("unreachable")
+
+
 def prompt_tokens_by_source(engine_url: str) -> dict[str, float]:
     """The engine's prompt-token counters by source, summed over its engine cores."""
     response = httpx.get(f"{engine_url}/metrics", timeout=10)
@@ -151,12 +189,13 @@ def check_models(router_url: str, model: str) -> None:
 
 
 def check_routed_outputs(router_url: str, prefill_url: str, decode_url: str, model: str,
-                         say: Callable[[str], None]) -> None:
+                         say: Callable[[str], None]) -> Transit:
     """Each case through the router against the same request served by the prefill alone;
     then the decode's external-KV counter against the routed prompt lengths."""
     router_api, reference_api = client(router_url), client(prefill_url)
     before = prompt_tokens_by_source(decode_url)
     routed_prompt_tokens = 0
+    transit = Transit()
     for case in CASES:
         reference = run_case(reference_api, model, case)
         assert reference.completion_tokens == MAX_TOKENS, (
@@ -166,7 +205,7 @@ def check_routed_outputs(router_url: str, prefill_url: str, decode_url: str, mod
             f"{case.name}: a plain request to the prefill came back with kv_transfer_params "
             f"{reference.kv_transfer_params}: not served locally")
         assert len(reference.token_ids) == MAX_TOKENS, (case.name, reference)
-        routed = run_case(router_api, model, case)
+        routed = run_routed(router_api, model, case, reference.prompt_tokens, transit, say)
         assert routed.token_ids == reference.token_ids, (
             f"{case.name}: routed token ids differ from a single instance's\n"
             f"  routed:    {routed.token_ids}\n  reference: {reference.token_ids}")
@@ -186,16 +225,23 @@ def check_routed_outputs(router_url: str, prefill_url: str, decode_url: str, mod
 
     wait_until(grown, METRICS_SETTLE_S, poll_s=0.5)
     grew = {source: last.get(source, 0.0) - before.get(source, 0.0) for source in last}
-    assert grew.get(EXTERNAL_SOURCE, 0.0) == routed_prompt_tokens, (
+    external = grew.get(EXTERNAL_SOURCE, 0.0)
+    # A request that failed in transit may or may not have reached the decode's pull.
+    assert routed_prompt_tokens <= external <= routed_prompt_tokens + transit.prompt_tokens, (
         f"decode's {PROMPT_SOURCE_METRIC} grew by {grew} over the routed requests; expected "
         f"{EXTERNAL_SOURCE} to grow by their {routed_prompt_tokens} prompt tokens (the KV "
-        f"should travel from the prefill, not be computed on the decode)")
-    say(f"ok: decode's prompt tokens from external_kv_transfer grew by "
-        f"{routed_prompt_tokens}, the routed prompts' lengths (by source: {grew})")
+        f"should travel from the prefill, not be computed on the decode)"
+        + (f", plus at most {transit.prompt_tokens} from requests that failed in transit"
+           if transit.failures else ""))
+    say(f"ok: decode's prompt tokens from external_kv_transfer grew by {external:.0f}, "
+        f"the routed prompts' lengths {routed_prompt_tokens} (by source: {grew})")
+    return transit
 
 
-def check_router_picks(router_url: str, prefill_id: str, decode_id: str) -> None:
-    """The router's own account: both members picked, no retry needed."""
+def check_router_picks(router_url: str, prefill_id: str, decode_id: str,
+                       transit: Transit, max_attempts: int) -> None:
+    """The router's own account: both members picked, no retry needed (beyond the
+    router's own retries of requests that failed in transit)."""
     text = httpx.get(f"{router_url}/metrics", timeout=10).text
     samples = parse_gauges(text, ["pdreg_router_picks_total", "pdreg_router_retries_total"])
     picks = {(labels.get("member"), labels.get("role")): value
@@ -204,4 +250,7 @@ def check_router_picks(router_url: str, prefill_id: str, decode_id: str) -> None
         assert picks.get((member_id, role), 0) >= len(CASES), (
             f"router picks {picks}; expected {role} {member_id} at least {len(CASES)} times")
     retries = sum(value for _, value in samples.get("pdreg_router_retries_total", []))
-    assert retries == 0, f"the router retried {retries} times: {samples}"
+    allowed = transit.failures * max_attempts  # each failed request: every attempt failed
+    assert retries <= allowed, (
+        f"the router retried {retries} times (allowed {allowed} for {transit.failures} "
+        f"requests that failed in transit): {samples}")
