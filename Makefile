@@ -38,3 +38,11 @@ VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
 test-vllm: venv
 	VLLM_VENV=$(VLLM_VENV) VLLM_MODEL_DIR=$(VLLM_MODEL_DIR) PYTHON=$(PYTHON) tests/vllm/setup.sh
 	$(BIN)/python tests/vllm/check_vllm_sidecar.py --vllm-venv $(VLLM_VENV) --model-dir $(VLLM_MODEL_DIR)
+
+# Every benchmark with its default settings (a few minutes each on 2 cores). The router
+# and elasticity benchmarks install the peer routers into .venv-peers on first use.
+bench: venv
+	$(BIN)/python bench/bench_registry.py
+	$(BIN)/python bench/bench_engine.py
+	$(BIN)/python bench/bench_router.py
+	$(BIN)/python bench/bench_elasticity.py
