@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +49,7 @@ SIDECAR_EXIT_TIMEOUT_S = 90.0
 ROUTER_STARTUP_TIMEOUT_S = 60.0
 ROUTER_EXIT_TIMEOUT_S = 20.0
 LOG_TAIL_LINES = 60
+DRAIN_REQUESTS = 6
 ROUTER_MAX_ATTEMPTS = 3  # pairs the router tries per request (its --max-attempts)
 HEARTBEAT_INTERVAL_S = 0.5
 MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
@@ -167,12 +167,19 @@ def wait_logged(what: str, predicate: Callable[[], object], timeout_s: float,
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def fire_completions(url: str, count: int) -> list[threading.Thread]:
+def fire_completions(url: str, count: int,
+                     outcomes: list[str] | None = None) -> list[threading.Thread]:
+    """`count` long completions at once, each in a thread; each appends "ok", its HTTP
+    status or its error to `outcomes`."""
     def one() -> None:
         try:
-            httpx.post(f"{url}/v1/completions", json=LONG_COMPLETION, timeout=120)
+            response = httpx.post(f"{url}/v1/completions", json=LONG_COMPLETION, timeout=120)
+            outcome = "ok" if response.status_code == 200 else f"HTTP {response.status_code}"
         except httpx.HTTPError as exc:
-            say(f"completion to {url} ended: {exc!r}")
+            outcome = repr(exc)
+            say(f"completion to {url} ended: {outcome}")
+        if outcomes is not None:
+            outcomes.append(outcome)
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
     for thread in threads:
@@ -313,9 +320,12 @@ def check(steps: Steps, registry_http: str, registry_address: str, vllm_venv: Pa
         steps.begin("load figures move while completions run")
         threads = fire_completions(prefill.url, 6) + fire_completions(decode.url, 6)
 
+        def load_of(engine: Engine) -> dict[str, Any]:
+            return members(registry_http).get(engine.member_id, {}).get(
+                "load", {"running": 0, "waiting": 0})
+
         def busy(engine: Engine) -> Callable[[], bool]:
-            return lambda: members(registry_http).get(engine.member_id, {}).get(
-                "load", {}).get("running", 0) > 0
+            return lambda: load_of(engine)["running"] > 0
 
         wait_logged("prefill reports running > 0", busy(prefill), STEP_TIMEOUT_S)
         wait_logged("decode reports running > 0", busy(decode), STEP_TIMEOUT_S)
@@ -327,10 +337,18 @@ def check(steps: Steps, registry_http: str, registry_address: str, vllm_venv: Pa
 
         check_routing(steps, registry_http, registry_address, prefill, decode, router)
 
-        # SIGTERM the decode's sidecar while it serves: DRAINING, then gone.
+        # SIGTERM the decode's sidecar while it serves: DRAINING, then gone, and every
+        # request it held at SIGTERM answered in full.
         steps.begin("drain the decode with SIGTERM while it serves")
-        threads = fire_completions(decode.url, 6)
-        wait_logged("decode busy again", busy(decode), STEP_TIMEOUT_S)
+        # Idle first, so that "busy" below is these requests and not a stale report of the
+        # routed ones; and all of them in the engine (running or waiting) before SIGTERM,
+        # because the sidecar can only wait for requests vLLM's scheduler counts.
+        wait_logged("decode reports idle", lambda: load_of(decode)["running"] == 0,
+                    STEP_TIMEOUT_S)
+        drain_outcomes: list[str] = []
+        threads = fire_completions(decode.url, DRAIN_REQUESTS, drain_outcomes)
+        wait_logged(f"decode holds all {DRAIN_REQUESTS} requests", lambda: load_of(
+            decode)["running"] + load_of(decode)["waiting"] >= DRAIN_REQUESTS, STEP_TIMEOUT_S)
         assert decode.process is not None
         decode.process.send_signal(signal.SIGTERM)
         say("sent SIGTERM to the decode's sidecar")
@@ -345,6 +363,10 @@ def check(steps: Steps, registry_http: str, registry_address: str, vllm_venv: Pa
                     lambda: not marked_pids(decode.marker), STEP_TIMEOUT_S)
         for thread in threads:
             thread.join(STEP_TIMEOUT_S)
+        assert drain_outcomes == ["ok"] * DRAIN_REQUESTS, (
+            f"requests held by the decode at SIGTERM ended {drain_outcomes}; drain should "
+            f"have let all {DRAIN_REQUESTS} finish")
+        say(f"ok: all {DRAIN_REQUESTS} requests held at SIGTERM finished")
         assert members(registry_http)[prefill.member_id]["state"] == "ready"
         say("prefill still READY")
     finally:
@@ -399,7 +421,7 @@ def main() -> int:
         host="127.0.0.1", port=0, events_port=0, http_port=0,
         heartbeat_interval_s=HEARTBEAT_INTERVAL_S, lease_s=5.0)).start()
     say(f"registry at {server.control_address}, HTTP {server.http_url}")
-    # Kept on failure, for the logs; removed on success.
+    # Kept, pass or fail: a few hundred kB, and the first thing anyone asks for.
     workdir = Path(tempfile.mkdtemp(prefix="pdreg-vllm-"))
     steps = Steps()
     try:
@@ -413,8 +435,7 @@ def main() -> int:
         return 1
     finally:
         server.close()
-    shutil.rmtree(workdir, ignore_errors=True)
-    say(f"PASSED in {time.monotonic() - started:.0f}s")
+    say(f"PASSED in {time.monotonic() - started:.0f}s; logs in {workdir}")
     return 0
 
 
