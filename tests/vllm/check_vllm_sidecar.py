@@ -277,7 +277,7 @@ def check(steps: Steps, registry_http: str, registry_address: str, vllm_venv: Pa
                     workdir / "decode.log")
     router = Router(free_low_port(), workdir / "router.log")
     try:
-        steps.begin("start prefill and decode vLLM under pdreg agent")
+        steps.begin("start prefill and decode vLLM under pdreg agent, wait for READY")
         start_engine(prefill, registry_address, vllm_venv, model_dir, omp_bind="0")
         start_engine(decode, registry_address, vllm_venv, model_dir, omp_bind="1")
 
