@@ -104,7 +104,8 @@ class Exchange:
         """After D is done: let the companion leg end (bounded), report its failure."""
         task = self.companion
         if task is not None and not task.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            # Only the timeout is quiet: a cancel (the client left) must reach the handler.
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), timeout_s)
         return self.companion_failure()
 

@@ -238,14 +238,26 @@ class Router:
                              quarantine=False)
         self.metrics.ttft.labels(model).observe(self._clock() - started)
         out = web.StreamResponse(headers=_SSE_HEADERS)
+        try:
+            return await self._stream(request, out, exchange, decode, model, first, started)
+        except ConnectionError:
+            # A write to the client's closing socket: the client hung up (often right
+            # after [DONE], before the stream's end). A cancel, not an upstream failure.
+            logger.debug("[router] client left mid-response model=%s", model)
+            self._count(model, "cancelled")
+            return out
+
+    async def _stream(self, request: web.Request, out: web.StreamResponse,
+                      exchange: Exchange, decode: Candidate, model: str, first: bytes,
+                      started: float) -> web.StreamResponse:
+        """Forward D's SSE stream. Writes to a departed client raise ConnectionError."""
         await out.prepare(request)
+        content = exchange.response.content
         # Forward whole SSE events only, so an error event never lands inside a cut one.
         pending = first
         while True:
             cut = pending.rfind(_SSE_EVENT_END)
             if cut >= 0:
-                # A write error here is the client leaving: it propagates as such (not an
-                # upstream failure) and the handler's cleanup closes both legs.
                 await out.write(pending[:cut + 2])
                 pending = pending[cut + 2:]
             try:

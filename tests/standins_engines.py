@@ -120,6 +120,7 @@ class Faults:
     cut_after_chunks: int = -1  # stream this many chunks, then drop the connection
     delay_s: float = 0.0  # before answering
     token_delay_s: float = 0.0  # between streamed chunks
+    answer_delay_s: float = 0.0  # after the handshake (KV handed over), before answering
 
 
 KV_REPLY = web.RequestKey("kv_reply", dict)
@@ -187,6 +188,8 @@ class StandinEngine:
             message = exc.message if isinstance(exc, Rejected) else f"bad request: {exc!r}"
             self.rejections.append(message)
             return web.json_response({"error": {"message": message}}, status=400)
+        if f.answer_delay_s:
+            await asyncio.sleep(f.answer_delay_s)
         return await self._generate(request, body, prompt)
 
     # Contract checks: return a failure string for a 500, raise Rejected for a 400.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -286,3 +287,26 @@ def test_draining_member_gets_nothing_new(nixl: Fleet, router: RouterFixture) ->
     for i in range(5):
         c.completions.create(model="m", prompt=str(i), max_tokens=1)
     assert len(p1.requests) == 0 and len(p2.requests) == 5
+
+
+def test_client_leaving_after_done_is_a_quiet_cancel(
+        loop_thread: LoopThread, router: RouterFixture, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    # SGLang: D has streamed [DONE] while P's leg still runs; the client hangs up then.
+    fleet = Fleet(loop_thread, "sglang")
+    p = fleet.add("p1", P)
+    fleet.add("d1", D)
+    p.faults.answer_delay_s = 1.0
+    server = router(fleet)
+    body = {"model": "m", "prompt": "bye", "max_tokens": 3, "stream": True}
+    with caplog.at_level(logging.ERROR), httpx.stream(
+            "POST", server.url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                break  # hang up before the chunked stream's end
+    metrics_text = lambda: httpx.get(server.url + "/metrics").text  # noqa: E731
+    assert wait_until(lambda: 'outcome="cancelled"} 1.0' in metrics_text(), 10)
+    assert wait_until(lambda: server.router._in_flight == {}, 10)
+    assert 'outcome="ok"' not in metrics_text()
+    assert [rec for rec in caplog.records if rec.levelno >= logging.ERROR] == []
+    assert fleet.view.reports == []  # nobody is to blame
