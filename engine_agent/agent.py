@@ -64,6 +64,7 @@ BACKOFF_MAX_S = 3.0  # exponential backoff is capped here (jitter keeps half to 
 BYE_TIMEOUT_S = 0.5  # stop() waits this long for registries to acknowledge bye
 MAX_POLL_S = 1.0  # the loop never polls longer than this, even with nothing due
 DRAIN_POLL_S = 0.05  # how often drain() asks in_flight()
+DRAIN_QUIET_S = 0.5  # in_flight() must read 0 this long before a drain is done
 THREAD_JOIN_MARGIN_S = 2.0
 LOOP_ERROR_PAUSE_S = 0.1  # after an unexpected error, so a persistent one cannot spin
 
@@ -117,24 +118,35 @@ class _Link:
                    max(MIN_REPLY_TIMEOUT_S, REPLY_TIMEOUT_INTERVALS * self.interval_s))
 
 
-def wait_for_idle(in_flight: Callable[[], int], timeout_s: float, member_id: str) -> bool:
-    """Wait until in_flight() is 0 or timeout_s passes; whether it reached 0.
+def wait_for_idle(in_flight: Callable[[], int], timeout_s: float, member_id: str,
+                  quiet_s: float = DRAIN_QUIET_S) -> bool:
+    """Wait until in_flight() has read 0 for `quiet_s` in a row, or timeout_s passes.
 
-    A raising in_flight() counts as "not yet" (logged once).
+    The quiet period covers requests a router sent just before it saw DRAINING, and
+    requests an engine's HTTP server holds before its scheduler counts them. Returns
+    whether the work drained (idle at the deadline counts). A raising in_flight() counts
+    as "not yet" (logged once).
     """
     deadline = time.monotonic() + max(0.0, timeout_s)
     pause = threading.Event()
     failed = False
+    idle_since: float | None = None
     while True:
         try:
-            if int(in_flight()) <= 0:
-                logger.info("[agent] drain id=%s done", member_id)
-                return True
+            busy = int(in_flight()) > 0
         except Exception:
             if not failed:
                 logger.exception("[agent] drain id=%s: in_flight() failed", member_id)
             failed = True
-        if time.monotonic() >= deadline:
+            busy = True
+        now = time.monotonic()
+        idle_since = None if busy else (idle_since if idle_since is not None else now)
+        if idle_since is not None and now - idle_since >= quiet_s:
+            logger.info("[agent] drain id=%s done", member_id)
+            return True
+        if now >= deadline:
+            if idle_since is not None:
+                return True
             logger.warning("[agent] drain id=%s timed out after %.1fs", member_id, timeout_s)
             return False
         pause.wait(DRAIN_POLL_S)

@@ -48,6 +48,7 @@ __all__ = ["Sidecar", "SidecarConfig", "default_protocol"]
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DRAIN_QUIET_S = 1.0  # running+waiting must read 0 this long before the engine stops
 HEALTH_FAILURES_TO_UNREADY = 3  # consecutive non-200 answers before READY -> JOINING
 DEFAULT_HEALTH_INTERVAL_S = 1.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -226,7 +227,10 @@ class Sidecar:
                     self.config.drain_timeout_s)
         self.phase = Phase.DRAINING
         agent.set_state(MemberState.DRAINING)
-        wait_for_idle(self._in_flight, self.config.drain_timeout_s, agent.spec.id)
+        # vLLM counts a request only once its scheduler has it: a longer quiet period
+        # covers those its HTTP server has accepted but not yet handed over.
+        wait_for_idle(self._in_flight, self.config.drain_timeout_s, agent.spec.id,
+                      quiet_s=ENGINE_DRAIN_QUIET_S)
         self._kill_child()
         agent.stop(ByeReason.SHUTDOWN)
         return 0

@@ -37,6 +37,8 @@ from registry.protocol import (
 
 logger = logging.getLogger(__name__)
 
+LAG_WARNING_S = 0.5  # a loop stall this long is logged as a warning (always compensated)
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -233,7 +235,9 @@ class Membership:
             self.last_lag_s = lag
             for entry in self._members.values():
                 entry.last_seen += lag
-            logger.warning("[registry] loop lag %.3fs: deadlines moved", lag)
+            # Small stalls are routine on a busy host; only a long one is worth a warning.
+            log = logger.warning if lag >= LAG_WARNING_S else logger.debug
+            log("[registry] loop lag %.3fs: deadlines moved", lag)
         timing = self.timing
         silent: list[_Entry] = []
         for entry in self._members.values():

@@ -17,6 +17,7 @@ from engine_agent.agent import (
     default_member_id,
     new_incarnation,
     resolve_registries,
+    wait_for_idle,
 )
 from pdreg.testing import free_low_port, wait_until
 from registry.protocol import (
@@ -278,3 +279,18 @@ def test_resolve_registries(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_registries(None) == ["env:9"]
     with pytest.raises(ValueError, match="HOST:PORT"):
         Agent(make_spec(), registries="nohost")
+
+
+def test_drain_waits_for_a_quiet_period_not_a_single_zero():
+    start = time.monotonic()
+
+    def in_flight() -> int:
+        # Idle at first, then a late request arrives (sent before a router saw DRAINING).
+        return 1 if 0.1 <= time.monotonic() - start < 0.3 else 0
+
+    assert wait_for_idle(in_flight, timeout_s=10.0, member_id="d", quiet_s=0.4)
+    assert time.monotonic() - start >= 0.3 + 0.4
+
+
+def test_drain_times_out_while_busy():
+    assert not wait_for_idle(lambda: 1, timeout_s=0.2, member_id="d", quiet_s=0.1)
