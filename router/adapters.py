@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 
 from router.policies import Candidate, Pair
+from router.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = [
     "ADAPTERS",
@@ -40,7 +40,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-JSON_HEADERS: Final = {"Content-Type": "application/json"}
 ERROR_BODY_CHARS: Final = 300  # how much of an upstream error body a log line keeps
 SGLANG_ROOM_LIMIT: Final = 2**63  # bootstrap_room is a random integer below this
 
@@ -89,7 +88,7 @@ class UpstreamRejected(Exception):
 class Exchange:
     """D's response (headers in) plus any leg still running beside it (SGLang's P)."""
 
-    response: aiohttp.ClientResponse
+    response: UpstreamResponse
     companion: asyncio.Task[None] | None = None
     _closed: bool = field(default=False, repr=False)
 
@@ -116,7 +115,7 @@ class Exchange:
         if self._closed:
             return
         self._closed = True
-        self.response.release()  # aiohttp closes instead when the body is not at EOF
+        self.response.release()  # closes instead when the body is not at its end
         if self.companion is not None and not self.companion.done():
             self.companion.cancel()
 
@@ -124,20 +123,20 @@ class Exchange:
 class Adapter(Protocol):
     name: str
 
-    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+    async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange: ...
 
 
 # --- shared leg helpers -----------------------------------------------------------------
 
 
-async def _post(session: aiohttp.ClientSession, member: Candidate, role: str, path: str,
-                payload: bytes, headers: dict[str, str], *,
-                quarantine_on_5xx: bool = True) -> aiohttp.ClientResponse:
+async def _post(session: UpstreamPool, member: Candidate, role: str, path: str,
+                payload: bytes, request_id: str, *,
+                quarantine_on_5xx: bool = True) -> UpstreamResponse:
     """POST and wait for the status line. Connection errors and 5xx become LegFailure."""
-    try:
-        response = await session.post(member.http + path, data=payload, headers=headers)
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+    try:  # OSError covers refused, dropped (UpstreamError) and connect timeouts
+        response = await session.post(member.http, path, payload, request_id)
+    except OSError as exc:
         raise LegFailure(member, role, f"connect: {type(exc).__name__}: {exc}") from None
     if response.status >= 500:
         text = await _read_quietly(response)
@@ -146,34 +145,34 @@ async def _post(session: aiohttp.ClientSession, member: Candidate, role: str, pa
     return response
 
 
-async def _read_quietly(response: aiohttp.ClientResponse) -> str:
+async def _read_quietly(response: UpstreamResponse) -> str:
     try:
         return (await response.read()).decode(errors="replace")
-    except (TimeoutError, aiohttp.ClientError, OSError):
+    except OSError:
         return ""
     finally:
         response.release()
 
 
-async def _read_all(response: aiohttp.ClientResponse, member: Candidate, role: str) -> bytes:
+async def _read_all(response: UpstreamResponse, member: Candidate, role: str) -> bytes:
     try:
         return await response.read()
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+    except OSError as exc:
         raise LegFailure(member, role, f"read: {type(exc).__name__}: {exc}") from None
     finally:
         response.release()
 
 
-async def _reject_4xx(response: aiohttp.ClientResponse, member: Candidate, role: str) -> None:
+async def _reject_4xx(response: UpstreamResponse, member: Candidate, role: str) -> None:
     if response.status >= 400:
         body = await _read_all(response, member, role)
         raise UpstreamRejected(response.status, body,
-                               response.headers.get("Content-Type", "application/json"))
+                               response.content_type)
 
 
-async def _prefill_json(session: aiohttp.ClientSession, member: Candidate, path: str,
-                        payload: bytes, headers: dict[str, str]) -> Any:
-    response = await _post(session, member, "prefill", path, payload, headers)
+async def _prefill_json(session: UpstreamPool, member: Candidate, path: str,
+                        payload: bytes, request_id: str) -> Any:
+    response = await _post(session, member, "prefill", path, payload, request_id)
     await _reject_4xx(response, member, "prefill")
     raw = await _read_all(response, member, "prefill")
     try:
@@ -201,19 +200,17 @@ class DirectAdapter:
 
     name = "direct"
 
-    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+    async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
-        headers = {**JSON_HEADERS, "X-Request-Id": request_id}
         return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
-                                    headers))
+                                    request_id))
 
 
 class VllmNixlAdapter:
     name = "vllm-nixl"
 
-    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+    async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
-        headers = {**JSON_HEADERS, "X-Request-Id": request_id}
         prefill_body = dict(body)
         prefill_body["max_tokens"] = 1
         if "max_completion_tokens" in prefill_body:
@@ -221,7 +218,8 @@ class VllmNixlAdapter:
         prefill_body["stream"] = False
         prefill_body.pop("stream_options", None)  # vLLM refuses it when stream is false
         prefill_body["kv_transfer_params"] = NIXL_PREFILL_PARAMS
-        reply = await _prefill_json(session, pair.prefill, path, _encode(prefill_body), headers)
+        reply = await _prefill_json(session, pair.prefill, path, _encode(prefill_body),
+                                    request_id)
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
         if not isinstance(params, dict):
             raise LegFailure(pair.prefill, "prefill",
@@ -231,7 +229,7 @@ class VllmNixlAdapter:
         decode_body["kv_transfer_params"] = params  # verbatim: the decode pulls with these
         # The decode's 5xx may be the prefill's fault (KV gone): retry, quarantine neither.
         return Exchange(await _post(session, pair.decode, "decode", path, _encode(decode_body),
-                                    headers, quarantine_on_5xx=False))
+                                    request_id, quarantine_on_5xx=False))
 
 
 class SglangAdapter:
@@ -240,7 +238,7 @@ class SglangAdapter:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.SystemRandom()
 
-    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+    async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
         endpoints = pair.prefill.member.record.spec.endpoints if pair.prefill.member else None
         bootstrap_host = (endpoints.kv_host if endpoints else "") or _http_host(
@@ -251,11 +249,10 @@ class SglangAdapter:
         both_body["bootstrap_port"] = bootstrap_port or None  # None: the engine's default
         both_body["bootstrap_room"] = self._rng.randrange(SGLANG_ROOM_LIMIT)
         payload = _encode(both_body)
-        headers = {**JSON_HEADERS, "X-Request-Id": request_id}
         prefill = asyncio.ensure_future(_drain_leg(session, pair.prefill, path, payload,
-                                                   headers))
+                                                   request_id))
         decode = asyncio.ensure_future(_post(session, pair.decode, "decode", path, payload,
-                                             headers, quarantine_on_5xx=False))
+                                             request_id, quarantine_on_5xx=False))
         try:
             done, _ = await asyncio.wait((prefill, decode),
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -276,9 +273,9 @@ class SglangAdapter:
         return exchange
 
 
-async def _drain_leg(session: aiohttp.ClientSession, member: Candidate, path: str,
-                     payload: bytes, headers: dict[str, str]) -> None:
-    response = await _post(session, member, "prefill", path, payload, headers)
+async def _drain_leg(session: UpstreamPool, member: Candidate, path: str,
+                     payload: bytes, request_id: str) -> None:
+    response = await _post(session, member, "prefill", path, payload, request_id)
     await _reject_4xx(response, member, "prefill")
     await _read_all(response, member, "prefill")
 
@@ -286,21 +283,20 @@ async def _drain_leg(session: aiohttp.ClientSession, member: Candidate, path: st
 class VllmP2pAdapter:
     name = "vllm-p2p"
 
-    async def open(self, session: aiohttp.ClientSession, pair: Pair, path: str,
+    async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
         pair_id = (f"___prefill_addr_{_kv_address(pair.prefill)}"
                    f"___decode_addr_{_kv_address(pair.decode)}_{uuid.uuid4().hex}")
-        headers = {**JSON_HEADERS, "X-Request-Id": pair_id}
         prefill_body = dict(body)
         prefill_body["max_tokens"] = 1
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         response = await _post(session, pair.prefill, "prefill", path, _encode(prefill_body),
-                               headers)
+                               pair_id)
         await _reject_4xx(response, pair.prefill, "prefill")
         await _read_all(response, pair.prefill, "prefill")
         return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
-                                    headers, quarantine_on_5xx=False))
+                                    pair_id, quarantine_on_5xx=False))
 
 
 ADAPTERS: Final[dict[str, Adapter]] = {

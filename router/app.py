@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -37,7 +36,7 @@ from router.policies import (
     prefix_key,
 )
 from router.quarantine import QUARANTINE_S, Quarantine
-from router.upstream import make_session
+from router.upstream import UpstreamPool
 
 __all__ = ["MAX_ATTEMPTS", "MembershipSource", "Router"]
 
@@ -48,7 +47,7 @@ COMPANION_WAIT_S: Final = 5.0  # after D is done, how long SGLang's P leg may st
 _SSE_EVENT_END: Final = b"\n\n"
 _SSE_DONE: Final = b"data: [DONE]\n\n"
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_READ_ERRORS: Final = (aiohttp.ClientError, OSError, TimeoutError)
+_READ_ERRORS: Final = OSError  # dropped (UpstreamError), reset, timed out
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -97,7 +96,7 @@ class Router:
         self._table = PairingTable({})
         self._request_ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
-        self.session: aiohttp.ClientSession | None = None
+        self.session: UpstreamPool | None = None
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -113,7 +112,7 @@ class Router:
         return app
 
     async def _open_session(self, app: web.Application) -> None:
-        self.session = make_session()
+        self.session = UpstreamPool()
 
     async def _close_session(self, app: web.Application) -> None:
         if self.session is not None:
@@ -217,7 +216,6 @@ class Router:
         """Relay D's answer. Raises LegFailure only before the client saw anything."""
         upstream = exchange.response
         decode = pair.decode
-        content_type = upstream.headers.get("Content-Type", "application/json")
         if not (stream and upstream.status == 200):
             try:
                 data = await upstream.read()
@@ -227,10 +225,9 @@ class Router:
             self._count(model, "ok" if upstream.status < 400 else "client_error")
             self.metrics.e2e.labels(model).observe(self._clock() - started)
             return web.Response(status=upstream.status, body=data,
-                                headers={"Content-Type": content_type})
-        content = upstream.content
+                                headers={"Content-Type": upstream.content_type})
         try:
-            first = await content.readany()
+            first = await upstream.readany()
         except _READ_ERRORS as exc:
             raise LegFailure(decode, "decode", f"stream: {type(exc).__name__}") from None
         if not first:
@@ -252,7 +249,7 @@ class Router:
                       started: float) -> web.StreamResponse:
         """Forward D's SSE stream. Writes to a departed client raise ConnectionError."""
         await out.prepare(request)
-        content = exchange.response.content
+        upstream = exchange.response
         # Forward whole SSE events only, so an error event never lands inside a cut one.
         pending = first
         while True:
@@ -261,7 +258,7 @@ class Router:
                 await out.write(pending[:cut + 2])
                 pending = pending[cut + 2:]
             try:
-                chunk = await content.readany()
+                chunk = await upstream.readany()
             except _READ_ERRORS as exc:
                 failure = exchange.companion_failure() or LegFailure(
                     decode, "decode", f"mid-stream: {type(exc).__name__}")

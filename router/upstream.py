@@ -1,27 +1,313 @@
-"""The one pooled HTTP client every request to an engine goes through.
+"""The one pooled HTTP/1.1 client every request to an engine goes through.
+
+Lean on purpose: a profile of the router under load put a third of its CPU in aiohttp's
+client machinery (request objects, header multidicts, payload registry, tasks). Here a
+request is one `transport.write` of bytes built in one go, and the answer is parsed by
+httptools straight into a status, a few headers and body chunks.
 
 Keep-alive connections are the point: a new TCP connection per leg would cost more CPU
-than the rest of the router together.
+than the rest of the router together. A connection goes back to the pool only when its
+answer was read to the end; otherwise it is closed, which is how an engine learns to
+stop generating.
+
+Errors are `OSError`s: `UpstreamError` (a `ConnectionError`) for a dropped connection or
+a malformed answer, `TimeoutError` for a connect that takes too long, and whatever the
+socket raises (e.g. `ConnectionRefusedError`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from functools import lru_cache
 from typing import Final
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 
-__all__ = ["CONNECT_TIMEOUT_S", "make_session"]
+__all__ = ["CONNECT_TIMEOUT_S", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+
+logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S: Final = 3.0  # an engine that cannot accept in this long is treated as down
 KEEPALIVE_S: Final = 60.0  # idle pooled connections live this long
-# No total timeout: a long generation streams for as long as it streams.
-_TIMEOUT: Final = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+# A stream the client reads slower than the engine writes: stop reading the engine's
+# socket above this many buffered bytes (TCP then slows the engine), resume below half.
+READ_HIGH_WATER_BYTES: Final = 2 * 1024 * 1024
 
 
-def make_session() -> aiohttp.ClientSession:
-    """Call from inside the running event loop that will use it."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S,
-                                     ttl_dns_cache=300)
-    return aiohttp.ClientSession(
-        connector=connector, timeout=_TIMEOUT, auto_decompress=False,
-        skip_auto_headers=("User-Agent",), raise_for_status=False)
+class UpstreamError(ConnectionError):
+    """The connection dropped before the answer was complete, or the answer is not HTTP."""
+
+
+@lru_cache(maxsize=1024)
+def _address(base_url: str) -> tuple[str, int, bytes]:
+    """(host, port, Host header value) of an engine's base URL, e.g. http://10.0.0.5:8000."""
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise UpstreamError(f"only http://host:port upstreams are supported, got {base_url!r}")
+    port = parts.port or 80
+    return parts.hostname, port, parts.netloc.encode()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one request/response at a time.
+
+    The httptools callbacks (`on_*`) fill the current `UpstreamResponse`.
+    """
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.response: UpstreamResponse | None = None
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._header_names: list[bytes] = []
+        self._header_values: list[bytes] = []
+
+    @property
+    def usable(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    # --- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # small requests and SSE events must not wait for Nagle
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self.response is None:  # nothing asked: an engine talking out of turn
+            self.close()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed HTTP answer: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(UpstreamError(f"connection lost: {exc}" if exc else "connection closed "
+                                 "by the engine before the answer was complete"))
+
+    # --- httptools callbacks ------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_names.append(name)
+        self._header_values.append(value)
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response.status = self._parser.get_status_code()
+        response.headers = {n.decode("latin-1").lower(): v.decode("latin-1")
+                            for n, v in zip(self._header_names, self._header_values,
+                                            strict=True)}
+        self._header_names.clear()
+        self._header_values.clear()
+        response._wake()
+
+    def on_body(self, body: bytes) -> None:
+        assert self.response is not None
+        self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response._keep_alive = self._parser.should_keep_alive()
+        response._feed_eof()
+
+    # --- used by the pool and the response ----------------------------------------------
+
+    def _fail(self, error: UpstreamError) -> None:
+        response = self.response
+        if response is not None and not response._complete:
+            response._set_error(error)
+
+    def pause_reading(self) -> None:
+        if self.usable:
+            assert self.transport is not None
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.usable:
+            assert self.transport is not None
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamResponse:
+    """An engine's answer: `status` and `headers` (names lower-case) once `post` returns,
+    the body through `read()` or `readany()`. Always `release()` or `close()` it."""
+
+    def __init__(self, pool: UpstreamPool, connection: _Connection) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._pool = pool
+        self._connection: _Connection | None = connection
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self._complete = False
+        self._keep_alive = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "application/json")
+
+    # --- reading ------------------------------------------------------------------------
+
+    async def read(self) -> bytes:
+        """The whole (rest of the) body."""
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def readany(self) -> bytes:
+        """What has arrived since the last call (waiting if nothing has); b"" at the end.
+        Raises UpstreamError if the connection dropped before the end."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                return b""
+            await self._wait()
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            if self._connection is not None:
+                self._connection.resume_reading()
+        return data
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    # --- fed by the connection ----------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > READ_HIGH_WATER_BYTES and not self._paused:
+            self._paused = True
+            if self._connection is not None:
+                self._connection.pause_reading()
+        self._wake()
+
+    def _feed_eof(self) -> None:
+        self._complete = True
+        self._wake()
+
+    def _set_error(self, error: UpstreamError) -> None:
+        self._error = error
+        self._wake()
+
+    # --- ending -------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Pool the connection if the answer was read to its end, else close it. Safe twice."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        connection.response = None
+        if self._complete and self._keep_alive and self._error is None and not self._paused:
+            self._pool._put(connection)
+        else:
+            connection.close()
+
+    def close(self) -> None:
+        """Drop the connection (the engine sees the client leave). Safe twice."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        connection.response = None
+        if not self._complete:
+            self._set_error(UpstreamError("closed by the router"))
+        connection.close()
+
+
+class UpstreamPool:
+    """Keep-alive HTTP/1.1 connections per engine address. Use on one event loop."""
+
+    def __init__(self, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._closed = False
+
+    async def post(self, base_url: str, path: str, body: bytes,
+                   request_id: str) -> UpstreamResponse:
+        """POST JSON `body` to `base_url + path`; returns once status and headers are in."""
+        host, port, host_header = _address(base_url)
+        head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n"
+                % (path.encode(), host_header, request_id.encode(), len(body)))
+        connection = await self._get((host, port))
+        response = UpstreamResponse(self, connection)
+        connection.response = response
+        assert connection.transport is not None
+        connection.transport.write(head + body)  # one send: headers and body together
+        try:
+            while response.status == 0:
+                if response._error is not None:
+                    raise response._error
+                await response._wait()
+        except BaseException:  # dropped, or the caller cancelled: the connection is spent
+            response.close()
+            raise
+        return response
+
+    async def _get(self, key: tuple[str, int]) -> _Connection:
+        idle = self._idle.get(key)
+        if idle:
+            oldest_usable = time.monotonic() - self.keepalive_s
+            while idle:
+                connection = idle.pop()  # the most recent: least likely to be timed out
+                if connection.usable and connection.idle_since > oldest_usable:
+                    return connection
+                connection.close()
+        loop = asyncio.get_running_loop()
+        _, connection = await asyncio.wait_for(
+            loop.create_connection(lambda: _Connection(key), key[0], key[1]),
+            self.connect_timeout_s)
+        return connection
+
+    def _put(self, connection: _Connection) -> None:
+        if self._closed or not connection.usable:
+            connection.close()
+            return
+        connection.idle_since = time.monotonic()
+        self._idle.setdefault(connection.key, []).append(connection)
+
+    async def close(self) -> None:
+        """Close every idle connection; connections in use close when released. Safe twice."""
+        self._closed = True
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
