@@ -152,6 +152,7 @@ class StandinEngine:
         self.requests: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.rejections: list[str] = []
         self.cancelled = 0  # streams whose client went away
+        self.connections: dict[tuple[str, int], Any] = {}  # peer address -> its transport
         self.url = ""
         app = web.Application()
         app.router.add_post("/v1/completions", self._handle)
@@ -166,6 +167,8 @@ class StandinEngine:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
         self.requests.append((request.path, body, dict(request.headers)))
+        if request.transport is not None:
+            self.connections[request.transport.get_extra_info("peername")] = request.transport
         f = self.faults
         if f.delay_s:
             await asyncio.sleep(f.delay_s)

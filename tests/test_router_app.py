@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from standins_engines import Fleet, LoopThread, live_member, tokens_for
 
 from pdreg.testing import wait_until
 from registry.protocol import MemberState, Role
+from router import upstream
 from router.service import RouterConfig, RouterServer
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
@@ -310,3 +312,72 @@ def test_client_leaving_after_done_is_a_quiet_cancel(
     assert 'outcome="ok"' not in metrics_text()
     assert [rec for rec in caplog.records if rec.levelno >= logging.ERROR] == []
     assert fleet.view.reports == []  # nobody is to blame
+
+
+# --- the upstream connection pool ---------------------------------------------------------------
+
+def test_engine_legs_reuse_keep_alive_connections(fleet: Fleet, router: RouterFixture) -> None:
+    server = router(fleet)
+    c = client(server)
+    for i in range(6):
+        got = c.completions.create(model="m", prompt=f"k{i}", max_tokens=2)
+        assert got.choices[0].text == expected(f"k{i}", 2)
+        chunks = c.completions.create(model="m", prompt=f"s{i}", max_tokens=2, stream=True)
+        assert "".join(x.choices[0].text for x in chunks) == expected(f"s{i}", 2)
+    for engine in fleet.engines.values():
+        assert len(engine.connections) == 1, engine.connections  # one, used 12 times
+
+
+def test_a_pooled_connection_the_engine_closed_is_not_reused(nixl: Fleet,
+                                                             router: RouterFixture) -> None:
+    p = nixl.add("p1", P)
+    d = nixl.add("d1", D)
+    server = router(nixl)
+    c = client(server)
+    c.completions.create(model="m", prompt="a", max_tokens=1)
+
+    async def close_idle() -> None:  # as an engine's keep-alive timeout does
+        for engine in (p, d):
+            for transport in engine.connections.values():
+                transport.close()
+    nixl.loop.run(close_idle())
+    pool = server.router.session
+    assert pool is not None
+    assert wait_until(lambda: not any(conn.usable for idle in pool._idle.values()
+                                      for conn in idle), 10)
+    got = c.completions.create(model="m", prompt="b", max_tokens=2)
+    assert got.choices[0].text == expected("b", 2)
+    assert len(p.connections) == 2 and len(d.connections) == 2
+    assert "pdreg_router_retries_total{" not in httpx.get(server.url + "/metrics").text
+
+
+def test_a_slow_reader_gets_a_long_stream_whole(nixl: Fleet, router: RouterFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stream far over the pool's read high-water mark, to a client with a tiny receive
+    # window that sleeps: reading the engine pauses and resumes; nothing lost or reordered.
+    pauses = []
+    pause = upstream._Connection.pause_reading
+    monkeypatch.setattr(upstream._Connection, "pause_reading",
+                        lambda self: (pauses.append(1), pause(self)))
+    monkeypatch.setattr(upstream, "READ_HIGH_WATER_BYTES", 64 * 1024)
+    nixl.add("p1", P)
+    nixl.add("d1", D)
+    server = router(nixl)
+    n = 40_000  # ~7 MB of SSE events: more than the kernel's socket buffers hold
+    payload = msgspec.json.encode({"model": "m", "prompt": "long", "max_tokens": n,
+                                   "stream": True})
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", server.port))
+        # HTTP/1.0: the body is not chunked and ends when the router closes.
+        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        received = [sock.recv(4096)]
+        assert wait_until(lambda: bool(pauses), 10)  # the router stopped reading the engine
+        while chunk := sock.recv(1 << 16):
+            received.append(chunk)
+    _, _, stream = b"".join(received).partition(b"\r\n\r\n")
+    events = [e for e in stream.split(b"\n\n") if e.startswith(b"data: {")]
+    text = "".join(msgspec.json.decode(e[6:])["choices"][0]["text"] for e in events)
+    assert text == expected("long", n)
