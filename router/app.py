@@ -91,7 +91,6 @@ class Router:
         self._api_key = f"Bearer {api_key}".encode() if api_key else b""
         self._clock = clock
         self._in_flight: dict[str, int] = {}
-        self._in_flight_gauges: dict[str, Any] = {}
         self._seen: Mapping[str, LiveMember] | None = None
         self._table = PairingTable({})
         self._request_ids = itertools.count()
@@ -223,7 +222,7 @@ class Router:
                 raise LegFailure(decode, "decode", f"read: {type(exc).__name__}") from None
             await self._check_companion(exchange)
             self._count(model, "ok" if upstream.status < 400 else "client_error")
-            self.metrics.e2e.labels(model).observe(self._clock() - started)
+            self.metrics.e2e_of(model).observe(self._clock() - started)
             return web.Response(status=upstream.status, body=data,
                                 headers={"Content-Type": upstream.content_type})
         try:
@@ -233,7 +232,7 @@ class Router:
         if not first:
             raise LegFailure(decode, "decode", "stream ended before any data",
                              quarantine=False)
-        self.metrics.ttft.labels(model).observe(self._clock() - started)
+        self.metrics.ttft_of(model).observe(self._clock() - started)
         out = web.StreamResponse(headers=_SSE_HEADERS)
         try:
             return await self._stream(request, out, exchange, decode, model, first, started)
@@ -274,7 +273,7 @@ class Router:
         await self._check_companion(exchange)
         await out.write_eof()
         self._count(model, "ok")
-        self.metrics.e2e.labels(model).observe(self._clock() - started)
+        self.metrics.e2e_of(model).observe(self._clock() - started)
         return out
 
     async def _check_companion(self, exchange: Exchange) -> None:
@@ -305,16 +304,16 @@ class Router:
 
     def _pick(self, pair: Pair) -> None:
         """Count the pick and hold an in-flight slot per distinct member of the pair."""
-        picks = self.metrics.picks
-        picks.labels(pair.decode.id, "decode").inc()
+        picks = self.metrics.picks_of
+        picks(pair.decode.id, "decode").inc()
         self._acquire(pair.decode)
         if not pair.direct:
-            picks.labels(pair.prefill.id, "prefill").inc()
+            picks(pair.prefill.id, "prefill").inc()
             self._acquire(pair.prefill)
 
     def _acquire(self, member: Candidate) -> None:
         self._in_flight[member.id] = self._in_flight.get(member.id, 0) + 1
-        self._gauge(member.id).inc()
+        self.metrics.in_flight_of(member.id).inc()
 
     def _release(self, member: Candidate) -> None:
         count = self._in_flight.get(member.id, 0) - 1
@@ -322,17 +321,10 @@ class Router:
             self._in_flight[member.id] = count
         else:
             self._in_flight.pop(member.id, None)
-        self._gauge(member.id).dec()
-
-    def _gauge(self, member_id: str) -> Any:
-        gauge = self._in_flight_gauges.get(member_id)
-        if gauge is None:
-            gauge = self._in_flight_gauges[member_id] = self.metrics.in_flight.labels(
-                member_id)
-        return gauge
+        self.metrics.in_flight_of(member.id).dec()
 
     def _count(self, model: str, outcome: str) -> None:
-        self.metrics.requests.labels(model, outcome).inc()
+        self.metrics.requests_of(model, outcome).inc()
 
     def _on_failure(self, failure: LegFailure) -> None:
         member = failure.member
