@@ -10,6 +10,9 @@ than the rest of the router together. A connection goes back to the pool only wh
 answer was read to the end; otherwise it is closed, which is how an engine learns to
 stop generating.
 
+Engines answer HTTP/1.1 with Content-Length or chunked bodies (uvicorn, aiohttp); an
+answer delimited only by the connection closing counts as dropped.
+
 Errors are `OSError`s: `UpstreamError` (a `ConnectionError`) for a dropped connection or
 a malformed answer, `TimeoutError` for a connect that takes too long, and whatever the
 socket raises (e.g. `ConnectionRefusedError`).
@@ -33,7 +36,9 @@ __all__ = ["CONNECT_TIMEOUT_S", "UpstreamError", "UpstreamPool", "UpstreamRespon
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S: Final = 3.0  # an engine that cannot accept in this long is treated as down
-KEEPALIVE_S: Final = 60.0  # idle pooled connections live this long
+# Idle pooled connections live this long: under the 5 s keep-alive of uvicorn (vLLM's and
+# SGLang's servers), so the router never sends on a connection the engine is closing.
+KEEPALIVE_S: Final = 4.0
 # A stream the client reads slower than the engine writes: stop reading the engine's
 # socket above this many buffered bytes (TCP then slows the engine), resume below half.
 READ_HIGH_WATER_BYTES: Final = 2 * 1024 * 1024

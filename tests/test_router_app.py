@@ -381,3 +381,16 @@ def test_a_slow_reader_gets_a_long_stream_whole(nixl: Fleet, router: RouterFixtu
     events = [e for e in stream.split(b"\n\n") if e.startswith(b"data: {")]
     text = "".join(msgspec.json.decode(e[6:])["choices"][0]["text"] for e in events)
     assert text == expected("long", n)
+
+
+def test_connections_idle_past_keepalive_are_not_reused(nixl: Fleet,
+                                                        router: RouterFixture) -> None:
+    p = nixl.add("p1", P)
+    nixl.add("d1", D)
+    server = router(nixl)
+    assert server.router.session is not None
+    server.router.session.keepalive_s = 0.0  # every idle connection is too old at once
+    c = client(server)
+    for i in range(2):
+        c.completions.create(model="m", prompt=str(i), max_tokens=1)
+    assert len(p.connections) == 2
