@@ -42,6 +42,7 @@ __all__ = ["MAX_ATTEMPTS", "MembershipSource", "Router"]
 
 logger = logging.getLogger(__name__)
 
+UNKNOWN_MODEL_LABEL: Final = "unknown"  # metrics label for models no member serves
 MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
 COMPANION_WAIT_S: Final = 5.0  # after D is done, how long SGLang's P leg may still take
 _SSE_EVENT_END: Final = b"\n\n"
@@ -324,7 +325,10 @@ class Router:
         self.metrics.in_flight_of(member.id).dec()
 
     def _count(self, model: str, outcome: str) -> None:
-        self.metrics.requests_of(model, outcome).inc()
+        # Clients name the model: only models the fleet serves get a series of their own,
+        # so a typo or a scan cannot grow the metrics without bound.
+        label = model if model in self._table.pools else UNKNOWN_MODEL_LABEL
+        self.metrics.requests_of(label, outcome).inc()
 
     def _on_failure(self, failure: LegFailure) -> None:
         member = failure.member

@@ -394,3 +394,14 @@ def test_connections_idle_past_keepalive_are_not_reused(nixl: Fleet,
     for i in range(2):
         c.completions.create(model="m", prompt=str(i), max_tokens=1)
     assert len(p.connections) == 2
+
+
+def test_models_nobody_serves_share_one_metrics_label(fleet: Fleet,
+                                                      router: RouterFixture) -> None:
+    server = router(fleet)
+    for name in ("typo-1", "typo-2", "scan-3"):
+        r = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": "x"})
+        assert r.status_code == 503
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pdreg_router_requests_total{model="unknown",outcome="no_capacity"} 3.0' in text
+    assert "typo-1" not in text
