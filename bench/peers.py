@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pdreg.testing import die_with_parent, free_low_port, wait_until  # noqa: E402
+from pdreg.testing import (  # noqa: E402
+    die_with_parent,
+    free_low_port,
+    stop_process,
+    wait_until,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +109,7 @@ class PeerRouter:
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, then SIGKILL if it overstays; removes the log. Safe twice."""
         if self.returncode is None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.returncode = self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.returncode = self.proc.wait()
+            self.returncode = stop_process(self.proc, timeout_s)
             Path(self.log_path).unlink(missing_ok=True)
         return self.returncode
 

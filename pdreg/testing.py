@@ -6,6 +6,7 @@ import ctypes
 import random
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Container
@@ -58,3 +59,14 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: normal exits and Ctrl-C still stop children
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM (a pdreg process drains), wait, SIGKILL if it overstays; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from registry.server import RegistryConfig, RegistryServer
 
 # Deterministic in CI: the same examples every run, no flaky deadline failures.
 settings.register_profile(
@@ -13,3 +17,14 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, max_examples=100)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture
+def registry() -> Iterator[RegistryServer]:
+    """A real registry on OS-chosen loopback ports with quick timings (0.2 s, lease 1 s)."""
+    server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0,
+                                           heartbeat_interval_s=0.2, lease_s=1.0)).start()
+    try:
+        yield server
+    finally:
+        server.close()

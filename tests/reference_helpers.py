@@ -16,7 +16,6 @@ import json
 import os
 import random
 import selectors
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from pdreg.testing import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_READY_TIMEOUT_S = 90.0  # torch import on a loaded 2-core machine can take a while
@@ -59,13 +60,7 @@ class EngineHandle:
     def stop(self, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> int:
         """SIGTERM (drain), wait, SIGKILL if it overstays; returns the exit code. Safe twice."""
         if self.returncode is None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.returncode = self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.returncode = self.proc.wait()
+            self.returncode = stop_process(self.proc, timeout_s)
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
             Path(self.log_path).unlink(missing_ok=True)

@@ -25,24 +25,12 @@ import pytest
 from engine_agent.agent import Agent, new_incarnation
 from pdreg.testing import die_with_parent, wait_until
 from registry.protocol import Endpoints, Load, MemberSpec, MemberState, Role
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import RegistryServer
 
 TIMEOUT_S = 20.0
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NO_LOAD = Load()
 SCREENSHOT_ENV = "PDREG_DASHBOARD_SCREENSHOT"  # set to a path to keep the screenshot
-
-
-@pytest.fixture
-def registry() -> Iterator[RegistryServer]:
-    server = RegistryServer(RegistryConfig(
-        host="127.0.0.1", port=0, events_port=0, http_port=0, heartbeat_interval_s=0.2,
-        lease_s=1.0, token="", admin_token=""))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 class Members:

@@ -5,27 +5,13 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
 
 import httpx
-import pytest
 from reference_helpers import BodyFor, start_engine
 
 from pdreg.testing import wait_until
 from registry.protocol import MemberState, Role
-from registry.server import RegistryConfig, RegistryServer
-
-
-@pytest.fixture
-def registry() -> Iterator[RegistryServer]:
-    server = RegistryServer(RegistryConfig(host="127.0.0.1", port=0, events_port=0,
-                                           http_port=0, heartbeat_interval_s=0.2,
-                                           lease_s=1.0, token="", admin_token=""))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
+from registry.server import RegistryServer
 
 
 def test_engine_registers_reports_load_and_drains(registry: RegistryServer) -> None:

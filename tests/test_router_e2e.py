@@ -24,22 +24,10 @@ from reference_helpers import EngineHandle, collect, start_engine, start_engines
 from pdreg.testing import die_with_parent, wait_until
 from registry.client import LiveMember, MembershipView
 from registry.protocol import MemberState, Role
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import RegistryServer
 from router.service import RouterConfig, RouterServer
 
 VIEW_TIMEOUT_S = 15.0
-
-
-@pytest.fixture
-def registry() -> Iterator[RegistryServer]:
-    server = RegistryServer(RegistryConfig(
-        host="127.0.0.1", port=0, events_port=0, http_port=0, heartbeat_interval_s=0.2,
-        lease_s=1.0, token="", admin_token=""))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
