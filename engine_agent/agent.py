@@ -48,7 +48,7 @@ from registry.protocol import (
 )
 
 __all__ = [
-    "Agent", "default_member_id", "new_incarnation", "resolve_registries", "wait_for_idle",
+    "Agent", "default_member_id", "new_incarnation", "wait_for_idle",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,6 @@ def new_incarnation() -> int:
     return time.time_ns()
 
 
-def resolve_registries(registries: str | Sequence[str] | None) -> list[str]:
-    """Registry control addresses (see registry.client.parse_registries), each once."""
-    return list(dict.fromkeys(parse_registries(registries)))
-
 
 class LinkPhase(enum.Enum):
     REGISTERING = "registering"  # next request is a Register
@@ -110,7 +106,6 @@ class _Link:
     failures: int = 0  # consecutive unanswered requests
     registered: bool = False  # the last reply was OK
     seq: int = 0
-    history: list[str] = field(default_factory=list)  # not used on the hot path
 
     @property
     def reply_timeout_s(self) -> float:
@@ -179,7 +174,7 @@ class Agent:
         if problem:
             raise ValueError(f"invalid member spec: {problem}")
         self._spec = spec
-        self._addresses = resolve_registries(registries)
+        self._addresses = parse_registries(registries)
         self._load_fn = load
         self._token = token
         self._state = MemberState(state)

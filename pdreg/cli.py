@@ -22,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Not "command": `pdreg agent -- COMMAND ...` uses that name for the engine's argv.
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"pdreg.cmd_{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"pdreg.cmd_{name}":
-                raise
-            continue  # not built yet
-        module.add_parser(subparsers)
+        importlib.import_module(f"pdreg.cmd_{name}").add_parser(subparsers)
     return parser
 
 

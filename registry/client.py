@@ -55,7 +55,10 @@ TICK_S = 0.1
 
 
 def parse_registries(text: str | Sequence[str] | None) -> list[str]:
-    """`"h1:7600,h2:7600"` (or a list, or None -> $PDREG_REGISTRY or the default) -> list."""
+    """`"h1:7600,h2:7600"` (or a list, or None -> $PDREG_REGISTRY or the default) -> list.
+
+    Each address once, in the order given.
+    """
     if text is None:
         text = os.environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -67,7 +70,9 @@ def parse_registries(text: str | Sequence[str] | None) -> list[str]:
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"registry address {item!r} must be HOST:PORT")
-        addresses.append(f"{host}:{int(port)}")
+        address = f"{host}:{int(port)}"
+        if address not in addresses:
+            addresses.append(address)
     if not addresses:
         raise ValueError("no registry address given")
     return addresses

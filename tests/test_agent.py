@@ -16,10 +16,10 @@ from engine_agent.agent import (
     backoff_delay_s,
     default_member_id,
     new_incarnation,
-    resolve_registries,
     wait_for_idle,
 )
 from pdreg.testing import free_low_port, wait_until
+from registry.client import parse_registries
 from registry.protocol import (
     ByeReason,
     Endpoints,
@@ -272,11 +272,11 @@ def test_backoff_is_exponential_with_jitter_and_capped(failures: int, low: float
         assert low <= backoff_delay_s(failures, rng) <= high
 
 
-def test_resolve_registries(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert resolve_registries("a:1, b:2,a:1") == ["a:1", "b:2"]
-    assert resolve_registries(["tcp://h:7600"]) == ["h:7600"]
+def test_registry_addresses_are_parsed_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_registries("a:1, b:2,a:1") == ["a:1", "b:2"]
+    assert parse_registries(["tcp://h:7600"]) == ["h:7600"]
     monkeypatch.setenv("PDREG_REGISTRY", "env:9")
-    assert resolve_registries(None) == ["env:9"]
+    assert parse_registries(None) == ["env:9"]
     with pytest.raises(ValueError, match="HOST:PORT"):
         Agent(make_spec(), registries="nohost")
 
