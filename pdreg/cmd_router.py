@@ -32,7 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = OS picks)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES,
                    help="pairing policy per role (prefix: prefix affinity for prefills, "
-                        "power_of_two for decodes)")
+                        "power_of_two for decodes; session: the X-Session-Id header, else "
+                        "the request's `user`, keeps a conversation on one pair)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
                    help=f"require Authorization: Bearer KEY (or ${API_KEY_ENV})")
     p.add_argument("--locality-label", default="", metavar="KEY",

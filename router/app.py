@@ -34,6 +34,7 @@ from router.policies import (
     PairingTable,
     make_pairer,
     prefix_key,
+    session_key,
 )
 from router.quarantine import QUARANTINE_S, Quarantine
 from router.upstream import UpstreamPool
@@ -42,6 +43,7 @@ __all__ = ["MAX_ATTEMPTS", "MembershipSource", "Router"]
 
 logger = logging.getLogger(__name__)
 
+SESSION_HEADER: Final = "X-Session-Id"  # the `session` policy keeps a session on one pair
 UNKNOWN_MODEL_LABEL: Final = "unknown"  # metrics label for models no member serves
 MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
 COMPANION_WAIT_S: Final = 5.0  # after D is done, how long SGLang's P leg may still take
@@ -164,7 +166,7 @@ class Router:
         if not isinstance(model, str) or not model:
             return openai_error(400, "'model' is required", "invalid_request_error")
         stream = body.get("stream") is True
-        key = self._prefix_key(body) if self.policy == "prefix" else 0
+        key = self._affinity_key(request, body)
         request_id = f"pdreg-{self._id_prefix}-{next(self._request_ids)}"
         tried: list[str] = []
         last_failure = ""
@@ -295,8 +297,15 @@ class Router:
 
     # --- bookkeeping --------------------------------------------------------------------
 
-    @staticmethod
-    def _prefix_key(body: dict[str, Any]) -> int:
+    def _affinity_key(self, request: web.Request, body: dict[str, Any]) -> int:
+        """What affinity policies hash: the session (header, else OpenAI's `user`) or the
+        prompt's prefix; 0 for the policies that hash nothing."""
+        if self.policy == "session":
+            session = request.headers.get(SESSION_HEADER) or body.get("user")
+            if isinstance(session, str) and session:
+                return session_key(session)
+        elif self.policy != "prefix":
+            return 0
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return prefix_key(prompt.encode())

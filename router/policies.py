@@ -167,6 +167,11 @@ def prefix_key(prompt: bytes) -> int:
     return _hash64(prompt[:PREFIX_BYTES])
 
 
+def session_key(session: str) -> int:
+    """Hash of a session id: every turn of a conversation goes to the same pair."""
+    return _hash64(session.encode())
+
+
 @dataclass(frozen=True, slots=True)
 class _Ring:
     points: list[int]  # sorted
@@ -382,7 +387,8 @@ def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Seque
     return kept or candidates
 
 
-POLICY_NAMES: Final = ("power_of_two", "round_robin", "random", "least_loaded", "prefix")
+POLICY_NAMES: Final = ("power_of_two", "round_robin", "random", "least_loaded", "prefix",
+                       "session")
 DEFAULT_POLICY: Final = "power_of_two"
 
 
@@ -395,15 +401,16 @@ def make_chooser(name: str, rng: random.Random) -> Chooser:
         return PowerOfTwo(rng)
     if name == "least_loaded":
         return LeastLoaded(rng)
-    if name == "prefix":
-        return PrefixAffinity()
+    if name in ("prefix", "session"):
+        return PrefixAffinity()  # the same bounded-load ring, keyed differently
     raise ValueError(f"unknown policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}")
 
 
 def make_pairer(name: str = DEFAULT_POLICY, *, rng: random.Random | None = None,
                 stale_after_s: float = DEFAULT_STALE_LOAD_S) -> Pairer:
     """`prefix` applies to prefills (where the prefix cache lives); decodes then use
-    power of two. Every other policy applies to both roles."""
+    power of two. `session` pins both roles (a conversation keeps its pair while that
+    pair is not overloaded). Every other policy applies to both roles."""
     rng = rng or random.Random()
     prefill = make_chooser(name, rng)
     decode = make_chooser("power_of_two" if name == "prefix" else name, rng)

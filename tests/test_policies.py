@@ -24,6 +24,7 @@ from router.policies import (
     make_pairer,
     prefix_key,
     score,
+    session_key,
 )
 
 NOW = 1000.0
@@ -296,3 +297,20 @@ def test_pair_invariants(fleet: list[LiveMember], policy: str, quarantine: set[i
         if chosen.record.suspect and chosen is not p:
             assert not any(m for m in ready if m.role in roles and not m.record.suspect
                            and m.record.spec.protocol == proto)
+
+
+def test_session_affinity_keeps_a_conversation_on_one_pair() -> None:
+    fleet = view(*(member(f"p{i}", P) for i in range(4)), *(member(f"d{i}", D) for i in range(4)))
+    table = PairingTable.build(fleet, "")
+    pairer = make_pairer("session")
+
+    def pair_of(session: str) -> tuple[str, str]:
+        pair = pairer.choose(table, "m", now=NOW, in_flight={}, key=session_key(session))
+        assert pair is not None
+        return pair.prefill.id, pair.decode.id
+
+    sessions = [f"chat-{i}" for i in range(40)]
+    first = {s: pair_of(s) for s in sessions}
+    assert all(pair_of(s) == first[s] for s in sessions)  # every turn, the same pair
+    assert len({p for p, _ in first.values()}) > 1  # sessions spread over prefills
+    assert len({d for _, d in first.values()}) > 1  # ... and over decodes

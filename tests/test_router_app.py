@@ -405,3 +405,21 @@ def test_models_nobody_serves_share_one_metrics_label(fleet: Fleet,
     text = httpx.get(server.url + "/metrics").text
     assert 'pdreg_router_requests_total{model="unknown",outcome="no_capacity"} 3.0' in text
     assert "typo-1" not in text
+
+
+def test_session_policy_keeps_a_conversation_on_one_pair(nixl: Fleet,
+                                                         router: RouterFixture) -> None:
+    for i in range(3):
+        nixl.add(f"p{i}", P)
+        nixl.add(f"d{i}", D)
+    server = router(nixl, policy="session")
+    turns = 6
+    for turn in range(turns):
+        r = httpx.post(server.url + "/v1/completions",
+                       json={"model": "m", "prompt": f"turn {turn}", "max_tokens": 1},
+                       headers={"X-Session-Id": "conversation-42"})
+        assert r.status_code == 200
+    picks = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+             if line.startswith("pdreg_router_picks_total{")]
+    # One prefill and one decode took every turn, whatever the prompt.
+    assert sorted(float(line.rsplit(" ", 1)[1]) for line in picks) == [turns, turns]
