@@ -52,7 +52,7 @@ from reference_helpers import (  # noqa: E402
 )
 
 from pdreg.demo.traffic import TrafficGenerator, figures  # noqa: E402
-from pdreg.testing import die_with_parent, free_low_port, wait_until  # noqa: E402
+from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "benchmark prompt", "max_tokens": 4, "ignore_eos": True}
@@ -242,12 +242,7 @@ def pdreg_router(registry: str, policy: str) -> Iterator[Target]:
         url = json.loads(proc.stdout.readline())["url"]
         yield Target(f"pdreg ({policy})", url, lambda: peers.process_tree_cpu_s(proc.pid))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(ROUTER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, ROUTER_STOP_TIMEOUT_S)
         errors = Path(log.name).read_text(errors="replace").count(" ERROR ")
         if errors:
             print(f"  (pdreg router logged {errors} ERROR lines)", flush=True)

@@ -60,7 +60,8 @@ class MembershipSource(Protocol):
     """What the router needs of `registry.client.MembershipView`."""
 
     def members(self) -> Mapping[str, LiveMember]: ...
-    def report(self, member_id: str, incarnation: int, problem: str) -> None: ...
+    def report(self, member_id: str, incarnation: int, problem: str) -> None:
+        """Queue a failure report for the registries; must not block (called on the loop)."""
 
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None,
@@ -74,7 +75,7 @@ class Router:
     """Request handling state: the view, the pairer, in-flight counts, quarantine, metrics.
 
     Lives on one event loop; nothing here is shared across threads except `view`, whose
-    `members()` is a reference swap and whose `report()` runs in the default executor.
+    `members()` is a reference swap and whose `report()` only queues (it never blocks).
     """
 
     def __init__(self, view: MembershipSource, *, policy: str = DEFAULT_POLICY,
@@ -348,14 +349,10 @@ class Router:
         if self.quarantine.add(member.id, member.incarnation, self._clock()):
             self.metrics.quarantines.labels(member.id).inc()
             problem = f"{failure.role}: {failure.reason}"[:200]
-            loop = asyncio.get_running_loop()
-            loop.run_in_executor(None, self._report, member.id, member.incarnation, problem)
-
-    def _report(self, member_id: str, incarnation: int, problem: str) -> None:
-        try:
-            self.view.report(member_id, incarnation, problem)
-        except Exception:  # a registry that is away must not break request handling
-            logger.exception("[router] report to registry failed id=%s", member_id)
+            try:
+                self.view.report(member.id, member.incarnation, problem)
+            except Exception:  # a registry that is away must not break request handling
+                logger.exception("[router] report to registry failed id=%s", member.id)
 
 
 def _unauthorized() -> web.Response:

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from engine_agent.agent import Agent, new_incarnation
-from pdreg.testing import die_with_parent, wait_until
+from pdreg.testing import die_with_parent, stop_process, wait_until
 from registry.protocol import Endpoints, Load, MemberSpec, MemberState, Role
 from registry.server import RegistryServer
 
@@ -167,12 +167,7 @@ class Browser:
         raise RuntimeError("chromium opened no page")
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 10)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
         shutil.rmtree(self.profile, ignore_errors=True)

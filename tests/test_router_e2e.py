@@ -21,7 +21,7 @@ import openai
 import pytest
 from reference_helpers import EngineHandle, collect, start_engine, start_engines
 
-from pdreg.testing import die_with_parent, wait_until
+from pdreg.testing import die_with_parent, stop_process, wait_until
 from registry.client import LiveMember, MembershipView
 from registry.protocol import MemberState, Role
 from registry.server import RegistryServer
@@ -250,11 +250,5 @@ def test_cli_router_registers_itself_and_serves(registry: RegistryServer,
             return r.status_code == 200
         assert wait_until(served, VIEW_TIMEOUT_S)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(20) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        assert stop_process(proc, 20) == 0
     assert wait_until(lambda: info["id"] not in registry.members(), VIEW_TIMEOUT_S)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine_agent.standins import StandinServer
-from pdreg.testing import die_with_parent, free_low_port, wait_until
+from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
 from registry.protocol import MemberRecord, MemberState
 from registry.server import RegistryConfig, RegistryServer
 
@@ -57,13 +57,7 @@ class Sidecar:
                    timeout=5).raise_for_status()
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # drains, stops the engine, says bye
-            try:
-                self.process.wait(EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, EXIT_TIMEOUT_S)  # drains, stops the engine, says bye
         with contextlib.suppress(httpx.HTTPError):  # a child left by a killed sidecar
             self.control("exit", {"code": 0})
 
