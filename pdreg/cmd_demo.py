@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 from types import FrameType
 
 from pdreg.demo.cluster import ClusterConfig
@@ -37,10 +36,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the demo the way Ctrl-C does
-
-
 def run(args: argparse.Namespace) -> int:
     engine_args = ("--sim-prefill-delay", "0.002", "--sim-decode-delay", "0.01") \
         if args.backend == "sim" else ()
@@ -50,9 +45,14 @@ def run(args: argparse.Namespace) -> int:
         clients=args.clients, max_tokens=args.max_tokens)
     display = TerminalDisplay()
     scenario = Scenario(config, display)
-    signal.signal(signal.SIGTERM, _interrupt)
-    # Also when started in the background, where a shell leaves SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        scenario.interrupt()  # sticks even if the exception below is swallowed
+        raise KeyboardInterrupt
+
+    # SIGTERM stops the demo the way Ctrl-C does; SIGINT is set even when started in the
+    # background, where a shell leaves it ignored.
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     ok = False
     try:
         ok = scenario.play()
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                 scenario.traffic.stop()  # the cluster is yours now
             where = "\n".join(f"  {k}: {v}" for k, v in scenario.endpoints().items())
             display.message(f"Cluster left running (Ctrl-C stops it):\n{where}")
-            threading.Event().wait()
+            scenario.wait_for_interrupt()
     except KeyboardInterrupt:
         display.message("\npdreg demo: interrupted; stopping every process")
     finally:

@@ -107,6 +107,7 @@ class Scenario:
         self._current: StepResult | None = None
         self._ticker_stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._interrupted = threading.Event()
 
     # --- running -------------------------------------------------------------------------
 
@@ -115,6 +116,7 @@ class Scenario:
         self._start_ticker()
         try:
             for index, (name, title) in enumerate(self.STEPS, 1):
+                self._raise_if_interrupted()
                 step = StepResult(name, title, started=time.monotonic())
                 self._current = step
                 self.results.append(step)
@@ -128,11 +130,30 @@ class Scenario:
                 self._finish(step)
                 if aborted:
                     break  # later steps build on this one
+            self._raise_if_interrupted()
             self.results.append(self._summary())
             self.display.step_finished(self.results[-1])
         finally:
             self._stop_ticker()
         return self.ok
+
+    def interrupt(self) -> None:
+        """From a signal handler: stop at the next step boundary at the latest.
+
+        The handler also raises KeyboardInterrupt for a prompt stop, but Python drops an
+        exception raised while a finaliser or weakref callback runs; this flag does not.
+        """
+        self._interrupted.set()
+
+    def wait_for_interrupt(self) -> None:
+        """Block until `interrupt()` (for --keep-running)."""
+        while not self._interrupted.wait(1.0):
+            pass
+        raise KeyboardInterrupt
+
+    def _raise_if_interrupted(self) -> None:
+        if self._interrupted.is_set():
+            raise KeyboardInterrupt
 
     @property
     def ok(self) -> bool:
