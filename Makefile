@@ -28,10 +28,12 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info
 
 # Real vLLM (CPU) under `pdreg agent`: builds .venv-vllm and a tiny model once (stamp
-# files), then runs prefill + decode against a real registry, routes completions and chat
-# through `pdreg router` (compared token by token with one instance), and drains the
-# decode. About 3 minutes after the first install; on failure it names the step and
-# prints the logs' tails.
+# files), then runs one prefill and two decodes against a real registry, checks that a
+# generation continued from token ids over P/D is exact, routes completions and chat
+# through `pdreg router` (compared token by token with one instance), kills a decode
+# with kill -9 mid-stream (every stream must still match one instance), and drains the
+# other decode. About 3 minutes after the first install; on failure it names the step
+# and prints the logs' tails.
 VLLM_VENV ?= .venv-vllm
 VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
 

@@ -1,4 +1,4 @@
-"""The routing half of `make test-vllm`: real vLLM prefill + decode behind `pdreg router`.
+"""The routing half of `make test-vllm`: real vLLM prefill + decodes behind `pdreg router`.
 
 Run by check_vllm_sidecar.py once both engines are READY. Through the router, with the
 real `openai` client, it asserts:
@@ -8,10 +8,10 @@ real `openai` client, it asserts:
   instance gives for the same request: the reference is the prefill engine itself,
   asked plainly (no `kv_transfer_params`), which serves the request locally — checked:
   it answers with all `max_tokens` tokens and no `kv_transfer_params`;
-- the decode's `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` grew
-  by exactly the routed prompts' lengths: the KV travelled from P to D over NIXL rather
-  than being recomputed on D;
-- the router picked the prefill and the decode, and retried nothing.
+- the decodes' `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`, summed,
+  grew by exactly the routed prompts' lengths: the KV travelled from P to D over NIXL
+  rather than being recomputed on D;
+- the router picked the prefill and the decodes, and retried nothing.
 
 Every prompt starts with its own case name, so no request hits another's prefix cache on
 the decode (a local cache hit would be counted under another source).
@@ -83,9 +83,9 @@ CASES = (
 )
 
 
-def client(base_url: str) -> openai.OpenAI:
+def client(base_url: str, api_key: str = "") -> openai.OpenAI:
     # No retries: a request that needed one is a failure this check must see.
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused",
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "unused",
                          timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
@@ -183,17 +183,26 @@ def prompt_tokens_by_source(engine_url: str) -> dict[str, float]:
     return totals
 
 
-def check_models(router_url: str, model: str) -> None:
-    listed = [m.id for m in client(router_url).models.list().data]
+def prompt_tokens_by_decodes(decode_urls: list[str]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for url in decode_urls:
+        for source, value in prompt_tokens_by_source(url).items():
+            totals[source] = totals.get(source, 0.0) + value
+    return totals
+
+
+def check_models(router_url: str, model: str, api_key: str = "") -> None:
+    listed = [m.id for m in client(router_url, api_key).models.list().data]
     assert model in listed, f"router /v1/models lists {listed}, not {model!r}"
 
 
-def check_routed_outputs(router_url: str, prefill_url: str, decode_url: str, model: str,
+def check_routed_outputs(router_url: str, api_key: str, prefill_url: str,
+                         decode_urls: list[str], model: str,
                          say: Callable[[str], None]) -> Transit:
     """Each case through the router against the same request served by the prefill alone;
-    then the decode's external-KV counter against the routed prompt lengths."""
-    router_api, reference_api = client(router_url), client(prefill_url)
-    before = prompt_tokens_by_source(decode_url)
+    then the decodes' external-KV counters against the routed prompt lengths."""
+    router_api, reference_api = client(router_url, api_key), client(prefill_url)
+    before = prompt_tokens_by_decodes(decode_urls)
     routed_prompt_tokens = 0
     transit = Transit()
     for case in CASES:
@@ -220,7 +229,7 @@ def check_routed_outputs(router_url: str, prefill_url: str, decode_url: str, mod
     last: dict[str, float] = {}
 
     def grown() -> bool:
-        last.update(prompt_tokens_by_source(decode_url))
+        last.update(prompt_tokens_by_decodes(decode_urls))
         return last.get(EXTERNAL_SOURCE, 0.0) >= expected
 
     wait_until(grown, METRICS_SETTLE_S, poll_s=0.5)
@@ -228,27 +237,31 @@ def check_routed_outputs(router_url: str, prefill_url: str, decode_url: str, mod
     external = grew.get(EXTERNAL_SOURCE, 0.0)
     # A request that failed in transit may or may not have reached the decode's pull.
     assert routed_prompt_tokens <= external <= routed_prompt_tokens + transit.prompt_tokens, (
-        f"decode's {PROMPT_SOURCE_METRIC} grew by {grew} over the routed requests; expected "
+        f"decodes' {PROMPT_SOURCE_METRIC} grew by {grew} over the routed requests; expected "
         f"{EXTERNAL_SOURCE} to grow by their {routed_prompt_tokens} prompt tokens (the KV "
         f"should travel from the prefill, not be computed on the decode)"
         + (f", plus at most {transit.prompt_tokens} from requests that failed in transit"
            if transit.failures else ""))
-    say(f"ok: decode's prompt tokens from external_kv_transfer grew by {external:.0f}, "
+    say(f"ok: decodes' prompt tokens from external_kv_transfer grew by {external:.0f}, "
         f"the routed prompts' lengths {routed_prompt_tokens} (by source: {grew})")
     return transit
 
 
-def check_router_picks(router_url: str, prefill_id: str, decode_id: str,
+def check_router_picks(router_url: str, prefill_id: str, decode_ids: list[str],
                        transit: Transit, max_attempts: int) -> None:
-    """The router's own account: both members picked, no retry needed (beyond the
-    router's own retries of requests that failed in transit)."""
+    """The router's own account: the prefill picked for every case, the decodes between
+    them too, no retry needed (beyond the router's own retries of requests that failed
+    in transit)."""
     text = httpx.get(f"{router_url}/metrics", timeout=10).text
     samples = parse_gauges(text, ["pdreg_router_picks_total", "pdreg_router_retries_total"])
     picks = {(labels.get("member"), labels.get("role")): value
              for labels, value in samples.get("pdreg_router_picks_total", [])}
-    for member_id, role in ((prefill_id, "prefill"), (decode_id, "decode")):
-        assert picks.get((member_id, role), 0) >= len(CASES), (
-            f"router picks {picks}; expected {role} {member_id} at least {len(CASES)} times")
+    assert picks.get((prefill_id, "prefill"), 0) >= len(CASES), (
+        f"router picks {picks}; expected prefill {prefill_id} at least {len(CASES)} times")
+    decode_picks = sum(picks.get((member_id, "decode"), 0) for member_id in decode_ids)
+    assert decode_picks >= len(CASES), (
+        f"router picks {picks}; expected the decodes {decode_ids} at least {len(CASES)} "
+        f"times in all")
     retries = sum(value for _, value in samples.get("pdreg_router_retries_total", []))
     allowed = transit.failures * max_attempts  # each failed request: every attempt failed
     assert retries <= allowed, (

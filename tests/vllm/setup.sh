@@ -49,4 +49,9 @@ else
     "$VLLM_VENV/bin/python" tests/vllm/make_tiny_model.py "$VLLM_MODEL_DIR"
   touch "$MODEL_STAMP"
 fi
+# NIXL's progress thread busy-polls unless tests/vllm/nixl_poll/ gives it a poll delay; that
+# fix is pinned to the installed nixl and refuses to load if the code it patches moved.
+PYTHONPATH=tests/vllm/nixl_poll "$VLLM_VENV/bin/python" -c 'import nixl_cu12._api' \
+  || { echo "[setup] tests/vllm/nixl_poll no longer fits the installed nixl (see above)"; exit 1; }
+echo "[setup] NIXL poll-delay fix fits the installed nixl"
 echo "[setup] done"
