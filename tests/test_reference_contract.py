@@ -36,7 +36,7 @@ def test_continuing_from_ids_gives_the_rest_exactly(mixed: EngineHandle) -> None
     events = read_sse(whole)
     prompt_ids = events[0]["prompt_token_ids"]  # the role chunk carries them
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    ids, text = collect(whole, True)
+    ids, _ = collect(whole, True)
     assert len(ids) == n
     for k in range(1, n):
         rest = post(mixed, COMPLETIONS, {"prompt": prompt_ids + ids[:k], "max_tokens": n - k,
