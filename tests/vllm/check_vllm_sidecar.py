@@ -68,6 +68,7 @@ IDLE_SAMPLE_S = 5.0
 DRAIN_REQUESTS = 6
 ROUTER_MAX_ATTEMPTS = 3  # pairs the router tries per request (its --max-attempts)
 ROUTER_MAX_MIGRATIONS = 2
+ROUTER_DRAIN_DELAY_S = 0.5  # nothing balances across routers here: stop soon on SIGTERM
 HEARTBEAT_INTERVAL_S = 0.5
 LEASE_S = 5.0
 LONG_COMPLETION = {"model": MODEL_NAME, "prompt": "The registry keeps", "max_tokens": 400,
@@ -215,7 +216,8 @@ def check_routing(steps: Steps, cluster: Cluster) -> None:
 
     steps.begin("start pdreg router")
     router.start(registry.address, ROUTER_MAX_ATTEMPTS,
-                 ["--max-migrations", str(ROUTER_MAX_MIGRATIONS)])
+                 ["--max-migrations", str(ROUTER_MAX_MIGRATIONS),
+                  "--drain-delay", str(ROUTER_DRAIN_DELAY_S)])
     wait_logged("router lists the model in /v1/models", lambda: router.lists(MODEL_NAME),
                 ROUTER_STARTUP_TIMEOUT_S)
     wait_logged("router registered as a READY api_server member", lambda: registry.members(

@@ -244,16 +244,6 @@ class Engine:
         sidecar = self.proc.process.pid if self.proc.process else -1
         return [pid for pid in marked_pids(self.proc.marker) if pid != sidecar]
 
-    def running(self) -> int:
-        """Requests vLLM is running now, read from the engine itself (not the registry)."""
-        from engine_agent.probes import parse_gauges  # the sidecar's own parser
-        try:
-            text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            return 0
-        samples = parse_gauges(text, ["vllm:num_requests_running"])
-        return int(sum(value for _, value in samples.get("vllm:num_requests_running", [])))
-
 
 @dataclass
 class Router:

@@ -3,8 +3,9 @@
 Run by check_vllm_sidecar.py with one prefill and two decodes behind `pdreg router`.
 Streams (completions and chat, with and without `return_token_ids`, all with usage) go
 through the router at once; when every one of them has delivered tokens, the decode
-holding the most requests is killed with SIGKILL, sidecar and vLLM processes at once (a
-lost machine: the registry only learns of it when the lease runs out). The router must
+holding the most of them (by the router's `pdreg_router_in_flight`) is killed with
+SIGKILL, sidecar and vLLM processes at once (a lost machine: the registry only learns of
+it when the lease runs out). The router must
 continue each cut stream on the surviving decode from the token ids already sent
 (/work/plan/vllm-continuation.md: exact on vLLM over NIXL), so every client gets:
 - a 200 stream ending in `[DONE]`, with no error event;
@@ -34,6 +35,7 @@ TOKENS_BEFORE_KILL = 2  # content chunks each stream must have delivered first
 STREAM_TIMEOUT_S = 180.0
 START_TIMEOUT_S = 120.0
 MIGRATIONS_METRIC = "pdreg_router_migrations_total"
+IN_FLIGHT_METRIC = "pdreg_router_in_flight"
 SAMPLING: dict[str, Any] = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
                             "stream_options": {"include_usage": True}}
 
@@ -97,6 +99,13 @@ def migrations(router: Router) -> dict[str, float]:
     return by_reason
 
 
+def in_flight(router: Router) -> dict[str, float]:
+    """Requests the router has open, by member id."""
+    samples = parse_gauges(router.metrics(), [IN_FLIGHT_METRIC])
+    return {labels.get("member", ""): value
+            for labels, value in samples.get(IN_FLIGHT_METRIC, [])}
+
+
 def references(prefill: Engine, model: str) -> dict[str, Streamed]:
     """Every case served by one instance (the prefill asked plainly), all at once."""
     out: dict[str, Streamed] = {}
@@ -152,16 +161,19 @@ def check_kill_decode_mid_stream(router: Router, prefill: Engine, decodes: list[
 
     wait_logged(f"every stream has delivered {TOKENS_BEFORE_KILL} chunks", all_streaming,
                 START_TIMEOUT_S, lambda: str([run.content_chunks() for run in runs]))
-    running = {decode.name: decode.running() for decode in decodes}
-    victim = max(decodes, key=lambda d: running[d.name])
-    assert running[victim.name] > 0, (
-        f"no decode reports a running request ({running}) although every stream is under "
-        f"way: the streams ended too early to test migration")
-    seen = [run.content_chunks() for run in runs]
+    # Which decode holds which stream, by the router's own account (vLLM's gauges lag).
+    open_on = in_flight(router)
+    held = {decode.name: int(open_on.get(decode.member_id, 0)) for decode in decodes}
+    victim = max(decodes, key=lambda d: held[d.name])
     kill_marked(victim.proc.marker)
-    say(f"killed {victim.name} (sidecar and vLLM, SIGKILL) holding {running[victim.name]} "
-        f"of {len(runs)} streams (requests running per decode: {running}); chunks seen by "
-        f"then: {seen}")
+    seen = [run.content_chunks() for run in runs]
+    say(f"killed {victim.name} (sidecar and vLLM, SIGKILL) holding {held[victim.name]} of "
+        f"{len(runs)} streams (streams per decode: {held}); chunks seen by then: {seen}")
+    assert sum(held.values()) == len(runs), (
+        f"the router has {open_on} open; expected the {len(runs)} streams on the decodes")
+    finished = [run.case.name for run in runs if run.streamed.done]
+    assert not finished, (f"{finished} had already finished at the kill: the streams are too "
+                          f"short to test migration (MAX_TOKENS)")
 
     for run in runs:
         assert run.thread is not None
@@ -178,9 +190,9 @@ def check_kill_decode_mid_stream(router: Router, prefill: Engine, decodes: list[
     after = migrations(router)
     grew = {reason: after.get(reason, 0.0) - before.get(reason, 0.0) for reason in after}
     total = sum(grew.values())
-    assert total >= running[victim.name], (
+    assert total >= held[victim.name], (
         f"{MIGRATIONS_METRIC} grew by {grew}; expected at least the "
-        f"{running[victim.name]} streams the killed decode held")
+        f"{held[victim.name]} streams the killed decode held")
     say(f"ok: router migrated {total:.0f} streams (by reason: {grew})")
     return victim
 
