@@ -8,7 +8,7 @@ to outlive every real restart of that id.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from registry.outcome import Outcome, refused
@@ -21,6 +21,7 @@ MAX_MEMBERS = 20_000  # --max-members default: 160k GPUs at TP 8, with room for 
 # than this could only be meant to outlive every real restart of that id.
 MAX_INCARNATION_AHEAD_S = 60.0
 MAX_BANS = 10_000
+MAX_DEPARTED = 10_000  # (id, incarnation) pairs that said bye, newest kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,9 @@ class Admission:
         self.wall_offset = wall_offset
         self.per_model: Counter[str] = Counter()
         self._bans: dict[str, float] = {}  # id -> monotonic time the ban ends
+        # A process that said bye never registers that incarnation again, so a Register
+        # for one is a replay (of a sniffed message) trying to bring it back.
+        self._departed: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def problem(self, spec: MemberSpec, now: float) -> Outcome | None:
         """Why `spec` may not register now (ban, incarnation), or None."""
@@ -50,6 +54,9 @@ class Admission:
                 return refused(f"id {spec.id!r} is banned for another "
                                f"{banned_until - now:.0f}s (evicted by an operator)", "banned")
             del self._bans[spec.id]
+        if (spec.id, spec.incarnation) in self._departed:
+            return refused(f"id {spec.id!r} incarnation {spec.incarnation} said bye; a "
+                           f"restarted process registers a newer incarnation", "departed")
         ahead_s = spec.incarnation / 1e9 - (now + self.wall_offset)
         limit_s = self.limits.max_incarnation_ahead_s
         if ahead_s > limit_s:
@@ -80,6 +87,11 @@ class Admission:
         self.per_model[model] -= 1
         if not self.per_model[model]:
             del self.per_model[model]
+
+    def said_bye(self, member_id: str, incarnation: int) -> None:
+        self._departed[(member_id, incarnation)] = None
+        if len(self._departed) > MAX_DEPARTED:
+            self._departed.popitem(last=False)
 
     def ban(self, member_id: str, now: float, ban_s: float) -> Outcome | None:
         """Refuse `member_id`'s registrations for `ban_s`; why not, or None."""

@@ -175,7 +175,7 @@ class Membership:
                                f"incarnation {spec.incarnation} is older than {held}",
                                kind="stale")
             if spec.incarnation == held:
-                return self._register_again(current, spec, state, load, now, nonce)
+                return self._register_again(current, spec, nonce)
             cap = self.admission.cap_problem(len(self), spec.model, current.spec)
             if cap is not None:
                 return cap
@@ -214,6 +214,7 @@ class Membership:
             return entry
         leave = LeaveReason.CRASHED if bye.reason is ByeReason.CRASHED else LeaveReason.BYE
         self._remove(bye.id, leave)
+        self.admission.said_bye(bye.id, bye.incarnation)
         return OK
 
     def report(self, report: Report, payload: bytes, proof: bytes, now: float) -> Outcome:
@@ -338,26 +339,20 @@ class Membership:
         entry.last_seq = seq
         return entry
 
-    def _register_again(self, entry: _Entry, spec: MemberSpec, state: MemberState, load: Load,
-                        now: float, nonce: bytes) -> Outcome:
-        """The same (id, incarnation) again: a retry by its registrant, or an impostor."""
+    def _register_again(self, entry: _Entry, spec: MemberSpec, nonce: bytes) -> Outcome:
+        """The same (id, incarnation) again: a retry by its registrant, or an impostor.
+
+        A retry (the first reply was lost) gets the same session and changes nothing:
+        the member's next heartbeat says what is new. So a replayed Register is harmless.
+        """
         if not hmac.compare_digest(nonce, entry.nonce):
             return refused(f"id {spec.id!r} incarnation {spec.incarnation} is registered "
                            f"already; a restarted process registers a newer incarnation",
                            "takeover")
-        # A retried registration (the first reply was lost): same session, no new member.
-        spec_changed = spec != entry.spec
-        if spec_changed and spec.model != entry.spec.model:
-            cap = self.admission.cap_problem(len(self), spec.model, entry.spec)
-            if cap is not None:
-                return cap
-            self.admission.left(entry.spec.model)
-            self.admission.joined(spec.model)
-        entry.spec = spec
-        self._seen(entry, load, now)
-        self._set_state(entry, state, now)
-        if spec_changed:
-            self._publish_update(entry)
+        if spec != entry.spec:
+            return refused(f"id {spec.id!r} incarnation {spec.incarnation} is registered "
+                           f"with another spec; a changed spec needs a new incarnation",
+                           "takeover")
         return Outcome(ReplyStatus.OK, session=entry.session)
 
     def _seen(self, entry: _Entry, load: Load, now: float) -> None:

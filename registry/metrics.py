@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # Every reason a control message can be refused (pdreg_rejected_messages_total{reason}).
 REJECTION_REASONS = [
     "malformed", "invalid", "oversized", "frames", "refused",  # the message itself
-    "token", "version", "banned", "incarnation", "cap", "takeover",  # registration
+    "token", "version", "banned", "departed", "incarnation", "cap", "takeover",  # register
     "proof", "replay", "reporter", "rate",  # sessions, reports, sync rate
 ]
 

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgspec
 import zmq
 
 from registry import sessions
@@ -123,6 +124,13 @@ class RawMember:
                                       member_id, incarnation, problem))
 
     # --- helpers ------------------------------------------------------------------------
+
+    def restart(self, incarnation: int) -> None:
+        """Become the next process of this id: a newer incarnation, a new nonce."""
+        self.spec = msgspec.structs.replace(self.spec, incarnation=incarnation)
+        self.nonce = sessions.new_nonce()
+        self.session = b""
+        self._seq = itertools.count(1)
 
     def twin(self) -> RawMember:
         """The same member on a socket of its own (same session, shared seq counter)."""

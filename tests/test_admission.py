@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from membership_ops import READY, ROUTER, fresh, nonce_for, signed, spec
+from membership_ops import JOINING, READY, ROUTER, fresh, nonce_for, signed, spec
 
 from registry import sessions
 from registry.admission import Limits
@@ -109,6 +109,27 @@ def test_the_same_incarnation_again_needs_the_registrants_nonce():
     # The real process retrying (its first reply was lost) gets its own session back.
     retry = m.register(spec(), READY, Load(), 0.2, nonce=nonce_for("p0", 1))
     assert retry.status is ReplyStatus.OK and retry.session == first.session
+
+
+def test_a_retry_changes_nothing_and_a_changed_spec_needs_a_new_incarnation():
+    m = fresh()
+    m.join(spec(), JOINING)
+    m.beat("p0", 1, READY, Load(running=3), 1.0)
+    before = m.get("p0")
+    nonce = nonce_for("p0", 1)
+    assert m.register(spec(), JOINING, Load(), 2.0, nonce=nonce).status is ReplyStatus.OK
+    assert m.get("p0") == before  # a replayed Register neither revives nor reverts
+    moved = msgspec.structs.replace(spec(), model="other")
+    assert m.register(moved, READY, Load(), 2.0, nonce=nonce).kind == "takeover"
+
+
+def test_an_incarnation_that_said_bye_cannot_be_brought_back():
+    m = fresh()
+    m.join(spec())
+    m.leave("p0", 1)
+    again = m.register(spec(), READY, Load(), 1.0, nonce=nonce_for("p0", 1))
+    assert again.status is ReplyStatus.REJECTED and again.kind == "departed"
+    assert m.join(spec(incarnation=2), now=1.0).status is ReplyStatus.OK
 
 
 def test_a_newer_incarnation_still_replaces_at_once_visibly():
