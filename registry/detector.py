@@ -16,11 +16,11 @@ cleaned up, and agents behind a healed partition simply register again).
 The guarantee: a fleet that falls silent at once loses nobody. Members heartbeat in their
 own phases, so their last heartbeats before a common silence are spread over up to one
 interval, plus however late each was. "Silent", for self-preservation, therefore starts
-SIMULTANEOUS_SPREAD_INTERVALS before the lease: when the first of them reaches its lease,
-every other one already counts as silent, and the decision covers them all. It holds
-while heartbeats arrive within one interval of when they are due. A healthy member is
-never that old (its age stays below one interval plus a round trip), so counting from
-there adds no false alarms.
+SIMULTANEOUS_SPREAD_INTERVALS before the lease, and the decision is taken when the first
+of them reaches its lease: every other one already counts as silent then, and the pause
+covers them all. It holds while heartbeats arrive within one interval of when they are
+due. A healthy member counts only while it is late, and only at that moment, so the worst
+a late one can do is hold off an expiry for a couple of intervals.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from registry import sessions
 from registry.admission import Admission, Limits
-from registry.detector import DetectorConfig, Timing, is_self_preserving, loop_lag, timing_for
+from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
 from registry.outcome import BAD_PROOF, OK, UNKNOWN, Outcome, refused
+from registry.preservation import Change, SelfPreservation
 from registry.protocol import (
     Bye,
     ByeReason,
@@ -106,10 +107,7 @@ class Membership:
         self._outbox: list[MembershipEvent] = []
         self._dirty_loads: dict[str, set[str]] = {}  # model -> ids whose load changed
         self._last_tick: float | None = None  # lag is measured from the first tick on
-        self._preserving_since: float | None = None
-        # Set when self-preservation timed out; cleared once the silent share drops, so
-        # the same mass silence does not pause expiry a second time.
-        self._preservation_spent = False
+        self._preservation = SelfPreservation(self.config)
         self.last_lag_s = 0.0
         self.timing: Timing = timing_for(self.config, 0)
 
@@ -123,7 +121,7 @@ class Membership:
 
     @property
     def self_preserving(self) -> bool:
-        return self._preserving_since is not None
+        return self._preservation.active
 
     def get(self, member_id: str) -> MemberRecord | None:
         entry = self._members.get(member_id)
@@ -285,8 +283,21 @@ class Membership:
                 entry.suspect = True
                 self._publish_update(entry)
                 logger.info("[registry] suspect id=%s age=%.1fs", entry.spec.id, age)
-        self._update_self_preservation(silent, now)
-        if self._preserving_since is not None:
+        # Self-preservation is decided when someone is due to expire (the oldest silent
+        # member is past its lease), and re-checked every tick while it holds.
+        due = bool(silent) and now - silent[0].last_seen > timing.lease_s
+        change = Change.NONE
+        if due or self._preservation.active:
+            change = self._preservation.update(len(silent), len(self._members), now)
+        if change is Change.OFF:
+            # A silent fleet wakes one member at a time: the first ones back end the pause,
+            # and the rest, a moment behind, must not be expired in that moment. Those
+            # still silent get what is left of a lease from now on.
+            floor = now - timing.silent_after_s
+            for entry in silent:
+                entry.last_seen = max(entry.last_seen, floor)
+            silent = []
+        if self._preservation.active:
             return
         for entry in silent:
             age = now - entry.last_seen
@@ -400,32 +411,3 @@ class Membership:
 
     def _retime(self) -> None:
         self.timing = timing_for(self.config, len(self._members))
-
-    def _update_self_preservation(self, silent: list[_Entry], now: float) -> None:
-        preserving = is_self_preserving(len(silent), len(self._members), self.config)
-        if not preserving:
-            self._preservation_spent = False
-        if preserving and self._preserving_since is None and not self._preservation_spent:
-            self._preserving_since = now
-            logger.warning("[registry] self-preservation on: %d of %d members silent at once; "
-                           "expiry paused (fault assumed on the registry's side)",
-                           len(silent), len(self._members))
-        elif self._preserving_since is not None:
-            held_for = now - self._preserving_since
-            if not preserving:
-                self._preserving_since = None
-                # A silent fleet wakes one member at a time: the first ones back end the
-                # pause, and the rest, a moment behind, must not be expired in that moment.
-                # Those still silent get what is left of a lease from now on.
-                floor = now - self.timing.silent_after_s
-                for entry in silent:
-                    entry.last_seen = max(entry.last_seen, floor)
-                logger.warning("[registry] self-preservation off after %.1fs; %d members "
-                               "still silent get %.1fs more", held_for, len(silent),
-                               self.timing.lease_s - self.timing.silent_after_s)
-            elif held_for > self.config.self_preservation_max_s:
-                self._preserving_since = None
-                self._preservation_spent = True
-                logger.warning("[registry] self-preservation gave up after %.1fs: "
-                               "expiring %d silent members", held_for, len(silent))
-

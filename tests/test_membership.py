@@ -182,7 +182,9 @@ def test_self_preservation_gives_up_after_its_limit():
     m = fresh(config)
     for i in range(4):
         m.join(spec(f"p{i}"), READY, Load(), 0.0)
-    ticks(m, 0.0, 8.0)
+    ticks(m, 0.0, 3.5)  # the pause starts when the first lease runs out (at 3 s) ...
+    assert len(m) == 4 and m.self_preserving
+    ticks(m, 3.5, 8.5)  # ... and lasts at most 5 s
     assert len(m) == 0 and not m.self_preserving
 
 
