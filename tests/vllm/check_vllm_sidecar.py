@@ -1,20 +1,24 @@
 """Real-engine check: one prefill and two decodes (`vllm serve`, NixlConnector on CPU),
-each under `pdreg agent`, against a real `pdreg registry`, behind `pdreg router`. Run by
-`make test-vllm` after setup.sh.
+each under `pdreg agent`, against a real `pdreg registry`, behind `pdreg router`, with
+security on: CURVE keys for every registry client (an allow-list on the registry), the
+fleet and admin tokens, and a router API key (security.py). Run by `make test-vllm`
+after setup.sh.
 
     .venv/bin/python tests/vllm/check_vllm_sidecar.py [--vllm-venv .venv-vllm]
         [--model-dir .cache/vllm-tiny-model]
 
 Asserts, in this order:
-1. all three members READY with the right role, model, protocol and NIXL side channel;
+1. all three members READY with the right role, model, protocol and NIXL side channel,
+   registered over CURVE with the fleet token;
    NIXL's progress thread polls every 10 ms in each vLLM (nixl_poll/, else three
    busy-polling engines starve two cores), idle CPU per engine printed;
 2. load figures that move while completions run;
 3. a generation cut after k tokens and continued from token ids on a new P/D pair is
    exact, for completions and chat (continuation_checks.py);
-4. `pdreg router` (registered as an api_server member) serves the model with output
-   token-identical to a single vLLM instance while the KV travels from P to D
-   (routing_checks.py);
+4. `pdreg router` (registered as an api_server member) refuses a client without the API
+   key, and serves the model with output token-identical to a single vLLM instance while
+   the KV travels from P to D (routing_checks.py); `pdreg status` with its own CURVE key
+   lists every member, and with a key the registry does not allow gets nothing;
 5. a decode killed with kill -9 while it streams: every client stream still completes,
    identical to a single instance (migration_checks.py); the dead decode leaves the
    registry;
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import threading
@@ -42,9 +47,11 @@ import continuation_checks  # tests/vllm/, beside this script
 import httpx
 import migration_checks
 import routing_checks
+import security
 from cluster import (
     MODEL_NAME,
     NIXL_POLL_MARKER,
+    PDREG,
     REPO,
     SIDECAR_EXIT_TIMEOUT_S,
     Engine,
@@ -71,6 +78,10 @@ ROUTER_MAX_MIGRATIONS = 2
 ROUTER_DRAIN_DELAY_S = 0.5  # nothing balances across routers here: stop soon on SIGTERM
 HEARTBEAT_INTERVAL_S = 0.5
 LEASE_S = 5.0
+STATUS_TIMEOUT_S = 30.0
+SECURITY_LINE = "security: CURVE, token, admin token"  # what `pdreg registry` prints
+# A client with a key pair of its own that the registry's allow-list does not name.
+STRANGER = "stranger"
 LONG_COMPLETION = {"model": MODEL_NAME, "prompt": "The registry keeps", "max_tokens": 400,
                    "ignore_eos": True, "temperature": 0.0}
 
@@ -114,6 +125,10 @@ class Cluster:
                    proc("decode-2")),
         ]
         self.router = Router(free_low_port(), proc("router"))
+        self.security = security.create(
+            workdir / "secrets", [*(e.name for e in self.engines), "router", "status"],
+            [STRANGER])
+        self.router.api_key = self.security.api_key
         self._stopped = False
 
     @property
@@ -135,11 +150,13 @@ class Cluster:
 def start_engines(steps: Steps, cluster: Cluster, vllm_venv: Path, model_dir: Path) -> None:
     steps.begin("start registry, prefill and two decodes (vLLM under pdreg agent), "
                 "wait for READY")
-    registry = cluster.registry
-    registry.start(HEARTBEAT_INTERVAL_S, LEASE_S, [])
+    registry, secured = cluster.registry, cluster.security
+    registry.start(HEARTBEAT_INTERVAL_S, LEASE_S, secured.registry_args())
     wait_logged("registry answers", registry.answers, STEP_TIMEOUT_S)
+    wait_logged(f"registry says '{SECURITY_LINE}'",
+                lambda: SECURITY_LINE in registry.proc.log_text(), STEP_TIMEOUT_S)
     for engine in cluster.engines:
-        engine.start(registry.address, vllm_venv, model_dir, [])
+        engine.start(registry.address, vllm_venv, model_dir, secured.member_args(engine.name))
 
     def states() -> str:
         view = registry.members()
@@ -217,11 +234,16 @@ def check_routing(steps: Steps, cluster: Cluster) -> None:
     steps.begin("start pdreg router")
     router.start(registry.address, ROUTER_MAX_ATTEMPTS,
                  ["--max-migrations", str(ROUTER_MAX_MIGRATIONS),
-                  "--drain-delay", str(ROUTER_DRAIN_DELAY_S)])
+                  "--drain-delay", str(ROUTER_DRAIN_DELAY_S),
+                  *cluster.security.router_args("router")])
     wait_logged("router lists the model in /v1/models", lambda: router.lists(MODEL_NAME),
                 ROUTER_STARTUP_TIMEOUT_S)
     wait_logged("router registered as a READY api_server member", lambda: registry.members(
         ).get(router.member_id, {}).get("state") == "ready", STEP_TIMEOUT_S)
+
+    steps.begin("security: the router refuses a client without its API key; pdreg status "
+                "needs an allowed CURVE key")
+    check_security(cluster)
 
     steps.begin("router /v1/models through the openai client")
     routing_checks.check_models(router.url, MODEL_NAME, router.api_key)
@@ -237,6 +259,38 @@ def check_routing(steps: Steps, cluster: Cluster) -> None:
                                       [d.member_id for d in cluster.decodes], transit,
                                       ROUTER_MAX_ATTEMPTS)
     say("ok: router picked the prefill and the decodes, retried nothing")
+
+
+def pdreg_status(cluster: Cluster, client: str,
+                 outsider: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*PDREG, "status", "--registry", cluster.registry.address, "--json",
+         *cluster.security.client_args(client, outsider=outsider)],
+        cwd=REPO, capture_output=True, text=True, timeout=STATUS_TIMEOUT_S)
+
+
+def check_security(cluster: Cluster) -> None:
+    router = cluster.router
+    body = {"model": MODEL_NAME, "prompt": "no key", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        reply = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers,
+                           timeout=30)
+        assert reply.status_code == 401, (
+            f"router answered {reply.status_code} to a client with headers {headers}: "
+            f"{reply.text[:300]}")
+    say("ok: the router answers 401 without the API key and with a wrong one")
+    listed = pdreg_status(cluster, "status")
+    assert listed.returncode == 0, f"pdreg status failed: {listed.stderr[-500:]}"
+    ids = {member["id"] for member in json.loads(listed.stdout)}
+    expected = {engine.member_id for engine in cluster.engines} | {router.member_id}
+    assert expected <= ids, f"pdreg status lists {sorted(ids)}, expected {sorted(expected)}"
+    say(f"ok: pdreg status over CURVE lists {len(ids)} members")
+    refused = pdreg_status(cluster, STRANGER, outsider=True)
+    assert refused.returncode != 0 and not refused.stdout.strip(), (
+        f"pdreg status with a key the registry does not allow answered "
+        f"{refused.returncode}: {refused.stdout[:300]}")
+    say(f"ok: pdreg status with a key not on the allow-list gets nothing "
+        f"({refused.stderr.strip().splitlines()[-1][:120] if refused.stderr.strip() else ''})")
 
 
 def check_kill(steps: Steps, cluster: Cluster) -> Engine:
