@@ -20,6 +20,9 @@ Output follows vLLM's token-id contract (notes §6), which request migration rel
   token's chunk, a usage chunk if asked, then `data: [DONE]`;
 - `max_tokens` absent means 16 on /v1/completions; null (and absent on chat) means up to
   the context length (`max_model_len`).
+SGLang stand-ins differ where real SGLang 0.5.23 does (/work/plan/sglang-token-ids.md):
+a streamed chat with `return_token_ids` is refused (400), the response id is the body's
+`rid` (X-Request-Id is ignored), and every chunk carries `"usage": null`.
 """
 
 from __future__ import annotations
@@ -332,10 +335,18 @@ class StandinEngine:
             return web.json_response({"error": {"message": "too long"}}, status=400)
         ids = generate_ids(prompt, n)
         with_ids = body.get("return_token_ids") is True
+        sglang = self.protocol == "sglang"
+        if sglang and chat and with_ids and body.get("stream"):
+            return web.json_response({"object": "error", "message": "return_token_ids is "
+                                      "not supported with streaming on /v1/chat/completions",
+                                      "type": "BadRequest", "code": 400}, status=400)
         created = int(time.time())
-        rid = (("chatcmpl-" if chat else "cmpl-") + (
-            request.headers.get("X-Request-Id") or str(body.get("request_id") or "")
-            or uuid.uuid4().hex))
+        if sglang:
+            rid = str(body.get("rid") or uuid.uuid4().hex)
+        else:
+            rid = (("chatcmpl-" if chat else "cmpl-") + (
+                request.headers.get("X-Request-Id") or str(body.get("request_id") or "")
+                or uuid.uuid4().hex))
         model = body.get("model", self.model)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n,
                  "total_tokens": len(prompt) + n}
@@ -362,7 +373,7 @@ class StandinEngine:
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             chunk = {"id": rid, "object": obj, "created": created, "model": model,
-                     "choices": choices, **extra}
+                     "choices": choices, **({"usage": None} if sglang else {}), **extra}
             return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
         f = self.faults
