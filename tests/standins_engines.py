@@ -70,15 +70,15 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, app: web.Application) -> str:
+    def serve(self, app: web.Application, host: str = "127.0.0.1") -> str:
         async def start() -> str:
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = web.TCPSite(runner, host, 0)
             await site.start()
             self._runners.append(runner)
             port = runner.addresses[0][1]
-            return f"http://127.0.0.1:{port}"
+            return f"http://{host}:{port}"
         return self.run(start())
 
     def close(self) -> None:
@@ -466,17 +466,18 @@ class Fleet:
     view: StaticView = field(default_factory=StaticView)
     _next_port: int = 20000
 
-    def add(self, member_id: str, role: Role, *, model: str = "m", **member_kw: Any
-            ) -> StandinEngine:
+    def add(self, member_id: str, role: Role, *, model: str = "m", host: str = "127.0.0.1",
+            url: str = "", **member_kw: Any) -> StandinEngine:
+        """`url`: what the member advertises, if not where it serves (e.g. a host name)."""
         # KV/bootstrap ports are labels here (nothing binds them): any distinct numbers.
         self._next_port += 1
         engine = StandinEngine(role, self.protocol, self.hub, model=model,
                                kv_port=self._next_port, bootstrap_port=self._next_port + 500)
-        engine.url = self.loop.serve(engine.app)
+        engine.url = self.loop.serve(engine.app, host)
         self.engines[member_id] = engine
         members = dict(self.view.members())
         members[member_id] = live_member(
-            member_id, role, engine.url, model=model, protocol=self.protocol,
+            member_id, role, url or engine.url, model=model, protocol=self.protocol,
             kv_port=engine.kv_port, bootstrap_port=engine.bootstrap_port, **member_kw)
         self.view.set(members)
         return engine
