@@ -97,16 +97,20 @@ class Proxy:
 
     # --- opening a pair ---------------------------------------------------------------
 
-    async def open(self, path: str, body: dict[str, Any], *, ask_ids: bool = False
-                   ) -> Opened:
+    async def open(self, path: str, body: dict[str, Any], *, ask_ids: bool = False,
+                   continuing: bool = False) -> Opened:
         """A pair whose decode answered (any status); retries failed legs on new pairs.
         `ask_ids`: ask for token ids (return_token_ids) where the pair's engines can.
+        `continuing`: a stream under way, which may use quarantined members if no other.
 
         Raises NoPair when nothing (more) can be tried, UpstreamRejected on a prefill's
         4xx (the client's request is at fault)."""
         router = self.router
         while self.attempts_left > 0:
             pair = router.choose(self.call.model, self.call.key, self.tried)
+            if pair is None and continuing:
+                pair = router.choose(self.call.model, self.call.key, self.tried,
+                                     despite_quarantine=True)
             if pair is None:
                 break
             self.attempts_left -= 1
@@ -206,7 +210,8 @@ class Proxy:
         try:
             while True:
                 try:
-                    opened = await self.open(path, body, ask_ids=ask_ids)
+                    opened = await self.open(path, body, ask_ids=ask_ids,
+                                             continuing=client.started)
                 except NoPair:
                     if not client.started:
                         return self.no_pair_response()

@@ -255,7 +255,21 @@ def test_a_silent_decode_is_left_within_the_idle_timeout(
     assert len(texts(events, False)) == 10
     assert time.monotonic() - started < 5.0  # not the 3600 s the decode stays silent
     assert metric(server, 'pdreg_router_quarantines_total{member="d1"}') == 1
-    assert fleet.view.reports and fleet.view.reports[0][0] == "d1"
+    # Not reported: a slow engine is not a dead one; a hung one stops heartbeating.
+    assert fleet.view.reports == []
+
+
+def test_a_stream_continues_on_a_quarantined_decode_rather_than_fail(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    fleet.add("p1", P)
+    fleet.add("d1", D).faults.cut_after_chunks = 4  # the only decode, flaky
+    server = start_router(routers, fleet)
+    events = sse(httpx.post(server.url + COMPLETIONS, json=body_for(COMPLETIONS), timeout=30))
+    assert len(texts(events, False)) == 10 and "error" not in events[-2]
+    # A new request is not sent to it meanwhile: 503, as no member is left.
+    r = httpx.post(server.url + COMPLETIONS, json=body_for(COMPLETIONS))
+    assert r.status_code == 503
 
 
 def test_itl_and_ttft_are_observed(loop_thread: LoopThread,
