@@ -193,7 +193,7 @@ async def _read_quietly(response: UpstreamResponse) -> str:
 async def _read_all(response: UpstreamResponse, member: Candidate, role: str,
                     max_bytes: int | None = None) -> bytes:
     try:
-        return await (response.read(max_bytes) if max_bytes else response.read())
+        return await response.read(max_bytes)
     except OSError as exc:
         raise leg_failure(member, role, exc, "read") from None
     finally:

@@ -56,6 +56,9 @@ MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
 MAX_MIGRATIONS: Final = 3  # times one stream may continue on a new pair
 MAX_KNOWN_MODELS: Final = 10_000  # models remembered for 404-vs-503 (registry-bounded)
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a client's request body
+# Failures kept local: a slow engine is not a dead one, and a hung one stops heartbeating,
+# which the registry sees for itself. Reporting them would make a loaded fleet suspect.
+_NOT_REPORTED: Final = frozenset({"idle_timeout", "first_byte_timeout"})
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -241,12 +244,15 @@ class Router:
 
     # --- what a Proxy uses --------------------------------------------------------------
 
-    def choose(self, model: str, key: int, tried: list[str]) -> Pair | None:
+    def choose(self, model: str, key: int, tried: list[str], *,
+               despite_quarantine: bool = False) -> Pair | None:
+        """A pair for the request; `despite_quarantine`: a stream already under way is
+        better continued on a member that failed a moment ago than ended."""
         now = self._clock()
+        quarantined = None if despite_quarantine else self.quarantine.active(now)
         return self.pairer.choose(self.table(), model, now=now,
-                                  in_flight=self.in_flight.counts,
-                                  quarantined=self.quarantine.active(now), key=key,
-                                  exclude=tried)
+                                  in_flight=self.in_flight.counts, quarantined=quarantined,
+                                  key=key, exclude=tried)
 
     def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
         """Count the pick; an in-flight slot on D, and on P unless it is D itself."""
@@ -296,6 +302,8 @@ class Router:
             return
         if self.quarantine.add(member.id, member.incarnation, self._clock()):
             self.metrics.quarantines.labels(member.id).inc()
+            if failure.kind in _NOT_REPORTED:
+                return
             problem = f"{failure.role}: {failure.kind}"[:200]
             try:
                 self.view.report(member.id, member.incarnation, problem)

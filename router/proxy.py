@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from router.adapters import Exchange, LegFailure, UpstreamRejected, adapter_for, leg_failure
-from router.continuation import CHAT_PATH, COMPLETIONS_PATH, Reshaper, TokenTap, continuation_of
+from router.continuation import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    Reshaper,
+    TokenTap,
+    continuation_of,
+    streams_token_ids,
+)
 from router.inflight import Hold
 from router.relay import ClientStream, LegEnd, relay_leg
 from router.table import Pair
@@ -90,21 +97,31 @@ class Proxy:
 
     # --- opening a pair ---------------------------------------------------------------
 
-    async def open(self, path: str, body: dict[str, Any]) -> Opened:
+    async def open(self, path: str, body: dict[str, Any], *, ask_ids: bool = False,
+                   continuing: bool = False) -> Opened:
         """A pair whose decode answered (any status); retries failed legs on new pairs.
+        `ask_ids`: ask for token ids (return_token_ids) where the pair's engines can.
+        `continuing`: a stream under way, which may use quarantined members if no other.
 
         Raises NoPair when nothing (more) can be tried, UpstreamRejected on a prefill's
         4xx (the client's request is at fault)."""
         router = self.router
         while self.attempts_left > 0:
             pair = router.choose(self.call.model, self.call.key, self.tried)
+            if pair is None and continuing:
+                pair = router.choose(self.call.model, self.call.key, self.tried,
+                                     despite_quarantine=True)
             if pair is None:
                 break
             self.attempts_left -= 1
+            leg_body = body
+            if ask_ids and body.get("return_token_ids") is not True and streams_token_ids(
+                    pair.prefill.protocol, path):
+                leg_body = {**body, "return_token_ids": True}
             decode_hold, prefill_hold = router.hold(pair)
             try:
                 exchange = await adapter_for(router.adapters, pair).open(
-                    router.upstream(), pair, path, body, self.call.request_id)
+                    router.upstream(), pair, path, leg_body, self.call.request_id)
             except LegFailure as failure:
                 decode_hold.release()
                 router.on_failure(failure)
@@ -185,17 +202,16 @@ class Proxy:
         router, call = self.router, self.call
         client = ClientStream(request)
         ask_ids = call.migratable is None and router.max_migrations > 0
-        tap = TokenTap(strip=ask_ids and not call.wants_ids, chat=call.chat,
-                       watch_usage=call.include_usage)
+        tap = TokenTap(strip=not call.wants_ids, chat=call.chat,
+                       watch_usage=call.include_usage, hold_back=ask_ids)
         path, body = call.path, call.body
-        if ask_ids and not call.wants_ids:
-            body = {**body, "return_token_ids": True}
         reshaper: Reshaper | None = None
         migrations_left = router.max_migrations
         try:
             while True:
                 try:
-                    opened = await self.open(path, body)
+                    opened = await self.open(path, body, ask_ids=ask_ids,
+                                             continuing=client.started)
                 except NoPair:
                     if not client.started:
                         return self.no_pair_response()
@@ -229,6 +245,7 @@ class Proxy:
                     router.metrics.e2e_of(call.model).observe(time.monotonic() - call.started)
                     return client.response or web.Response(status=204)
                 failure = end.failure
+                tap.drop_held()
                 router.on_failure(failure)
                 self.tried.append(opened.pair.decode.id)
                 self.last_failure = failure

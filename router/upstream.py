@@ -237,8 +237,11 @@ class UpstreamResponse:
 
     # --- reading ------------------------------------------------------------------------
 
-    async def read(self, max_bytes: int = MAX_BODY_BYTES) -> bytes:
-        """The whole (rest of the) body; UpstreamError (too_large) beyond `max_bytes`."""
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole (rest of the) body; UpstreamError (too_large) beyond `max_bytes`
+        (default: the pool's `max_body_bytes`)."""
+        if max_bytes is None:
+            max_bytes = self._pool.max_body_bytes
         parts = []
         size = 0
         while chunk := await self.readany():
@@ -348,6 +351,7 @@ class UpstreamPool:
         self.timeouts = timeouts or Timeouts()
         self.keepalive_s = keepalive_s
         self.policy = policy or UpstreamPolicy.build()
+        self.max_body_bytes = MAX_BODY_BYTES
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 

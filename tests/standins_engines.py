@@ -20,6 +20,9 @@ Output follows vLLM's token-id contract (notes §6), which request migration rel
   token's chunk, a usage chunk if asked, then `data: [DONE]`;
 - `max_tokens` absent means 16 on /v1/completions; null (and absent on chat) means up to
   the context length (`max_model_len`).
+SGLang stand-ins differ where real SGLang 0.5.23 does (/work/plan/sglang-token-ids.md):
+a streamed chat with `return_token_ids` is refused (400), the response id is the body's
+`rid` (X-Request-Id is ignored), and every chunk carries `"usage": null`.
 """
 
 from __future__ import annotations
@@ -67,15 +70,15 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, app: web.Application) -> str:
+    def serve(self, app: web.Application, host: str = "127.0.0.1") -> str:
         async def start() -> str:
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = web.TCPSite(runner, host, 0)
             await site.start()
             self._runners.append(runner)
             port = runner.addresses[0][1]
-            return f"http://127.0.0.1:{port}"
+            return f"http://{host}:{port}"
         return self.run(start())
 
     def close(self) -> None:
@@ -332,10 +335,18 @@ class StandinEngine:
             return web.json_response({"error": {"message": "too long"}}, status=400)
         ids = generate_ids(prompt, n)
         with_ids = body.get("return_token_ids") is True
+        sglang = self.protocol == "sglang"
+        if sglang and chat and with_ids and body.get("stream"):
+            return web.json_response({"object": "error", "message": "return_token_ids is "
+                                      "not supported with streaming on /v1/chat/completions",
+                                      "type": "BadRequest", "code": 400}, status=400)
         created = int(time.time())
-        rid = (("chatcmpl-" if chat else "cmpl-") + (
-            request.headers.get("X-Request-Id") or str(body.get("request_id") or "")
-            or uuid.uuid4().hex))
+        if sglang:
+            rid = str(body.get("rid") or uuid.uuid4().hex)
+        else:
+            rid = (("chatcmpl-" if chat else "cmpl-") + (
+                request.headers.get("X-Request-Id") or str(body.get("request_id") or "")
+                or uuid.uuid4().hex))
         model = body.get("model", self.model)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n,
                  "total_tokens": len(prompt) + n}
@@ -362,7 +373,7 @@ class StandinEngine:
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             chunk = {"id": rid, "object": obj, "created": created, "model": model,
-                     "choices": choices, **extra}
+                     "choices": choices, **({"usage": None} if sglang else {}), **extra}
             return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
         f = self.faults
@@ -455,17 +466,18 @@ class Fleet:
     view: StaticView = field(default_factory=StaticView)
     _next_port: int = 20000
 
-    def add(self, member_id: str, role: Role, *, model: str = "m", **member_kw: Any
-            ) -> StandinEngine:
+    def add(self, member_id: str, role: Role, *, model: str = "m", host: str = "127.0.0.1",
+            url: str = "", **member_kw: Any) -> StandinEngine:
+        """`url`: what the member advertises, if not where it serves (e.g. a host name)."""
         # KV/bootstrap ports are labels here (nothing binds them): any distinct numbers.
         self._next_port += 1
         engine = StandinEngine(role, self.protocol, self.hub, model=model,
                                kv_port=self._next_port, bootstrap_port=self._next_port + 500)
-        engine.url = self.loop.serve(engine.app)
+        engine.url = self.loop.serve(engine.app, host)
         self.engines[member_id] = engine
         members = dict(self.view.members())
         members[member_id] = live_member(
-            member_id, role, engine.url, model=model, protocol=self.protocol,
+            member_id, role, url or engine.url, model=model, protocol=self.protocol,
             kv_port=engine.kv_port, bootstrap_port=engine.bootstrap_port, **member_kw)
         self.view.set(members)
         return engine

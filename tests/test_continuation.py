@@ -197,3 +197,32 @@ def test_reshaper_keeps_one_id_and_the_chat_shape_and_adds_up_usage() -> None:
     assert all(e["choices"][0]["token_ids"] is None for e in got[:2])
     assert all(e.get("prompt_token_ids") is None for e in got[:-1])
     assert got[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_chunks_with_ids_but_no_text_wait_for_the_text_that_completes_them() -> None:
+    # vLLM's detokenizer re-emits the prompt's text when a continuation starts inside a
+    # character: a cut must fall between characters, so such chunks are held back.
+    tap = TokenTap(strip=False)
+    fed = tap.feed(event(chunk("a", [1], prompt=[9])) + event(chunk("", [2])))
+    assert [c["choices"][0]["text"] for c in events_of(fed.forward)] == ["a"]
+    assert tap.sent_ids() == [1]
+    fed = tap.feed(event(chunk("é", [3])))
+    assert [c["choices"][0]["text"] for c in events_of(fed.forward)] == ["", "é"]
+    assert tap.sent_ids() == [1, 2, 3]
+    tap.feed(event(chunk("", [4])) + event(chunk("", [5])))
+    tap.drop_held()  # the leg failed: the next one regenerates 4 and 5
+    assert tap.sent_ids() == [1, 2, 3]
+    fed = tap.feed(event(chunk("", [6], finish="length")) + b"data: [DONE]\n\n")
+    assert fed.done and tap.sent_ids() == [1, 2, 3, 6]  # a finishing chunk is not held
+
+
+def test_what_is_held_in_a_chat_stream() -> None:
+    tap = TokenTap(strip=False, chat=True)
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            "prompt_token_ids": [1]}
+    fed = tap.feed(event(role))
+    assert fed.forward  # the role chunk has no output ids: it goes at once
+    fed = tap.feed(event({"choices": [{"delta": {}, "token_ids": [7]}]}))
+    assert not fed.forward and tap.held
+    fed = tap.feed(event({"choices": [{"delta": {"content": "x"}, "token_ids": [8]}]}))
+    assert len(events_of(fed.forward)) == 2 and tap.sent_ids() == [7, 8]

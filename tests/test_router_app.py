@@ -228,12 +228,12 @@ def test_all_pairs_failing_is_502(nixl: Fleet, router: RouterFixture) -> None:
     assert r.status_code == 503
 
 
-def test_mid_stream_failure_ends_with_an_sse_error(nixl: Fleet, router: RouterFixture
-                                                   ) -> None:
+def test_mid_stream_failure_without_migration_ends_with_an_sse_error(
+        nixl: Fleet, router: RouterFixture) -> None:
     nixl.add("p1", P)
     d = nixl.add("d1", D)
     d.faults.cut_after_chunks = 2
-    server = router(nixl)
+    server = router(nixl, max_migrations=0)
     body = {"model": "m", "prompt": "x", "max_tokens": 6, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]

@@ -63,6 +63,10 @@ class TerminalDisplay:
             lines.append(f"  {name.removesuffix('_s').removesuffix('_count')}: {shown}")
         if step.traffic is not None:
             lines.append(f"  traffic: {step.traffic.line()}")
+        if step.requests_table:
+            lines.append("  requests:")
+            lines.append("\n".join("    " + row for row in step.requests_table.splitlines()))
+            lines.append("  members:")
         if step.table:
             lines.append("\n".join("    " + row for row in step.table.splitlines()))
         if step.name != "summary":
