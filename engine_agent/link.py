@@ -6,8 +6,8 @@ otherwise leave queued requests whose replies arrive out of step (ZeroMQ Guide c
 "Lazy Pirate"). Touched only by the agent's loop thread.
 
 Session: the registry's reply to an accepted Register carries the member's session
-secret. Heartbeats, reports and the bye are proved with it (frame 1) and numbered with a
-`seq` that only grows, so no one else can speak for this member.
+secret. Heartbeats, reports and the bye are sealed with it (their last field, `proof`)
+and numbered with a `seq` that only grows, so no one else can speak for this member.
 """
 
 from __future__ import annotations
@@ -121,8 +121,7 @@ class Link:
                                          seq=self.seq, reason=reason))
 
     def _signed(self, encoder: msgspec.msgpack.Encoder, message: object) -> list[bytes]:
-        payload = encoder.encode(message)
-        return [payload, sessions.sign(self.session, payload)]
+        return [sessions.seal(self.session, encoder.encode(message))]
 
     # --- replies -----------------------------------------------------------------------
 

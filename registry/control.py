@@ -1,6 +1,6 @@
 """The control channel: the registry loop's ROUTER side. Loop thread only.
 
-Per message: frames -> decode -> admission (token, version, spec) or session proof ->
+Per message: frame -> decode -> admission (token, version, spec) or session proof ->
 one `Membership` transition -> one reply. A refusal is counted by kind, logged at most
 every REJECT_LOG_EVERY_S, and answered with REJECTED; it never touches a member.
 """
@@ -64,16 +64,10 @@ class ControlChannel:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            # [identity, message] or [identity, message, session proof]
-            if len(frames) == 3:
-                identity, payload, proof = frames
-            elif len(frames) == 2:
-                identity, payload = frames
-                proof = b""
-            else:
-                self._reject(frames[0], "frames",
-                             f"expected 1 or 2 frames, got {len(frames) - 1}")
+            if len(frames) != 2:  # [identity, message]
+                self._reject(frames[0], "frames", f"expected 1 frame, got {len(frames) - 1}")
                 continue
+            identity, payload = frames
             if len(payload) > MAX_MESSAGE_BYTES:
                 self._reject(identity, "oversized",
                              f"message of {len(payload)} bytes; limit {MAX_MESSAGE_BYTES}")
@@ -86,24 +80,24 @@ class ControlChannel:
             except msgspec.DecodeError as exc:
                 self._reject(identity, "malformed", str(exc))
                 continue
-            self._handle(identity, message, payload, proof, now)
+            self._handle(identity, message, payload, now)
 
-    def _handle(self, identity: bytes, message: ControlMessage, payload: bytes, proof: bytes,
+    def _handle(self, identity: bytes, message: ControlMessage, payload: bytes,
                 now: float) -> None:
         membership = self.membership
         stats = self.stats
         if type(message) is Heartbeat:  # the hot path first
             stats.heartbeats += 1
-            outcome = membership.heartbeat(message, payload, proof, now)
+            outcome = membership.heartbeat(message, payload, now)
             if outcome is not OK:
                 stats.count_heartbeat_result(outcome.status)
         elif type(message) is Register:
             outcome = self._register(message, now)
             stats.count_registration(outcome)
         elif type(message) is Bye:
-            outcome = membership.bye(message, payload, proof)
+            outcome = membership.bye(message, payload)
         elif type(message) is Report:
-            outcome = membership.report(message, payload, proof, now)
+            outcome = membership.report(message, payload, now)
             stats.count_report(outcome)
         else:  # Sync
             self._send_snapshot(identity, message, now)

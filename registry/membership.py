@@ -5,8 +5,8 @@ to one transition (`register`, `heartbeat`, `bye`, `report`, `drain`, `evict`) a
 `tick` on its timer. Each transition states its rules as guards, stale incarnation first.
 
 Sessions: `register` hands out a secret per member; `heartbeat`, `bye` and `report` take
-the message's bytes and proof and change nothing unless the proof is the member's and its
-`seq` is new (`_authenticate`). So whoever lacks a member's secret cannot touch its record.
+the message and its encoded bytes and change nothing unless its proof is the member's and
+its `seq` is new (`_authenticate`). So whoever lacks a member's secret cannot touch its record.
 
 Every membership change goes through `_publish`, the one place `version` is bumped, and
 lands in an outbox the loop drains with `take_events()`. Load figures are not changes:
@@ -195,19 +195,19 @@ class Membership:
                     state.name.lower())
         return Outcome(ReplyStatus.OK, session=entry.session)
 
-    def heartbeat(self, beat: Heartbeat, payload: bytes, proof: bytes, now: float) -> Outcome:
-        """`payload` is the encoded `beat` and `proof` its session proof."""
-        entry = self._authenticate(beat.id, beat.incarnation, beat.seq, payload, proof)
+    def heartbeat(self, beat: Heartbeat, payload: bytes, now: float) -> Outcome:
+        """`payload` is `beat` as it arrived (what its proof seals)."""
+        entry = self._authenticate(beat.id, beat.incarnation, beat.seq, payload, beat.proof)
         if entry.__class__ is Outcome:
             return entry  # type: ignore[return-value]
         self._seen(entry, beat.load, now)  # type: ignore[arg-type]
         self._set_state(entry, beat.state, now)  # type: ignore[arg-type]
         return OK
 
-    def bye(self, bye: Bye, payload: bytes, proof: bytes) -> Outcome:
+    def bye(self, bye: Bye, payload: bytes) -> Outcome:
         if bye.id not in self._members:
             return OK  # already gone: a bye is idempotent
-        entry = self._authenticate(bye.id, bye.incarnation, bye.seq, payload, proof)
+        entry = self._authenticate(bye.id, bye.incarnation, bye.seq, payload, bye.proof)
         if isinstance(entry, Outcome):
             return entry
         leave = LeaveReason.CRASHED if bye.reason is ByeReason.CRASHED else LeaveReason.BYE
@@ -215,9 +215,10 @@ class Membership:
         self.admission.said_bye(bye.id, bye.incarnation)
         return OK
 
-    def report(self, report: Report, payload: bytes, proof: bytes, now: float) -> Outcome:
+    def report(self, report: Report, payload: bytes, now: float) -> Outcome:
         """A router saw `report.member` fail: suspect it now; its next heartbeat clears that."""
-        reporter = self._authenticate(report.id, report.incarnation, report.seq, payload, proof)
+        reporter = self._authenticate(report.id, report.incarnation, report.seq, payload,
+                                      report.proof)
         if isinstance(reporter, Outcome):
             return reporter
         if reporter.spec.role is not Role.API_SERVER:

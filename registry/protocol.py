@@ -4,14 +4,14 @@ Control channel (engine agent / router  <->  registry ROUTER socket), after Zero
 identity envelope:
 
     agent -> registry   frame 0: a `ControlMessage` (Register | Heartbeat | Bye | Sync | Report)
-                        frame 1: Heartbeat, Bye and Report only: the member's session proof,
-                                 `registry.sessions.sign(session, frame 0)` (16 bytes)
     registry -> agent   frame 0: a `Reply` (for Register/Heartbeat/Bye/Report) or a `Snapshot`
 
 Sessions: an accepted Register's Reply carries `session`, a secret of 256 random bits the
-registry keeps per member. Every later message about that member is proved with it, and
-its `seq` must be above the last one accepted, so nobody else can speak for the member and
-nothing can be replayed. A Register carries `nonce`, the registrant's own secret: a retried
+registry keeps per member. Heartbeat, Bye and Report end with `proof`: a MAC with that
+secret over every byte of the encoded message before the proof itself
+(`registry.sessions.seal`), so the proof travels in the one frame and binds every field.
+Their `seq` must be above the last one accepted, so nobody else can speak for the member
+and nothing can be replayed. A Register carries `nonce`, the registrant's own secret: a retried
 Register (the first reply was lost) with the same nonce gets the same session back; one
 without it cannot take over the (id, incarnation).
 
@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 2  # 2: member sessions (proof frame, seq, nonce)
+PROTOCOL_VERSION: Final = 2  # 2: member sessions (proof, seq, nonce)
 
 # Size limits. They bound memory per member and make hostile input cheap to refuse.
 MAX_MESSAGE_BYTES: Final = 64 * 1024  # also set as ZMQ_MAXMSGSIZE on the control socket
@@ -50,6 +50,8 @@ MAX_LABELS: Final = 32
 MAX_LABEL_CHARS: Final = 128
 MAX_EXTRA_LOAD_FIELDS: Final = 16
 MAX_TOKEN_CHARS: Final = 256
+PROOF_BYTES: Final = 16  # the last bytes of a proved message (registry.sessions)
+NO_PROOF: Final = bytes(PROOF_BYTES)  # what a message carries until it is sealed
 NONCE_MIN_BYTES: Final = 16
 NONCE_MAX_BYTES: Final = 64
 MAX_PROBLEM_CHARS: Final = 256
@@ -126,6 +128,7 @@ Token = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_MIN_BYTES, max_length=NONCE_MAX_BYTES)]
 Session = Annotated[bytes, msgspec.Meta(max_length=64)]
+Proof = Annotated[bytes, msgspec.Meta(min_length=PROOF_BYTES, max_length=PROOF_BYTES)]
 # Every float carries bounds: msgspec checks them on decode, and NaN fails any bound, so
 # no NaN or infinity gets in (it would break JSON for the dashboard and `pdreg status`).
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -198,22 +201,22 @@ class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defa
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
-    """Proved by frame 1. `seq` strictly increases per member and registry."""
+    """`seq` strictly increases per member and registry; `proof` seals it (last field)."""
 
     id: MemberId
     incarnation: Incarnation
     seq: Seq
     state: MemberState
     load: Load
+    proof: Proof = NO_PROOF
 
 
 class Bye(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Proved by frame 1."""
-
     id: MemberId
     incarnation: Incarnation
     seq: Seq
     reason: ByeReason = ByeReason.SHUTDOWN
+    proof: Proof = NO_PROOF
 
 
 class Sync(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
@@ -227,7 +230,7 @@ class Report(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaul
     """A router saw `member` fail (connection error, 5xx) and quarantined it locally.
 
     Sent by the reporter about another member: `id`, `incarnation` and `seq` are the
-    reporter's own, proved by frame 1 with the reporter's session. Only `api_server`
+    reporter's own, and `proof` is made with the reporter's session. Only `api_server`
     members (routers) may report.
     """
 
@@ -237,6 +240,7 @@ class Report(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaul
     member: MemberId
     member_incarnation: Incarnation
     problem: Annotated[str, msgspec.Meta(max_length=MAX_PROBLEM_CHARS)] = ""
+    proof: Proof = NO_PROOF
 
 
 ControlMessage = Register | Heartbeat | Bye | Sync | Report

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 from hypothesis import strategies as st
 
 from registry import sessions
@@ -36,6 +38,7 @@ CONFIG = DetectorConfig(heartbeat_interval_s=1.0, lease_s=3.0, tick_period_s=0.1
 READY, JOINING, DRAINING = MemberState.READY, MemberState.JOINING, MemberState.DRAINING
 ROUTER = "router-0"
 _encode = make_encoder().encode
+M = TypeVar("M")
 
 
 def spec(member_id: str = "p0", incarnation: int = 1, model: str = "m",
@@ -50,9 +53,10 @@ def nonce_for(member_id: str, incarnation: int) -> bytes:
     return hashlib.blake2b(f"{member_id}/{incarnation}".encode(), digest_size=16).digest()
 
 
-def signed(session: bytes, message: object) -> tuple[bytes, bytes]:
-    payload = _encode(message)
-    return payload, sessions.sign(session, payload)
+def signed(session: bytes, message: M) -> tuple[M, bytes]:
+    """`message` sealed with `session` as it arrives at the registry: decoded, and bytes."""
+    payload = sessions.seal(session, _encode(message))
+    return msgspec.msgpack.decode(payload, type=type(message)), payload
 
 
 class Fleet(Membership):
@@ -76,13 +80,12 @@ class Fleet(Membership):
     def beat(self, member_id: str, incarnation: int, state: MemberState = READY,
              load: Load | None = None, now: float = 0.0) -> Outcome:
         beat = Heartbeat(member_id, incarnation, next(self._seq), state, load or Load())
-        return self.heartbeat(beat, *signed(self.session_of(member_id, incarnation), beat),
-                              now)
+        return self.heartbeat(*signed(self.session_of(member_id, incarnation), beat), now)
 
     def leave(self, member_id: str, incarnation: int,
               reason: ByeReason = ByeReason.SHUTDOWN) -> Outcome:
         bye = Bye(member_id, incarnation, next(self._seq), reason)
-        return self.bye(bye, *signed(self.session_of(member_id, incarnation), bye))
+        return self.bye(*signed(self.session_of(member_id, incarnation), bye))
 
     def accuse(self, member_id: str, incarnation: int, now: float,
                problem: str = "connect refused") -> Outcome:
@@ -94,7 +97,7 @@ class Fleet(Membership):
         assert router is not None
         inc = router.spec.incarnation
         report = Report(ROUTER, inc, next(self._seq), member_id, incarnation, problem)
-        return self.report(report, *signed(self.session_of(ROUTER, inc), report), now)
+        return self.report(*signed(self.session_of(ROUTER, inc), report), now)
 
 
 def fresh(config: DetectorConfig = CONFIG, limits: Limits | None = None,

@@ -82,14 +82,12 @@ class RawMember:
         self.sock.send_multipart(frames)
         return self.receive()
 
-    def ask(self, message: object, proof: bytes | None = None) -> Reply | Snapshot:
-        """Send `message`, with `proof` as frame 1 when given."""
-        payload = self._encoder.encode(message)
-        return self.send_frames([payload] if proof is None else [payload, proof])
+    def ask(self, message: object) -> Reply | Snapshot:
+        return self.send_frames([self._encoder.encode(message)])
 
     def ask_signed(self, message: object) -> Reply | Snapshot:
-        payload = self._encoder.encode(message)
-        return self.send_frames([payload, sessions.sign(self.session, payload)])
+        """Send `message` sealed with this member's session, as an agent does."""
+        return self.send_frames([sessions.seal(self.session, self._encoder.encode(message))])
 
     def receive(self, timeout_s: float = WAIT_S) -> Reply | Snapshot:
         assert self.sock.poll(timeout_s * 1e3), "registry did not reply"

@@ -22,10 +22,18 @@ from registry.protocol import (
     ReplyStatus,
     Report,
     Role,
+    make_encoder,
 )
 from registry.ratelimit import SyncLimiter
 
-FORGED = b"\0" * sessions.PROOF_BYTES
+FORGED = b"\x07" * sessions.PROOF_BYTES
+_encode = make_encoder().encode
+
+
+def as_sent(message: Heartbeat | Bye | Report) -> tuple[object, bytes]:
+    """`message` as it arrives, proof as given (not sealed): decoded, and its bytes."""
+    payload = _encode(message)
+    return msgspec.msgpack.decode(payload, type=type(message)), payload
 
 
 def test_register_hands_out_a_fresh_secret_per_member():
@@ -42,10 +50,11 @@ def test_a_heartbeat_without_the_secret_changes_nothing():
     m.join(spec(), READY, Load(running=1))
     before = m.get("p0")
     beat = Heartbeat("p0", 1, 99, MemberState.DRAINING, Load(running=2**31 - 1))
-    payload, _ = signed(b"x" * 32, beat)
-    for proof in (b"", FORGED, sessions.sign(b"x" * 32, payload)):
-        outcome = m.heartbeat(beat, payload, proof, 1.0)
+    for forged in (beat, msgspec.structs.replace(beat, proof=FORGED)):
+        outcome = m.heartbeat(*as_sent(forged), 1.0)
         assert outcome.status is ReplyStatus.REJECTED and outcome.kind == "proof"
+    wrong_key = m.heartbeat(*signed(b"x" * 32, beat), 1.0)  # sealed, with another key
+    assert wrong_key.kind == "proof"
     assert m.get("p0") == before
     assert m.take_load_digests(1.0) == {}
 
@@ -55,9 +64,9 @@ def test_a_proof_binds_every_field():
     m.join(spec())
     session = m.sessions[("p0", 1)]
     good = Heartbeat("p0", 1, 5, READY, Load(running=1))
-    _, proof = signed(session, good)
-    altered, _ = signed(session, Heartbeat("p0", 1, 5, MemberState.DRAINING, Load(running=1)))
-    assert m.heartbeat(good, altered, proof, 1.0).kind == "proof"
+    sealed, _ = signed(session, good)
+    altered = Heartbeat("p0", 1, 5, MemberState.DRAINING, Load(running=1), proof=sealed.proof)
+    assert m.heartbeat(*as_sent(altered), 1.0).kind == "proof"
     assert m.get("p0").state is READY
 
 
@@ -66,11 +75,11 @@ def test_replays_and_old_seqs_are_refused():
     m.join(spec())
     session = m.sessions[("p0", 1)]
     beat = Heartbeat("p0", 1, 5, READY, Load(running=1))
-    assert m.heartbeat(beat, *signed(session, beat), 1.0).status is ReplyStatus.OK
-    again = m.heartbeat(beat, *signed(session, beat), 1.1)
+    assert m.heartbeat(*signed(session, beat), 1.0).status is ReplyStatus.OK
+    again = m.heartbeat(*signed(session, beat), 1.1)
     assert again.status is ReplyStatus.REJECTED and again.kind == "replay"
     older = Heartbeat("p0", 1, 4, MemberState.DRAINING, Load())
-    assert m.heartbeat(older, *signed(session, older), 1.2).kind == "replay"
+    assert m.heartbeat(*signed(session, older), 1.2).kind == "replay"
     assert m.get("p0").state is READY
 
 
@@ -78,7 +87,7 @@ def test_a_bye_needs_the_secret():
     m = fresh()
     m.join(spec())
     bye = Bye("p0", 1, 7, ByeReason.SHUTDOWN)
-    assert m.bye(bye, *signed(b"y" * 32, bye)).kind == "proof"
+    assert m.bye(*signed(b"y" * 32, bye)).kind == "proof"
     assert "p0" in m
     assert m.leave("p0", 1).status is ReplyStatus.OK
     assert "p0" not in m
@@ -89,11 +98,11 @@ def test_only_routers_may_report_and_only_with_their_own_secret():
     m.join(spec("p0"))
     m.join(spec("d0"))  # a decode: holds a session, but is no router
     report = Report("d0", 1, 1, "p0", 1, "dislike")
-    outcome = m.report(report, *signed(m.sessions[("d0", 1)], report), 0.1)
+    outcome = m.report(*signed(m.sessions[("d0", 1)], report), 0.1)
     assert outcome.status is ReplyStatus.REJECTED and outcome.kind == "reporter"
     m.join(spec(ROUTER, 1, role=Role.API_SERVER))
     forged = Report(ROUTER, 1, 2, "p0", 1, "forged")
-    assert m.report(forged, *signed(b"z" * 32, forged), 0.1).kind == "proof"
+    assert m.report(*signed(b"z" * 32, forged), 0.1).kind == "proof"
     assert not m.get("p0").suspect
     assert m.accuse("p0", 1, 0.2).kind == "accepted"
     assert m.get("p0").suspect

@@ -5,7 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from registry import sessions
 from registry.protocol import (
+    NO_PROOF,
+    PROOF_BYTES,
     Bye,
     ByeReason,
     Endpoints,
@@ -76,7 +79,18 @@ def test_event_round_trip(message):
 def test_heartbeat_is_compact():
     beat = Heartbeat("decode-10.0.0.7-8200", 1_700_000_000_000_000_000, 123456,
                      MemberState.READY, Load(12, 3, 0.42))
-    assert len(make_encoder().encode(beat)) < 64
+    assert len(make_encoder().encode(beat)) < 64 + PROOF_BYTES + 2
+
+
+def test_a_proof_is_the_last_bytes_of_its_message():
+    """What `registry.sessions.seal` relies on: the proof's 16 bytes end the encoding."""
+    for message in (Heartbeat("x", 1, 7, MemberState.READY, Load(1, 2, 0.5, {"a": 1.0})),
+                    Bye("x", 1, 8), Report("r", 1, 9, "x", 1)):
+        payload = sessions.seal(b"k" * 32, make_encoder().encode(message))
+        decoded = msgspec.msgpack.decode(payload, type=type(message))
+        assert payload.endswith(decoded.proof) and decoded.proof != NO_PROOF
+        assert sessions.verify(b"k" * 32, payload, decoded.proof)
+        assert not sessions.verify(b"j" * 32, payload, decoded.proof)
 
 
 @pytest.mark.parametrize("payload", [
@@ -90,6 +104,7 @@ def test_heartbeat_is_compact():
     msgspec.msgpack.encode(["Heartbeat", "x" * 500, 1, 0, 2, [0, 0, 0]]),  # id too long
     msgspec.msgpack.encode(["Heartbeat", "x", 1, 2**63, 2, [0, 0, 0.0]]),  # seq too big
     msgspec.msgpack.encode(["Bye", "x", 1]),                              # no seq
+    msgspec.msgpack.encode(["Bye", "x", 1, 1, 1, b"short"]),              # proof length
     msgspec.msgpack.encode(["Register", msgspec.to_builtins(SPEC), b"short"]),  # nonce
 ])
 def test_malformed_control_messages_are_refused(payload):
