@@ -32,8 +32,8 @@ clean:
 # generation continued from token ids over P/D is exact, routes completions and chat
 # through `pdreg router` (compared token by token with one instance), kills a decode
 # with kill -9 mid-stream (every stream must still match one instance), and drains the
-# other decode. About 3 minutes after the first install; on failure it names the step
-# and prints the logs' tails.
+# other decode, with CURVE keys, tokens and an API key on. About 3.5 minutes after the
+# first install; on failure it names the step and prints the logs' tails.
 VLLM_VENV ?= .venv-vllm
 VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
 

@@ -9,9 +9,10 @@ after setup.sh.
 
 Asserts, in this order:
 1. all three members READY with the right role, model, protocol and NIXL side channel,
-   registered over CURVE with the fleet token;
-   NIXL's progress thread polls every 10 ms in each vLLM (nixl_poll/, else three
-   busy-polling engines starve two cores), idle CPU per engine printed;
+   registered over CURVE with the fleet token; in each vLLM, NIXL's progress thread
+   polls every 10 ms and the model thread stays where VLLM_CPU_OMP_THREADS_BIND put it
+   (nixl_cpu/: else three engines busy-poll and all compute on the last core); idle CPU
+   printed;
 2. load figures that move while completions run;
 3. a generation cut after k tokens and continued from token ids on a new P/D pair is
    exact, for completions and chat (continuation_checks.py);
@@ -36,10 +37,8 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +47,10 @@ import httpx
 import migration_checks
 import routing_checks
 import security
+from busy import BusyClients
 from cluster import (
     MODEL_NAME,
-    NIXL_POLL_MARKER,
+    NIXL_CPU_MARKERS,
     PDREG,
     REPO,
     SIDECAR_EXIT_TIMEOUT_S,
@@ -60,7 +60,6 @@ from cluster import (
     Router,
     Steps,
     cpu_seconds,
-    marked_pids,
     print_log_tails,
     say,
     wait_logged,
@@ -72,38 +71,23 @@ STARTUP_TIMEOUT_S = 360.0  # vLLM takes ~50-85 s to become healthy here; three a
 STEP_TIMEOUT_S = 60.0
 ROUTER_STARTUP_TIMEOUT_S = 60.0
 IDLE_SAMPLE_S = 5.0
-DRAIN_REQUESTS = 6
+DRAIN_CLIENTS = 6
 ROUTER_MAX_ATTEMPTS = 3  # pairs the router tries per request (its --max-attempts)
 ROUTER_MAX_MIGRATIONS = 2
 ROUTER_DRAIN_DELAY_S = 0.5  # nothing balances across routers here: stop soon on SIGTERM
 HEARTBEAT_INTERVAL_S = 0.5
 LEASE_S = 5.0
+# VLLM_CPU_OMP_THREADS_BIND for every engine. "nobind": the OS places the three model
+# threads on the two cores; pinned (0, 1, 0), the decode sharing the prefill's core
+# pulled its KV only after NIXL's 30 s lease ran out, every time.
+VLLM_OMP_BIND = "nobind"
 STATUS_TIMEOUT_S = 30.0
 SECURITY_LINE = "security: CURVE, token, admin token"  # what `pdreg registry` prints
 # A client with a key pair of its own that the registry's allow-list does not name.
 STRANGER = "stranger"
-LONG_COMPLETION = {"model": MODEL_NAME, "prompt": "The registry keeps", "max_tokens": 400,
+LONG_COMPLETION = {"model": MODEL_NAME, "prompt": "The registry keeps", "max_tokens": 480,
                    "ignore_eos": True, "temperature": 0.0}
-
-
-def fire_completions(url: str, count: int,
-                     outcomes: list[str] | None = None) -> list[threading.Thread]:
-    """`count` long completions at once, each in a thread; each appends "ok", its HTTP
-    status or its error to `outcomes`."""
-    def one() -> None:
-        try:
-            response = httpx.post(f"{url}/v1/completions", json=LONG_COMPLETION, timeout=120)
-            outcome = "ok" if response.status_code == 200 else f"HTTP {response.status_code}"
-        except httpx.HTTPError as exc:
-            outcome = repr(exc)
-            say(f"completion to {url} ended: {outcome}")
-        if outcomes is not None:
-            outcomes.append(outcome)
-
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
-    for thread in threads:
-        thread.start()
-    return threads
+SHORT_COMPLETION = {**LONG_COMPLETION, "max_tokens": 96}
 
 
 class Cluster:
@@ -115,14 +99,12 @@ class Cluster:
 
         self.registry = Registry(free_low_port(), free_low_port(), free_low_port(),
                                  proc("registry"))
-        # Two cores: the prefill and one decode share core 0.
-        self.prefill = Engine("prefill", "prefill", free_low_port(), free_low_port(), "0",
-                              proc("prefill"))
+        # Three engines on two cores: not pinned, the OS places them (VLLM_OMP_BIND).
+        self.prefill = Engine("prefill", "prefill", free_low_port(), free_low_port(),
+                              VLLM_OMP_BIND, proc("prefill"))
         self.decodes = [
-            Engine("decode-1", "decode", free_low_port(), free_low_port(), "1",
-                   proc("decode-1")),
-            Engine("decode-2", "decode", free_low_port(), free_low_port(), "0",
-                   proc("decode-2")),
+            Engine(name, "decode", free_low_port(), free_low_port(), VLLM_OMP_BIND, proc(name))
+            for name in ("decode-1", "decode-2")
         ]
         self.router = Router(free_low_port(), proc("router"))
         self.security = security.create(
@@ -171,17 +153,26 @@ def start_engines(steps: Steps, cluster: Cluster, vllm_venv: Path, model_dir: Pa
 
     wait_logged("all three members READY", all_ready, STARTUP_TIMEOUT_S, states)
 
-    steps.begin("NIXL progress thread polls every 10 ms in every vLLM; idle CPU")
+    steps.begin("NIXL on CPU: progress thread polls every 10 ms, model thread not re-pinned "
+                "to the last core; idle CPU")
     for engine in cluster.engines:
-        assert NIXL_POLL_MARKER in engine.proc.log_text(), (
-            f"{engine.name}: no '{NIXL_POLL_MARKER}' line in {engine.proc.log_path}: the "
-            f"nixl_poll fix did not load, so NIXL busy-polls a core")
+        for marker in NIXL_CPU_MARKERS:
+            assert marker in engine.proc.log_text(), (
+                f"{engine.name}: no '{marker}' line in {engine.proc.log_path}: the nixl_cpu "
+                f"fixes did not load (NIXL busy-polls a core; every engine computes on the "
+                f"last core)")
+        cores = engine.worker_cores()
+        assert cores == engine.bound_cores, (
+            f"{engine.name}: vLLM's model thread may run on cores {cores}, not "
+            f"{engine.bound_cores} as VLLM_CPU_OMP_THREADS_BIND={engine.omp_bind} says")
+    say("ok: model threads on cores " + ", ".join(
+        f"{e.name} {e.worker_cores()}" for e in cluster.engines))
     pids = {engine.name: engine.engine_pids() for engine in cluster.engines}
     before = {name: cpu_seconds(p) for name, p in pids.items()}
     time.sleep(IDLE_SAMPLE_S)  # a measurement window, not a wait for a condition
     idle = {name: (cpu_seconds(p) - before[name]) / IDLE_SAMPLE_S for name, p in pids.items()}
-    say("ok: poll delay applied; idle CPU per engine (share of a core, all its vLLM "
-        "processes): " + ", ".join(f"{name} {share:.0%}" for name, share in idle.items()))
+    say("ok: idle CPU per engine (share of a core, all its vLLM processes): "
+        + ", ".join(f"{name} {share:.0%}" for name, share in idle.items()))
 
 
 def check_registration(steps: Steps, cluster: Cluster) -> None:
@@ -208,15 +199,24 @@ def load_of(cluster: Cluster, engine: Engine) -> dict[str, Any]:
 def check_load(steps: Steps, cluster: Cluster) -> None:
     steps.begin("load figures move while completions run")
     prefill, decode = cluster.prefill, cluster.decodes[0]
-    threads = fire_completions(prefill.url, 4) + fire_completions(decode.url, 4)
+    clients = [BusyClients(e.url, 4, SHORT_COMPLETION).start() for e in (prefill, decode)]
+    seen_busy: set[str] = set()
 
-    def busy(engine: Engine) -> Callable[[], bool]:
-        return lambda: load_of(cluster, engine)["running"] > 0
+    def both_seen_busy() -> bool:
+        view = cluster.registry.members()
+        seen_busy.update(e.name for e in (prefill, decode) if view.get(
+            e.member_id, {}).get("load", {}).get("running", 0) > 0)
+        return len(seen_busy) == 2
 
-    wait_logged("prefill reports running > 0", busy(prefill), STEP_TIMEOUT_S)
-    wait_logged("decode reports running > 0", busy(decode), STEP_TIMEOUT_S)
-    for thread in threads:
-        thread.join(STEP_TIMEOUT_S)
+    try:
+        wait_logged("prefill and decode report running > 0", both_seen_busy, STEP_TIMEOUT_S,
+                    lambda: f"seen busy: {sorted(seen_busy)}, completions done: "
+                            f"{sum(len(c.outcomes) for c in clients)}")
+    finally:
+        for busy in clients:
+            busy.join(STEP_TIMEOUT_S)
+    failures = [f for busy in clients for f in busy.failures()]
+    assert not failures, f"completions failed: {failures}"
     wait_logged("load back to 0", lambda: all(
         load_of(cluster, e)["running"] == 0 for e in (prefill, decode)), STEP_TIMEOUT_S)
 
@@ -303,7 +303,8 @@ def check_kill(steps: Steps, cluster: Cluster) -> Engine:
                 lambda: victim.member_id not in cluster.registry.members(), STEP_TIMEOUT_S)
     assert victim.proc.process is not None
     victim.proc.process.wait(STEP_TIMEOUT_S)
-    assert not marked_pids(victim.proc.marker), f"{victim.name} left processes behind"
+    wait_logged(f"every process of {victim.name} gone", lambda: not victim.proc.pids(),
+                STEP_TIMEOUT_S, lambda: f"left: {victim.proc.pids()}")
     reply = httpx.post(f"{cluster.router.url}/v1/completions", headers=cluster.router.headers,
                        json={"model": MODEL_NAME, "prompt": "after the kill", "max_tokens": 4,
                              "temperature": 0.0, "ignore_eos": True}, timeout=120)
@@ -317,19 +318,21 @@ def check_drain(steps: Steps, cluster: Cluster, decode: Engine) -> None:
     it held at SIGTERM answered in full."""
     steps.begin(f"drain {decode.name} with SIGTERM while it serves")
     # Idle first, so that "busy" below is these requests and not a stale report of the
-    # routed ones; and all of them in the engine (running or waiting) before SIGTERM,
-    # because the sidecar can only wait for requests vLLM's scheduler counts.
+    # routed ones; and busy in the sidecar's own report before SIGTERM, because the
+    # sidecar can only wait for requests vLLM's scheduler counts.
     wait_logged(f"{decode.name} reports idle", lambda: load_of(cluster, decode)["running"] == 0,
                 STEP_TIMEOUT_S)
-    outcomes: list[str] = []
-    threads = fire_completions(decode.url, DRAIN_REQUESTS, outcomes)
-    wait_logged(f"{decode.name} holds all {DRAIN_REQUESTS} requests", lambda: sum(
-        load_of(cluster, decode)[k] for k in ("running", "waiting")) >= DRAIN_REQUESTS,
-        STEP_TIMEOUT_S)
+    busy = BusyClients(decode.url, DRAIN_CLIENTS, LONG_COMPLETION).start()
+    try:
+        wait_logged(f"{decode.name} reports running > 0", lambda: load_of(
+            cluster, decode)["running"] > 0, STEP_TIMEOUT_S)
+    finally:
+        busy.stop()  # no new requests; the ones under way are what the drain must wait for
+    held = busy.in_flight()
     process = decode.proc.process
     assert process is not None
     process.terminate()
-    say(f"sent SIGTERM to {decode.name}'s sidecar")
+    say(f"sent SIGTERM to {decode.name}'s sidecar with {held} requests under way")
     registry = cluster.registry
     wait_logged(f"{decode.name} DRAINING", lambda: registry.members().get(
         decode.member_id, {}).get("state") == "draining", STEP_TIMEOUT_S)
@@ -338,13 +341,14 @@ def check_drain(steps: Steps, cluster: Cluster, decode: Engine) -> None:
     code = process.wait(SIDECAR_EXIT_TIMEOUT_S)
     assert code == 0, f"{decode.name} sidecar exit code {code}"
     wait_logged(f"{decode.name}'s vLLM processes exited",
-                lambda: not marked_pids(decode.proc.marker), STEP_TIMEOUT_S)
-    for thread in threads:
-        thread.join(STEP_TIMEOUT_S)
-    assert outcomes == ["ok"] * DRAIN_REQUESTS, (
-        f"requests held by {decode.name} at SIGTERM ended {outcomes}; drain should have "
-        f"let all {DRAIN_REQUESTS} finish")
-    say(f"ok: all {DRAIN_REQUESTS} requests held at SIGTERM finished")
+                lambda: not decode.proc.pids(), STEP_TIMEOUT_S)
+    busy.join(STEP_TIMEOUT_S)
+    assert held > 0, "no request was under way at SIGTERM: nothing tested the drain"
+    assert not busy.failures(), (
+        f"requests to {decode.name} ended {busy.failures()}; drain should have let the "
+        f"{held} under way at SIGTERM finish")
+    say(f"ok: the {held} requests under way at SIGTERM finished "
+        f"({len(busy.outcomes)} completions in all, every one ok)")
     assert registry.members()[cluster.prefill.member_id]["state"] == "ready"
     say("prefill still READY")
 

@@ -1,8 +1,12 @@
 """The processes of `make test-vllm`: registry, vLLM engines under `pdreg agent`, router.
 
 Each process is started from the command line a user would type, with its own log file,
-and carries a marker in its environment so that everything it spawned (vLLM's engine
-core and workers) can be found and killed at the end, pass or fail.
+and carries a marker in its environment, so that everything it spawned can be found and
+killed at the end, pass or fail. vLLM's engine core and workers rename themselves
+(setproctitle), which blanks /proc/PID/environ and hides the marker; they stay in the
+process group of vLLM's API server (which `pdreg agent` starts in a session of its own),
+so the groups of the marked processes are remembered and killed too. Missing them once
+left orphaned engine cores (2.2 GB each) running after a kill -9 of their API server.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from pdreg.testing import die_with_parent, wait_until
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE = HERE / "chat_template.jinja"
-# On the vLLM processes' PYTHONPATH only: NIXL's progress thread polls every 10 ms
-# instead of spinning (see nixl_poll/sitecustomize.py).
-NIXL_POLL_DIR = HERE / "nixl_poll"
-NIXL_POLL_MARKER = "[pdreg nixl-poll] progress thread poll delay"
+# On the vLLM processes' PYTHONPATH only: NIXL's progress thread polls every 10 ms instead
+# of spinning, and vLLM's NIXL worker keeps its model thread on the cores given by
+# VLLM_CPU_OMP_THREADS_BIND (see nixl_cpu/sitecustomize.py).
+NIXL_CPU_DIR = HERE / "nixl_cpu"
+NIXL_CPU_MARKERS = ("[pdreg nixl-cpu] progress thread poll delay",
+                    "[pdreg nixl-cpu] kept the worker thread's cores")
 PDREG = (str(REPO / ".venv" / "bin" / "python"), "-m", "pdreg")
 MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
 MODEL_NAME = "tiny"
@@ -73,6 +79,7 @@ class Proc:
     log_path: Path
     marker: str
     process: subprocess.Popen[bytes] | None = None
+    groups: set[int] = field(default_factory=set)
 
     def start(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         full_env = {**(env if env is not None else os.environ), MARKER_ENV: self.marker}
@@ -95,6 +102,7 @@ class Proc:
 
     def stop(self, timeout_s: float = EXIT_TIMEOUT_S) -> int | None:
         """SIGTERM, wait, SIGKILL if it overstays; then kill anything it left behind."""
+        self.remember_groups()
         code = None
         if self.process is not None:
             if self.process.poll() is None:
@@ -103,17 +111,40 @@ class Proc:
                 code = self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 say(f"{self.name} did not exit within {timeout_s:.0f}s of SIGTERM; killing")
-        kill_marked(self.marker)
+        self.kill_all()
         if self.process is not None:
             code = self.process.wait()
         return code
+
+    def remember_groups(self) -> None:
+        """Note the process groups of everything this command runs (see the module doc)."""
+        own = os.getpgrp()
+        for pid in marked_pids(self.marker):
+            with contextlib.suppress(ProcessLookupError):
+                group = os.getpgid(pid)
+                if group != own:
+                    self.groups.add(group)
+
+    def pids(self) -> list[int]:
+        """Every live process this command started, renamed or not."""
+        return sorted(set(marked_pids(self.marker)) | set(pids_in_groups(self.groups)))
+
+    def kill_all(self) -> None:
+        """SIGKILL everything this command started, at once (a lost machine)."""
+        self.remember_groups()
+        for group in self.groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        for pid in marked_pids(self.marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 def marked_pids(marker: str) -> list[int]:
-    """Every live process whose environment carries `marker` (sidecar, vLLM, workers)."""
+    """Every live process whose environment carries `marker` (not renamed ones)."""
     pids = []
     needle = f"{MARKER_ENV}={marker}".encode()
     for entry in Path("/proc").iterdir():
@@ -127,10 +158,21 @@ def marked_pids(marker: str) -> list[int]:
     return pids
 
 
-def kill_marked(marker: str) -> None:
-    for pid in marked_pids(marker):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+def pids_in_groups(groups: set[int]) -> list[int]:
+    """Live (not zombie) processes whose process group is one of `groups`."""
+    if not groups:
+        return []
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:  # state, pgrp
+            pids.append(int(entry.name))
+    return pids
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -227,8 +269,8 @@ class Engine:
             "--registry", registry, "--health-interval", "0.5", "--drain-timeout", "60",
             "--kill-grace", "20", "--label", "test=vllm", *agent_extra,
             "--",
-            # The poll-delay fix goes to vLLM only, not to the sidecar.
-            "env", f"PYTHONPATH={NIXL_POLL_DIR}",
+            # The NIXL fixes go to vLLM only, not to the sidecar.
+            "env", f"PYTHONPATH={NIXL_CPU_DIR}",
             str(vllm_venv / "bin" / "vllm"), "serve", str(model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", "512", "--served-model-name", MODEL_NAME, "--enforce-eager",
@@ -239,10 +281,25 @@ class Engine:
             f"NIXL side channel {self.side_channel_port}, "
             f"cores {self.omp_bind}, log {self.proc.log_path}")
 
+    @property
+    def bound_cores(self) -> list[int]:
+        """Where VLLM_CPU_OMP_THREADS_BIND puts the model thread ("nobind": anywhere)."""
+        if self.omp_bind == "nobind":
+            return sorted(os.sched_getaffinity(0))
+        return sorted({int(core) for core in self.omp_bind.split(",")})
+
+    def worker_cores(self) -> list[int]:
+        """The cores vLLM's model thread (the worker's main thread) may run on."""
+        for pid in self.engine_pids():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::Worker"):
+                    return sorted(os.sched_getaffinity(pid))
+        return []
+
     def engine_pids(self) -> list[int]:
         """vLLM's processes (API server, engine core, worker), not the sidecar."""
-        sidecar = self.proc.process.pid if self.proc.process else -1
-        return [pid for pid in marked_pids(self.proc.marker) if pid != sidecar]
+        self.proc.remember_groups()
+        return [pid for pid in self.proc.pids() if pid != self.proc.pid]
 
 
 @dataclass

@@ -49,9 +49,10 @@ else
     "$VLLM_VENV/bin/python" tests/vllm/make_tiny_model.py "$VLLM_MODEL_DIR"
   touch "$MODEL_STAMP"
 fi
-# NIXL's progress thread busy-polls unless tests/vllm/nixl_poll/ gives it a poll delay; that
-# fix is pinned to the installed nixl and refuses to load if the code it patches moved.
-PYTHONPATH=tests/vllm/nixl_poll "$VLLM_VENV/bin/python" -c 'import nixl_cu12._api' \
-  || { echo "[setup] tests/vllm/nixl_poll no longer fits the installed nixl (see above)"; exit 1; }
-echo "[setup] NIXL poll-delay fix fits the installed nixl"
+# Several NIXL engines on a few cores need tests/vllm/nixl_cpu/ (a poll delay for NIXL's
+# progress thread; no re-pinning of vLLM's worker thread). Those fixes are pinned to the
+# installed nixl and vLLM, and refuse to load if the code they change moved.
+PYTHONPATH=tests/vllm/nixl_cpu "$VLLM_VENV/bin/python" -c 'import sitecustomize; sitecustomize.check_pins()' \
+  || { echo "[setup] tests/vllm/nixl_cpu no longer fits the installed nixl/vLLM (see above)"; exit 1; }
+echo "[setup] tests/vllm/nixl_cpu fits the installed nixl and vLLM"
 echo "[setup] done"
