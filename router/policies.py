@@ -69,6 +69,15 @@ def score(c: Candidate, in_flight: int, now: float, stale_after_s: float) -> flo
     return c.queue + in_flight + c.kv_usage * KV_FULL_PENALTY_REQS
 
 
+def outstanding(c: Candidate, in_flight: int, now: float, stale_after_s: float) -> float:
+    """The work a member has, for latency weighting: the larger of its reported queue and
+    the router's own in-flight count (its report includes this router's requests, so the
+    sum would count them twice, and a product magnifies that), plus KV pressure."""
+    if now - c.load_at > stale_after_s:
+        return SATURATED_SCORE + in_flight
+    return max(c.queue, in_flight) + c.kv_usage * KV_FULL_PENALTY_REQS
+
+
 def no_key(session: str, body: Mapping[str, Any]) -> int:
     return 0
 
@@ -96,9 +105,9 @@ class Pairer:
 
     A mixed member chosen as P also serves as its own D: serving in place beats moving
     the KV cache. `now` and `in_flight` (router's own, per member id) are passed in.
-    With a `latency` tracker, a member's load is (score + 1) x its estimated service time
-    (peak-EWMA), so of two equally busy members the faster one wins, and a member twice
-    as slow takes about half the work.
+    With a `latency` tracker, a member's load is (outstanding + 1) x its estimated service
+    time (peak-EWMA), so of two equally busy members the faster one wins, and a member
+    twice as slow takes about half the work.
     """
 
     def __init__(self, prefill: Chooser, decode: Chooser, *,
@@ -126,12 +135,12 @@ class Pairer:
         latency = self.latency
         if latency is not None:
             def prefill_load(c: Candidate) -> float:
-                s = base(c)
+                s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s)
                 return s if s >= SATURATED_SCORE else (s + 1.0) * latency.cost(
                     PREFILL_ROLE, c.id, c.incarnation, now)
 
             def decode_load(c: Candidate) -> float:
-                s = base(c)
+                s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s)
                 return s if s >= SATURATED_SCORE else (s + 1.0) * latency.cost(
                     DECODE_ROLE, c.id, c.incarnation, now)
 
@@ -173,7 +182,10 @@ def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Seque
 
 POLICY_NAMES: Final = ("peak_ewma", "power_of_two", "round_robin", "random", "least_loaded",
                        "prefix", "session")
-DEFAULT_POLICY: Final = "power_of_two"
+# peak_ewma won bench/bench_router.py against power_of_two: one prefill 10x slower got 0%
+# of prefills instead of 11-12% (p99 TTFT as with the fast workers alone), one decode 5x
+# slower 6-11% instead of 23-25%, at the same CPU per request (bench/RESULTS.md).
+DEFAULT_POLICY: Final = "peak_ewma"
 
 
 def make_chooser(name: str, rng: random.Random) -> Chooser:

@@ -22,9 +22,10 @@ from aiohttp import web
 
 from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS, MembershipSource, Router
 from router.guard import UpstreamPolicy
+from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S
 from router.quarantine import QUARANTINE_S
-from router.upstream import (
+from router.upstream_bounds import (
     CONNECT_TIMEOUT_S,
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
@@ -59,6 +60,7 @@ class RouterConfig:
     allow_upstream: str = ""  # CIDRs; "" = every address but link-local and metadata
     drain_delay_s: float = DRAIN_DELAY_S
     drain_timeout_s: float = DRAIN_TIMEOUT_S
+    latency_decay_s: float = DECAY_S
 
 
 class RouterServer:
@@ -72,7 +74,8 @@ class RouterServer:
             timeouts=Timeouts(connect_s=config.connect_timeout_s,
                               first_byte_s=config.first_byte_timeout_s,
                               idle_read_s=config.stream_idle_timeout_s),
-            upstream_policy=UpstreamPolicy.build(config.allow_upstream))
+            upstream_policy=UpstreamPolicy.build(config.allow_upstream),
+            latency_decay_s=config.latency_decay_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None

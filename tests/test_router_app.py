@@ -11,7 +11,8 @@ import httpx
 import msgspec
 import openai
 import pytest
-from standins_engines import Fleet, LoopThread, live_member, tokens_for
+from standins_engines import tokens_for
+from standins_fleet import Fleet, LoopThread, live_member
 
 from pdreg.testing import wait_until
 from registry.protocol import MemberState, Role
