@@ -94,6 +94,7 @@ class Row:
     handshake: str
     cpu_us_per_req: float | None = None
     cold_p99_ms: float = 0.0  # a c=32 burst on fresh connections, before the warm-up
+    cold_cpu_us_per_req: float | None = None
     p50_ms_c1: float = 0.0
     p99_ms_c1: float = 0.0
     p50_ms_c32: float = 0.0
@@ -173,7 +174,10 @@ def measure(target: Target, handshake: str, requests: int) -> Row:
     if not wait_until(lambda: serves(target.url), READY_TIMEOUT_S, poll_s=0.2):
         raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
     row = Row(router=target.name, handshake=handshake)
+    cpu_before = target.cpu_s() if target.cpu_s else 0.0
     cold, _, failed0 = asyncio.run(run_load(target.url, COLD_REQUESTS, CONCURRENCY))
+    if target.cpu_s:
+        row.cold_cpu_us_per_req = (target.cpu_s() - cpu_before) / COLD_REQUESTS * 1e6
     row.cold_p99_ms = p99(cold) * 1e3
     # Warm every connection pool at the concurrency measured: a pool warmed at c=4 still
     # opens 28 connections per engine at the start of a c=32 run.
@@ -188,7 +192,7 @@ def measure(target: Target, handshake: str, requests: int) -> Row:
     row.req_per_s_c32 = len(lat32) / wall
     row.failed = failed0 + failed1 + failed32
     print(f"  {target.name:24s} cpu/req={row.cpu_us_per_req or 0:.0f}us "
-          f"cold c32 p99={row.cold_p99_ms:.1f}ms "
+          f"cold c32 p99={row.cold_p99_ms:.1f}ms cpu/req={row.cold_cpu_us_per_req or 0:.0f}us "
           f"c1 p50/p99={row.p50_ms_c1:.2f}/{row.p99_ms_c1:.2f}ms "
           f"c32 p50/p99={row.p50_ms_c32:.1f}/{row.p99_ms_c32:.1f}ms "
           f"{row.req_per_s_c32:.0f} req/s failed={row.failed}", flush=True)
@@ -270,19 +274,23 @@ def pd_engines(handshake: str, slow: str = "", fast_only: bool = False
 
 
 ROUTER_ARGS: list[str] = []  # --router-args: extra `pdreg router` flags for every run
+BASELINE_SRC: list[Path] = []  # --baseline-src: another pdreg source tree, run beside
 
 
 @contextmanager
-def pdreg_router(registry: str, policy: str, label: str = "") -> Iterator[Target]:
+def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None = None
+                 ) -> Iterator[Target]:
+    """`src`: run the router of another pdreg source tree (e.g. an export of main), with
+    only the flags every version has."""
     port = free_low_port()
     # its log goes to a file: a client that hangs up after [DONE] makes aiohttp log a
     # traceback per request, which would drown the bench's own output
     log = tempfile.NamedTemporaryFile(prefix="pdreg-bench-router-", suffix=".log")  # noqa: SIM115
+    extra = [] if src else ["--drain-delay", "0", *ROUTER_ARGS]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
-         registry, "--port", str(port), "--policy", policy, "--no-register",
-         "--drain-delay", "0", *ROUTER_ARGS],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+         registry, "--port", str(port), "--policy", policy, "--no-register", *extra],
+        cwd=src or REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     try:
         assert proc.stdout is not None
@@ -306,13 +314,17 @@ def peer(router: peers.PeerRouter) -> Iterator[Target]:
 
 
 def lineup(handshake: str, registry: str, policies: list[str], handles: list[EngineHandle],
-           peers_too: bool = True) -> list[Callable[[], AbstractContextManager[Target]]]:
+           peers_too: bool = True, baselines: bool = False
+           ) -> list[Callable[[], AbstractContextManager[Target]]]:
     """Context-manager factories for every router that speaks `handshake`, pdreg first."""
     prefills = [h for h in handles if h.id.startswith("prefill")]
     decodes = [h.url for h in handles if h.id.startswith("decode")]
     with_bootstrap = [(h.url, h.bootstrap_port) for h in prefills]
     factories: list[Callable[[], AbstractContextManager[Target]]] = [
         lambda policy=policy: pdreg_router(registry, policy) for policy in policies]
+    factories += [lambda src=src: pdreg_router(registry, "power_of_two",
+                                               f"pdreg {src.name} (power_of_two)", src)
+                  for src in (BASELINE_SRC if baselines else [])]
     if not peers_too:
         return factories
     if handshake == "vllm-nixl":
@@ -337,7 +349,8 @@ def run_all(requests: int, policies: list[str], scenarios: list[str], handshakes
         if "steady" in scenarios:
             print(f"{handshake} handshake, steady", flush=True)
             with pd_engines(handshake) as (registry, handles):
-                for factory in lineup(handshake, registry, policies, handles, peers_too):
+                for factory in lineup(handshake, registry, policies, handles, peers_too,
+                                      baselines=True):
                     with factory() as target:
                         rows.append(measure(target, handshake, requests))
         for slow in (r for r in SLOW_ROLES if r in scenarios):
@@ -361,13 +374,16 @@ def print_tables(rows: list[Row], slow_rows: list[SlowRow], requests: int) -> No
           f"after a warm-up at c={CONCURRENCY}; cold: {COLD_REQUESTS} requests at "
           f"c={CONCURRENCY} before any warm-up\n")
     print("| router | handshake | router CPU per request | p50 / p99 at c=1 "
-          "| p50 / p99 at c=32 | req/s at c=32 | cold c=32 p99 | failed |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "| p50 / p99 at c=32 | req/s at c=32 | cold c=32 p99 | cold CPU per request "
+          "| failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cpu = f"{r.cpu_us_per_req:.0f} µs" if r.cpu_us_per_req is not None else "-"
         print(f"| {r.router} | {r.handshake} | {cpu} | {r.p50_ms_c1:.2f} / "
               f"{r.p99_ms_c1:.2f} ms | {r.p50_ms_c32:.1f} / {r.p99_ms_c32:.1f} ms | "
-              f"{r.req_per_s_c32:,.0f} | {r.cold_p99_ms:.1f} ms | {r.failed} |")
+              f"{r.req_per_s_c32:,.0f} | {r.cold_p99_ms:.1f} ms | "
+              f"{'-' if r.cold_cpu_us_per_req is None else f'{r.cold_cpu_us_per_req:.0f} µs'} "
+              f"| {r.failed} |")
     for slow, what in (("prefill", f"one prefill {SLOW_PREFILL_S_PER_TOKEN * 1e3:g} ms per "
                         f"prompt token vs {FAST_PREFILL_S_PER_TOKEN * 1e3:g}"),
                        ("decode", f"one decode {SLOW_DECODE_S_PER_TOKEN * 1e3:g} ms per "
@@ -404,8 +420,12 @@ def main() -> int:
     parser.add_argument("--handshakes", default="vllm-nixl,sglang")
     parser.add_argument("--no-peers", action="store_true", help="pdreg only")
     parser.add_argument("--router-args", default="", help="extra `pdreg router` flags")
+    parser.add_argument("--baseline-src", type=Path, action="append", default=[],
+                        help="also run the router of this pdreg source tree (e.g. `git "
+                             "archive main` unpacked): CPU per request side by side")
     args = parser.parse_args()
     ROUTER_ARGS.extend(args.router_args.split())
+    BASELINE_SRC.extend(p.resolve() for p in args.baseline_src)
     peers.ensure_peers_venv()
 
     def items(text: str) -> list[str]:

@@ -134,15 +134,16 @@ class Pairer:
         prefill_load = decode_load = base
         latency = self.latency
         if latency is not None:
-            def prefill_load(c: Candidate) -> float:
-                s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s)
-                return s if s >= SATURATED_SCORE else (s + 1.0) * latency.cost(
-                    PREFILL_ROLE, c.id, c.incarnation, now)
-
-            def decode_load(c: Candidate) -> float:
-                s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s)
-                return s if s >= SATURATED_SCORE else (s + 1.0) * latency.cost(
-                    DECODE_ROLE, c.id, c.incarnation, now)
+            def weighted(role: str) -> Callable[[Candidate], float]:
+                def load(c: Candidate) -> float:
+                    s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s)
+                    if s >= SATURATED_SCORE:
+                        return s
+                    if latency.probe_due(role, c.id, c.incarnation, now):
+                        return -1.0  # due a probe: it wins when sampled, once
+                    return (s + 1.0) * latency.cost(role, c.id, c.incarnation)
+                return load
+            prefill_load, decode_load = weighted(PREFILL_ROLE), weighted(DECODE_ROLE)
 
         options: list[tuple[Sequence[Candidate], Sequence[Candidate]]] = []
         for pool in pools:
@@ -161,6 +162,8 @@ class Pairer:
         else:  # several protocols serve this model: choose P across all, D in P's pool
             prefills = [c for ps, _ in options for c in ps]
         p = self._prefill.choose(prefills, prefill_load, key)
+        if latency is not None and latency.probe_due(PREFILL_ROLE, p.id, p.incarnation, now):
+            latency.probing(PREFILL_ROLE, p.id, now)
         if p.role is Role.MIXED:
             return Pair(p, p)
         if len(options) > 1:
@@ -169,7 +172,10 @@ class Pairer:
             near = [d for d in decodes if d.locality == p.locality and base(d) < SATURATED_SCORE]
             if near:
                 decodes = near
-        return Pair(p, self._decode.choose(decodes, decode_load, key))
+        d = self._decode.choose(decodes, decode_load, key)
+        if latency is not None and latency.probe_due(DECODE_ROLE, d.id, d.incarnation, now):
+            latency.probing(DECODE_ROLE, d.id, now)
+        return Pair(p, d)
 
 
 def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Sequence[Candidate]:
