@@ -317,3 +317,11 @@ def test_set_state_and_report_after_stop_touch_no_reused_descriptor(
         for read_end, write_end in pipes:
             os.close(read_end)
             os.close(write_end)
+
+
+def test_a_stop_right_after_start_still_says_bye(server: RegistryServer) -> None:
+    """The bye needs the session the Register's reply brings: stop() waits for it."""
+    for port in range(8100, 8105):
+        Agent(make_spec(port), registries=server.control_address).start().stop()
+    # Well within the lease: nobody lingers until expiry.
+    assert wait_until(lambda: not server.members(), LEASE_S / 2), list(server.members())
