@@ -1,13 +1,16 @@
 """Registry benchmarks: heartbeat ingest, event propagation, snapshot size and time.
 
-    .venv/bin/python bench/bench_registry.py [--quick]
+    .venv/bin/python bench/bench_registry.py [--quick] [--baseline-src DIR]
 
 Each figure runs the registry as its own process (`pdreg registry`), the way it is
 deployed, and drives it from this one over loopback:
 
 1. ingest: simulated members (a separate process) pipeline heartbeats as fast as the
-   registry answers; the registry does full processing (decode, validate, membership,
-   reply, digests). Compared with a bare pyzmq+msgspec receive loop.
+   registry answers; the registry does full processing (decode, session proof and seq,
+   membership, reply, digests). Side by side in one run: a bare pyzmq+msgspec receive
+   loop (the floor), the registry with sessions checked, the same with CURVE on both
+   sockets, and, with `--baseline-src DIR` (a source tree of an older pdreg, e.g.
+   `git archive b216f1c | tar -x -C DIR`), that registry without sessions.
 2. propagation: with 1,000 members registered, a member changes state; the time until a
    `MembershipView` in this process sees the event (p50/p99).
 3. snapshot: with 10,000 members, a Sync round trip (request -> decoded snapshot), its
@@ -22,10 +25,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -34,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from pdreg.testing import die_with_parent  # noqa: E402
+from registry import sessions  # noqa: E402
 from registry.client import MembershipView, request_snapshot  # noqa: E402
 from registry.protocol import (  # noqa: E402
     Endpoints,
@@ -45,17 +51,32 @@ from registry.protocol import (  # noqa: E402
     Role,
     control_decoder,
     make_encoder,
+    reply_decoder,
 )
+from registry.security import ClientCurve, generate_keys  # noqa: E402
+
+INGEST_MEMBERS = 1000
+_PROOF_FIELD_BYTES = 2 + sessions.PROOF_BYTES  # msgpack bin8 header + the proof
+
+
+def _without_proof(payload: bytes) -> bytes:
+    """A protocol-2 heartbeat as protocol 1 sent it: the same array, one element (the
+    trailing proof) shorter. The first byte is the fixarray header, holding the count."""
+    return bytes((payload[0] - 1,)) + payload[1:-_PROOF_FIELD_BYTES]
 
 
 @contextmanager
-def registry_process(interval_s: float = 1.0, lease_s: float = 30.0) -> Iterator[tuple[str, int]]:
-    """A `pdreg registry` child on OS-chosen ports; yields (control address, pid)."""
+def registry_process(interval_s: float = 1.0, lease_s: float = 30.0, *,
+                     extra: tuple[str, ...] = (), src: str = ROOT
+                     ) -> Iterator[tuple[str, int]]:
+    """A `pdreg registry` child (from source tree `src`) on OS-chosen ports; yields
+    (control address, pid)."""
+    env = {**os.environ, "PYTHONPATH": src}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "registry", "--port", "0",
          "--events-port", "0", "--http-port", "-1", "--heartbeat-interval", str(interval_s),
-         "--lease", str(lease_s)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        preexec_fn=die_with_parent)
+         "--lease", str(lease_s), *extra],
+        stdout=subprocess.PIPE, text=True, cwd=src, env=env, preexec_fn=die_with_parent)
     try:
         line = proc.stdout.readline()
         address = line.split("control ")[1].split()[0]
@@ -73,34 +94,76 @@ def spec(i: int) -> MemberSpec:
                       labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
 
 
-def register_members(address: str, count: int, start: int = 0) -> None:
+def register_members(address: str, count: int, start: int = 0, *,
+                     curve: ClientCurve | None = None) -> dict[str, bytes]:
+    """Register members m-START.. and return their sessions."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(f"tcp://{address}")
+    encoder, decoder = make_encoder(), reply_decoder()
+    for i in range(start, start + count):
+        sock.send(encoder.encode(Register(spec=spec(i), nonce=sessions.new_nonce(),
+                                          state=MemberState.READY)))
+    found = {}
+    for i in range(start, start + count):
+        found[f"m-{i}"] = decoder.decode(sock.recv()).session
+    sock.close(linger=0)
+    return found
+
+
+def register_members_v1(address: str, count: int) -> None:
+    """Register on a registry that speaks protocol version 1 (no nonce, no sessions)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://{address}")
-    encoder = make_encoder()
-    for i in range(start, start + count):
-        sock.send(encoder.encode(Register(spec=spec(i), state=MemberState.READY)))
+    for i in range(count):
+        sock.send(msgspec.msgpack.encode(["Register", msgspec.to_builtins(spec(i)),
+                                          int(MemberState.READY)]))
     for _ in range(count):
         sock.recv()
     sock.close(linger=0)
 
 
-def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queue) -> None:
-    """Child process: pipeline heartbeats, keeping `window` unanswered at a time."""
+def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queue,
+           signed: bool, curve: ClientCurve | None) -> None:
+    """Child process: pipeline heartbeats, keeping `window` unanswered at a time.
+
+    With `signed`, it registers its members first and sends each heartbeat with a fresh
+    seq and its session proof, as agents do; else heartbeats without a proof (what a
+    registry without sessions accepts), built with the same work per message, so the
+    flood costs the two cores the same either way and only the receiver differs.
+    """
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        curve.apply(sock)
     sock.connect(f"tcp://{address}")
-    encoder = make_encoder()
-    beats = [encoder.encode(Heartbeat(f"m-{i}", 1, 1, MemberState.READY,
-                                      Load(i % 7, i % 3, (i % 10) / 10)))
-             for i in range(members)]
+    encode = make_encoder().encode
+    ids = [f"m-{i}" for i in range(members)]
+    loads = [Load(i % 7, i % 3, (i % 10) / 10) for i in range(members)]
+    keys = [b""] * members
+    if signed:
+        held = register_members(address, members, curve=curve)
+        keys = [held[member_id] for member_id in ids]
+    out.put("flooding")
+    seal = sessions.seal
+    unused_key = b"k" * sessions.SESSION_BYTES
     sent = received = 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         while sent - received < window:
-            sock.send(beats[sent % members], zmq.NOBLOCK)
+            i = sent % members
+            payload = encode(Heartbeat(ids[i], 1, sent // members + 1, MemberState.READY,
+                                       loads[i]))
+            if signed:
+                sock.send(seal(keys[i], payload), zmq.NOBLOCK)
+            else:
+                seal(unused_key, payload)  # the same client work, thrown away
+                sock.send(_without_proof(payload), zmq.NOBLOCK)
             sent += 1
         sock.poll(100)
         try:
@@ -114,18 +177,49 @@ def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queu
     ctx.term()
 
 
-def bench_ingest(seconds: float) -> dict[str, float]:
-    members = 1000
-    with registry_process() as (address, _pid):
-        register_members(address, members)
-        out: mp.Queue = mp.Queue()
-        child = mp.Process(target=_flood, args=(address, members, seconds, 2000, out))
-        start = time.perf_counter()
-        child.start()
-        answered = out.get(timeout=seconds + 30)
-        elapsed = time.perf_counter() - start
-        child.join()
-    return {"heartbeats_per_s": answered / elapsed}
+@dataclass(frozen=True)
+class Ingest:
+    heartbeats_per_s: float
+    cpu_us_per_heartbeat: float  # the receiving process's CPU (all its threads)
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drive(address: str, pid: int, seconds: float, *, signed: bool,
+           curve: ClientCurve | None = None) -> Ingest:
+    out: mp.Queue = mp.Queue()
+    child = mp.Process(target=_flood, args=(address, INGEST_MEMBERS, seconds, 2000, out,
+                                            signed, curve))
+    child.start()
+    assert out.get(timeout=60) == "flooding"  # members registered (when `signed`)
+    cpu_before = _cpu_s(pid)
+    answered = out.get(timeout=seconds + 60)
+    cpu = _cpu_s(pid) - cpu_before
+    child.join()
+    return Ingest(answered / seconds, 1e6 * cpu / max(1, answered))
+
+
+def bench_ingest(seconds: float, *, curve_keys: str | None = None) -> Ingest:
+    """The registry with sessions checked (and CURVE on both sockets, given keys)."""
+    extra: tuple[str, ...] = ()
+    curve = None
+    if curve_keys is not None:
+        extra = ("--curve-secret-key", os.path.join(curve_keys, "registry.key_secret"))
+        curve = ClientCurve.from_files(os.path.join(curve_keys, "registry.key"),
+                                       os.path.join(curve_keys, "client.key_secret"))
+    with registry_process(extra=extra) as (address, pid):
+        return _drive(address, pid, seconds, signed=True, curve=curve)
+
+
+def bench_baseline(seconds: float, src: str) -> Ingest:
+    """The registry of another source tree (protocol 1: no sessions), same flood."""
+    with registry_process(src=src) as (address, pid):
+        register_members_v1(address, INGEST_MEMBERS)
+        return _drive(address, pid, seconds, signed=False)
 
 
 def _bare_receiver(port_out: mp.Queue, seconds: float, out: mp.Queue) -> None:
@@ -142,37 +236,31 @@ def _bare_receiver(port_out: mp.Queue, seconds: float, out: mp.Queue) -> None:
             continue
         while True:
             try:
-                identity, payload = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            decoder.decode(payload)
-            sock.send_multipart((identity, b"ok"))
+            decoder.decode(frames[1])
+            sock.send_multipart((frames[0], b"ok"))
             count += 1
     out.put(count)
 
 
-def bench_bare(seconds: float) -> float:
-    """The floor: a bare ROUTER that decodes and answers, nothing else."""
+def bench_bare(seconds: float) -> Ingest:
+    """The floor: a bare ROUTER that decodes and answers, nothing else (same flood)."""
     port_q: mp.Queue = mp.Queue()
     count_q: mp.Queue = mp.Queue()
     receiver = mp.Process(target=_bare_receiver, args=(port_q, seconds, count_q))
     receiver.start()
     address = f"127.0.0.1:{port_q.get(timeout=10)}"
-    out: mp.Queue = mp.Queue()
-    child = mp.Process(target=_flood, args=(address, 1000, seconds, 2000, out))
-    start = time.perf_counter()
-    child.start()
-    answered = out.get(timeout=seconds + 30)
-    elapsed = time.perf_counter() - start
-    child.join()
+    result = _drive(address, receiver.pid, seconds, signed=False)
     receiver.terminate()
-    return answered / elapsed
+    return result
 
 
 def bench_propagation(samples: int) -> dict[str, float]:
     members = 1000
     with registry_process() as (address, _pid):
-        register_members(address, members)
+        held = register_members(address, members)
         with MembershipView(address) as view:
             assert view.wait_for(lambda m: len(m) == members, 30)
             seen = threading.Event()
@@ -196,7 +284,8 @@ def bench_propagation(samples: int) -> dict[str, float]:
                 target.update(id=f"m-{i}", state=state)
                 seen.clear()
                 start = time.perf_counter()
-                sock.send(encoder.encode(Heartbeat(f"m-{i}", 1, n + 2, state, Load())))
+                payload = encoder.encode(Heartbeat(f"m-{i}", 1, n + 2, state, Load()))
+                sock.send(sessions.seal(held[f"m-{i}"], payload))
                 if not seen.wait(5):
                     raise RuntimeError("event never reached the view")
                 latencies.append(time.perf_counter() - start)
@@ -237,17 +326,47 @@ def bench_snapshot(members: int, rounds: int) -> dict[str, float]:
             "rss_bytes_per_member": (after - before) / members}
 
 
+def _median(results: list[Ingest]) -> Ingest:
+    return Ingest(statistics.median(r.heartbeats_per_s for r in results),
+                  statistics.median(r.cpu_us_per_heartbeat for r in results))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs (smoke test)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="ingest rounds, interleaved (default 3, quick 1); medians shown")
+    parser.add_argument("--baseline-src", metavar="DIR", default=None,
+                        help="also measure the registry of this source tree (protocol 1)")
+    parser.add_argument("--ingest-only", action="store_true",
+                        help="skip the propagation and snapshot figures")
     args = parser.parse_args()
     seconds = 2.0 if args.quick else 8.0
+    rounds = args.rounds or (1 if args.quick else 3)
     print("registry benchmarks (2-core machine, loopback)")
-    bare = bench_bare(seconds)
-    print(f"  bare pyzmq+msgspec ROUTER loop:      {bare:10,.0f} heartbeats/s")
-    ingest = bench_ingest(seconds)
-    print(f"  registry, full processing:           {ingest['heartbeats_per_s']:10,.0f} "
-          f"heartbeats/s ({ingest['heartbeats_per_s'] / bare:.0%} of bare)")
+    figures: dict[str, list[Ingest]] = {}
+    with tempfile.TemporaryDirectory() as keys:
+        generate_keys(keys, "registry")
+        generate_keys(keys, "client")
+        runs = {"bare pyzmq+msgspec ROUTER loop": lambda: bench_bare(seconds)}
+        if args.baseline_src:
+            runs["registry without sessions (baseline)"] = lambda: bench_baseline(
+                seconds, args.baseline_src)
+        runs["registry, sessions checked"] = lambda: bench_ingest(seconds)
+        runs["registry, sessions checked, CURVE on"] = lambda: bench_ingest(
+            seconds, curve_keys=keys)
+        for _ in range(rounds):  # interleaved, so a noisy minute hits every figure
+            for name, run in runs.items():
+                figures.setdefault(name, []).append(run())
+    bare = _median(figures["bare pyzmq+msgspec ROUTER loop"]).heartbeats_per_s
+    for name, results in figures.items():
+        median = _median(results)
+        print(f"  {name + ':':40} {median.heartbeats_per_s:9,.0f} heartbeats/s "
+              f"({median.heartbeats_per_s / bare:4.0%} of bare), "
+              f"{median.cpu_us_per_heartbeat:5.1f} us CPU each "
+              f"[rates: {', '.join(f'{r.heartbeats_per_s:,.0f}' for r in results)}]")
+    if args.ingest_only:
+        return 0
     prop = bench_propagation(200 if args.quick else 2000)
     print(f"  propagation to a MembershipView @1k: p50 {prop['p50_ms']:.2f} ms, "
           f"p99 {prop['p99_ms']:.2f} ms, max {prop['max_ms']:.2f} ms")
