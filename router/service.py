@@ -20,6 +20,7 @@ from typing import Final
 import uvloop
 from aiohttp import web
 
+from router.adapters import Adapters
 from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS, MembershipSource, Router
 from router.guard import UpstreamPolicy
 from router.latency import DECAY_S
@@ -64,7 +65,9 @@ class RouterConfig:
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig, view: MembershipSource) -> None:
+    def __init__(self, config: RouterConfig, view: MembershipSource, *,
+                 adapters: Adapters | None = None) -> None:
+        """`adapters`: the handshakes to speak (default: every one, unseeded)."""
         self.config = config
         self.router = Router(
             view, policy=config.policy, locality_label=config.locality_label,
@@ -75,7 +78,7 @@ class RouterServer:
                               first_byte_s=config.first_byte_timeout_s,
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
-            latency_decay_s=config.latency_decay_s)
+            latency_decay_s=config.latency_decay_s, adapters=adapters)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
