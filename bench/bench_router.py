@@ -278,6 +278,31 @@ BASELINE_SRC: list[Path] = []  # --baseline-src: another pdreg source tree, run 
 
 
 @contextmanager
+def baseline_engines(src: Path, handshake: str) -> Iterator[str]:
+    """Another pdreg version's registry and 2P+2D sim engines (their wire protocol may
+    differ from this tree's); yields the registry's control address."""
+    ports = [free_low_port()]
+    ports += [free_low_port(avoid=set(ports)) for _ in range(2)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "registry", "--port",
+         str(ports[0]), "--events-port", str(ports[1]), "--http-port", str(ports[2])],
+        cwd=src, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    handles: list[EngineHandle] = []
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # "pdreg registry: control ..." once its sockets are bound
+        address = f"127.0.0.1:{ports[0]}"
+        handles = start_engines([{"role": role, "backend": "sim", "protocol": handshake,
+                                  "registry": address, "src": src}
+                                 for role in ("prefill", "prefill", "decode", "decode")])
+        yield address
+    finally:
+        stop_all(handles)
+        stop_process(proc, ROUTER_STOP_TIMEOUT_S)
+
+
+@contextmanager
 def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None = None
                  ) -> Iterator[Target]:
     """`src`: run the router of another pdreg source tree (e.g. an export of main), with
@@ -314,17 +339,13 @@ def peer(router: peers.PeerRouter) -> Iterator[Target]:
 
 
 def lineup(handshake: str, registry: str, policies: list[str], handles: list[EngineHandle],
-           peers_too: bool = True, baselines: bool = False
-           ) -> list[Callable[[], AbstractContextManager[Target]]]:
+           peers_too: bool = True) -> list[Callable[[], AbstractContextManager[Target]]]:
     """Context-manager factories for every router that speaks `handshake`, pdreg first."""
     prefills = [h for h in handles if h.id.startswith("prefill")]
     decodes = [h.url for h in handles if h.id.startswith("decode")]
     with_bootstrap = [(h.url, h.bootstrap_port) for h in prefills]
     factories: list[Callable[[], AbstractContextManager[Target]]] = [
         lambda policy=policy: pdreg_router(registry, policy) for policy in policies]
-    factories += [lambda src=src: pdreg_router(registry, "power_of_two",
-                                               f"pdreg {src.name} (power_of_two)", src)
-                  for src in (BASELINE_SRC if baselines else [])]
     if not peers_too:
         return factories
     if handshake == "vllm-nixl":
@@ -349,10 +370,14 @@ def run_all(requests: int, policies: list[str], scenarios: list[str], handshakes
         if "steady" in scenarios:
             print(f"{handshake} handshake, steady", flush=True)
             with pd_engines(handshake) as (registry, handles):
-                for factory in lineup(handshake, registry, policies, handles, peers_too,
-                                      baselines=True):
+                for factory in lineup(handshake, registry, policies, handles, peers_too):
                     with factory() as target:
                         rows.append(measure(target, handshake, requests))
+            for src in BASELINE_SRC:  # another version's registry, engines and router
+                with baseline_engines(src, handshake) as registry, \
+                        pdreg_router(registry, "power_of_two",
+                                     f"pdreg {src.name} (power_of_two)", src) as target:
+                    rows.append(measure(target, handshake, requests))
         for slow in (r for r in SLOW_ROLES if r in scenarios):
             print(f"{handshake} handshake, one slow {slow}", flush=True)
             with pd_engines(handshake, slow, fast_only=True) as (registry, _), \
@@ -421,8 +446,9 @@ def main() -> int:
     parser.add_argument("--no-peers", action="store_true", help="pdreg only")
     parser.add_argument("--router-args", default="", help="extra `pdreg router` flags")
     parser.add_argument("--baseline-src", type=Path, action="append", default=[],
-                        help="also run the router of this pdreg source tree (e.g. `git "
-                             "archive main` unpacked): CPU per request side by side")
+                        help="steady: also run this pdreg source tree's registry, engines "
+                             "and router (e.g. `git archive main` unpacked), for CPU per "
+                             "request side by side with another version")
     args = parser.parse_args()
     ROUTER_ARGS.extend(args.router_args.split())
     BASELINE_SRC.extend(p.resolve() for p in args.baseline_src)
