@@ -31,10 +31,15 @@ from registry.client import MembershipView
 from registry.protocol import Endpoints, MemberSpec, MemberState, Role
 from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS
 from router.guard import DEFAULT_DENY, UpstreamPolicy, parse_networks
+from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
 from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer
-from router.upstream import CONNECT_TIMEOUT_S, FIRST_BYTE_TIMEOUT_S, IDLE_READ_TIMEOUT_S
+from router.upstream_bounds import (
+    CONNECT_TIMEOUT_S,
+    FIRST_BYTE_TIMEOUT_S,
+    IDLE_READ_TIMEOUT_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = OS picks)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES,
-                   help="pairing policy per role (prefix: prefix affinity for prefills, "
+                   help="pairing policy per role (peak_ewma: power of two over load x the "
+                        "member's observed latency; prefix: prefix affinity for prefills, "
                         "power_of_two for decodes; session: the X-Session-Id header, else "
                         "the request's `user`, keeps a conversation on one pair)")
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
@@ -79,6 +85,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="how long a member that failed a request is skipped")
     p.add_argument("--stale-load", type=float, default=DEFAULT_STALE_LOAD_S, metavar="S",
                    help="a load report older than this counts as saturated")
+    p.add_argument("--latency-decay", type=float, default=DECAY_S, metavar="S",
+                   help="peak_ewma: how fast a member's latency estimate forgets (the old "
+                        "estimate's weight after t seconds is exp(-t/S))")
     p.add_argument("--advertise-host", default="",
                    help="host to register as the router's address (default --host)")
     add_secret_argument(p, TOKEN, "the registry's fleet token (the router registers)")
@@ -126,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             first_byte_timeout_s=args.upstream_first_byte_timeout,
             stream_idle_timeout_s=args.stream_idle_timeout,
             allow_upstream=args.allow_upstream, drain_delay_s=args.drain_delay,
-            drain_timeout_s=args.drain_timeout), view).start()
+            drain_timeout_s=args.drain_timeout, latency_decay_s=args.latency_decay),
+            view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
         advertise = args.advertise_host or args.host

@@ -38,6 +38,7 @@ from registry.ratelimit import SyncLimiter
 logger = logging.getLogger(__name__)
 
 BATCH_MAX_MESSAGES: Final = 1024  # control messages handled between two ticks
+_MORE: Final = zmq.SNDMORE | zmq.NOBLOCK
 REJECT_LOG_EVERY_S: Final = 5.0
 
 
@@ -167,7 +168,11 @@ class ControlChannel:
         self._reply(identity, Outcome(ReplyStatus.REJECTED, f"{reason}: {detail}"[:500]))
 
     def _send(self, identity: bytes, payload: bytes) -> None:
+        # Two plain sends cost ~1 us less than send_multipart(copy=False) for a small reply
+        # (pyzmq copies small frames anyway and goes zero-copy above COPY_THRESHOLD).
+        sock = self.sock
         try:
-            self.sock.send_multipart((identity, payload), zmq.NOBLOCK, copy=False)
+            sock.send(identity, _MORE)
+            sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             self.stats.replies_dropped += 1  # that peer stopped reading; it will retry

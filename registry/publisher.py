@@ -2,7 +2,9 @@
 
 Loop thread only. Events go out one message each, with the model as topic; load digests
 are coalesced per model and split at DIGEST_MAX_ENTRIES, so no PUB message is large and a
-stalled subscriber's queue (EVENTS_HWM messages) stays bounded in bytes too.
+stalled subscriber's queue (EVENTS_HWM messages) stays bounded in bytes too. Frames are
+sent with pyzmq's default copy: small ones are copied (cheaper than zero-copy's
+bookkeeping), large ones go zero-copy above its COPY_THRESHOLD.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Publisher:
         encode = self._encoder.encode
         for event in events:
             model = event.model if isinstance(event, MemberLeft) else event.member.spec.model
-            self.sock.send_multipart((topic_for(model), encode(event)), copy=False)
+            self.sock.send_multipart((topic_for(model), encode(event)))
             self.stats.count_event(event)
             self._recent_events.append(event)
         return bool(events)
@@ -59,7 +61,7 @@ class Publisher:
             for start in range(0, max(1, len(loads)), DIGEST_MAX_ENTRIES):
                 digest = LoadDigest(self.epoch, membership.version, model,
                                     loads[start:start + DIGEST_MAX_ENTRIES], interval)
-                self.sock.send_multipart((topic, encode(digest)), copy=False)
+                self.sock.send_multipart((topic, encode(digest)))
                 sent += 1
         self.stats.digests += sent
 

@@ -36,18 +36,22 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def _mac(session: bytes, payload: bytes) -> bytes:
-    signed = memoryview(payload)[:-PROOF_BYTES]
-    return hashlib.blake2b(signed, key=session, digest_size=PROOF_BYTES).digest()
+_blake2b = hashlib.blake2b
+_compare = hmac.compare_digest
 
 
 def seal(session: bytes, payload: bytes) -> bytes:
     """`payload` (an encoded message whose `proof` is still NO_PROOF) with its proof."""
     if not payload.endswith(NO_PROOF):
         raise ValueError("seal() takes an encoded message whose proof is NO_PROOF")
-    return payload[:-PROOF_BYTES] + _mac(session, payload)
+    signed = payload[:-PROOF_BYTES]
+    return signed + _blake2b(signed, key=session, digest_size=PROOF_BYTES).digest()
 
 
 def verify(session: bytes, payload: bytes, proof: bytes) -> bool:
-    """Whether `proof`, the message's own last field, seals `payload`. Constant time."""
-    return hmac.compare_digest(_mac(session, payload), proof)
+    """Whether `proof`, the message's own last field, seals `payload`. Constant time.
+
+    On the registry's hot path: one call, no helpers.
+    """
+    return _compare(_blake2b(payload[:-PROOF_BYTES], key=session,
+                             digest_size=PROOF_BYTES).digest(), proof)

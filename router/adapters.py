@@ -31,7 +31,8 @@ import msgspec
 
 from registry.protocol import Handshake
 from router.policies import Candidate, Pair
-from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from router.upstream import UpstreamPool, UpstreamResponse
+from router.upstream_bounds import UpstreamError
 
 __all__ = [
     "Adapter",

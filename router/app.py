@@ -32,7 +32,7 @@ from router.adapters import Adapters, LegFailure, UpstreamRejected, default_adap
 from router.continuation import why_not_migratable
 from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
 from router.inflight import Hold, InFlight
-from router.latency import LatencyTracker
+from router.latency import DECAY_S, LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import (
     DECODE_ROLE,
@@ -44,7 +44,8 @@ from router.policies import (
 from router.proxy import Call, Proxy
 from router.quarantine import QUARANTINE_S, Quarantine
 from router.table import Candidate, Pair, PairingTable
-from router.upstream import Timeouts, UpstreamPool
+from router.upstream import UpstreamPool
+from router.upstream_bounds import Timeouts
 
 __all__ = ["MAX_ATTEMPTS", "MAX_MIGRATIONS", "MembershipSource", "Router"]
 
@@ -92,10 +93,11 @@ class Router:
                  timeouts: Timeouts | None = None,
                  upstream_policy: UpstreamPolicy | None = None,
                  adapters: Adapters | None = None, rng: random.Random | None = None,
+                 latency_decay_s: float = DECAY_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view = view
         self.policy = policy
-        self.latency = LatencyTracker()
+        self.latency = LatencyTracker(decay_s=latency_decay_s)
         self.pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s,
                                   latency=self.latency)
         self.locality_label = locality_label
@@ -225,7 +227,8 @@ class Router:
             started=started, wants_ids=body.get("return_token_ids") is True,
             include_usage=isinstance(stream_options, dict)
             and stream_options.get("include_usage") is True,
-            migratable=why_not_migratable(request.path, body))
+            migratable=why_not_migratable(request.path, body) if body.get("stream") is True
+            else "not streamed")
         proxy = Proxy(self, call)
         try:
             response = await (proxy.stream(request) if call.stream else proxy.whole())
@@ -265,12 +268,14 @@ class Router:
         return decode, self.in_flight.hold(pair.prefill.id)
 
     def observe_prefill(self, member: Candidate, seconds: float) -> None:
-        self.latency.observe(PREFILL_ROLE, member.id, member.incarnation, seconds,
-                             self._clock())
+        if self.pairer.latency is not None:  # only latency-aware policies read them
+            self.latency.observe(PREFILL_ROLE, member.id, member.incarnation, seconds,
+                                 self._clock())
 
     def observe_decode(self, member: Candidate, seconds_per_token: float) -> None:
-        self.latency.observe(DECODE_ROLE, member.id, member.incarnation, seconds_per_token,
-                             self._clock())
+        if self.pairer.latency is not None:
+            self.latency.observe(DECODE_ROLE, member.id, member.incarnation,
+                                 seconds_per_token, self._clock())
 
     def no_capacity(self, model: str) -> web.Response:
         """404 for a model no member serves or has served; 503 for one that has none

@@ -11,9 +11,11 @@ twice as slow takes about half as much.
 Two rules keep the estimates honest:
 - A member with no samples yet is costed at the fleet's typical value (an EWMA of every
   sample of that role), so a new member gets traffic at once and is measured.
-- An estimate not refreshed for a while drifts back towards that typical value, so a
-  member that was slow and has since been avoided gets an occasional request: if it has
-  recovered, it wins its traffic back; if not, the peak puts it back at once.
+- A member whose estimate has not been refreshed for PROBE_INTERVAL_S is due a probe:
+  pairing sends it the next request it is sampled for, one request, then waits for the
+  answer's sample. A member that was slow and has recovered wins its traffic back (a low
+  sample after a long gap outweighs the old estimate); one still slow costs one request
+  per interval, not a share of the traffic.
 
 Pure: the clock is a parameter; the router's loop is the only user (no locks).
 """
@@ -25,14 +27,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["DECAY_S", "IDLE_DECAY_S", "LatencyTracker", "PeakEwma"]
+__all__ = ["DECAY_S", "PROBE_INTERVAL_S", "LatencyTracker", "PeakEwma"]
 
 # How fast an estimate forgets: the weight of the old estimate after t seconds is
 # exp(-t / DECAY_S). Finagle and Linkerd use 10 s.
 DECAY_S: Final = 10.0
-# An estimate not refreshed for t seconds is pulled towards the typical value with weight
-# 1 - exp(-t / IDLE_DECAY_S): after about this long an avoided member gets a probe.
-IDLE_DECAY_S: Final = 30.0
+# An estimate this old makes its member due a probe (one request, to be measured again).
+PROBE_INTERVAL_S: Final = 30.0
 
 
 @dataclass(slots=True)
@@ -50,25 +51,19 @@ class PeakEwma:
             self.cost = self.cost * weight + sample * (1.0 - weight)
         self.stamp = now
 
-    def value(self, now: float, typical: float, idle_decay_s: float) -> float:
-        idle = now - self.stamp
-        if idle <= 0.0 or typical <= 0.0:
-            return self.cost
-        weight = math.exp(-idle / idle_decay_s)
-        return self.cost * weight + typical * (1.0 - weight)
-
 
 class LatencyTracker:
     """Estimates per (role, member id), reset when the member's incarnation changes."""
 
-    def __init__(self, *, decay_s: float = DECAY_S, idle_decay_s: float = IDLE_DECAY_S
-                 ) -> None:
-        if decay_s <= 0 or idle_decay_s <= 0:
-            raise ValueError("decay times must be positive")
+    def __init__(self, *, decay_s: float = DECAY_S,
+                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+        if decay_s <= 0 or probe_interval_s <= 0:
+            raise ValueError("decay and probe interval must be positive")
         self.decay_s = decay_s
-        self.idle_decay_s = idle_decay_s
+        self.probe_interval_s = probe_interval_s
         self._members: dict[tuple[str, str], tuple[int, PeakEwma]] = {}
         self._typical: dict[str, PeakEwma] = {}
+        self._probing: dict[tuple[str, str], float] = {}  # probes sent, awaiting a sample
 
     def observe(self, role: str, member_id: str, incarnation: int, sample_s: float,
                 now: float) -> None:
@@ -76,6 +71,7 @@ class LatencyTracker:
         if not (sample_s >= 0.0 and math.isfinite(sample_s)):
             return
         key = (role, member_id)
+        self._probing.pop(key, None)
         held = self._members.get(key)
         if held is None or held[0] != incarnation:
             self._members[key] = (incarnation, PeakEwma(sample_s, now))
@@ -94,20 +90,35 @@ class LatencyTracker:
         held = self._typical.get(role)
         return held.cost if held is not None else 0.0
 
-    def cost(self, role: str, member_id: str, incarnation: int, now: float) -> float:
+    def cost(self, role: str, member_id: str, incarnation: int) -> float:
         """The estimate for one member: its own, or the typical value if it has none."""
-        typical = self.typical(role)
         held = self._members.get((role, member_id))
         if held is None or held[0] != incarnation:
-            return typical
-        return held[1].value(now, typical, self.idle_decay_s)
+            return self.typical(role)
+        return held[1].cost
+
+    def probe_due(self, role: str, member_id: str, incarnation: int, now: float) -> bool:
+        """Its estimate is PROBE_INTERVAL_S old and no probe is out (or the last one is
+        that old too: its answer never came)."""
+        key = (role, member_id)
+        held = self._members.get(key)
+        if held is None or held[0] != incarnation:
+            return False
+        if now - held[1].stamp < self.probe_interval_s:
+            return False
+        sent = self._probing.get(key)
+        return sent is None or now - sent >= self.probe_interval_s
+
+    def probing(self, role: str, member_id: str, now: float) -> None:
+        """A probe went out to the member; no other until its sample (or an interval)."""
+        self._probing[(role, member_id)] = now
 
     def retain(self, member_ids: Collection[str]) -> None:
         """Forget members that are gone (called when the membership changes)."""
         for key in [k for k in self._members if k[1] not in member_ids]:
             del self._members[key]
+            self._probing.pop(key, None)
 
-    def estimates(self, now: float) -> dict[tuple[str, str], float]:
+    def estimates(self) -> dict[tuple[str, str], float]:
         """(role, member id) -> current estimate, for metrics and tests."""
-        return {key: held.value(now, self.typical(key[0]), self.idle_decay_s)
-                for key, (_, held) in self._members.items()}
+        return {key: held.cost for key, (_, held) in self._members.items()}

@@ -69,6 +69,15 @@ def score(c: Candidate, in_flight: int, now: float, stale_after_s: float) -> flo
     return c.queue + in_flight + c.kv_usage * KV_FULL_PENALTY_REQS
 
 
+def outstanding(c: Candidate, in_flight: int, now: float, stale_after_s: float) -> float:
+    """The work a member has, for latency weighting: the larger of its reported queue and
+    the router's own in-flight count (its report includes this router's requests, so the
+    sum would count them twice, and a product magnifies that), plus KV pressure."""
+    if now - c.load_at > stale_after_s:
+        return SATURATED_SCORE + in_flight
+    return max(c.queue, in_flight) + c.kv_usage * KV_FULL_PENALTY_REQS
+
+
 def no_key(session: str, body: Mapping[str, Any]) -> int:
     return 0
 
@@ -96,9 +105,9 @@ class Pairer:
 
     A mixed member chosen as P also serves as its own D: serving in place beats moving
     the KV cache. `now` and `in_flight` (router's own, per member id) are passed in.
-    With a `latency` tracker, a member's load is (score + 1) x its estimated service time
-    (peak-EWMA), so of two equally busy members the faster one wins, and a member twice
-    as slow takes about half the work.
+    With a `latency` tracker, a member's load is (outstanding + 1) x its estimated service
+    time (peak-EWMA), so of two equally busy members the faster one wins, and a member
+    twice as slow takes about half the work.
     """
 
     def __init__(self, prefill: Chooser, decode: Chooser, *,
@@ -125,15 +134,16 @@ class Pairer:
         prefill_load = decode_load = base
         latency = self.latency
         if latency is not None:
-            def prefill_load(c: Candidate) -> float:
-                s = base(c)
-                return s if s >= SATURATED_SCORE else (s + 1.0) * latency.cost(
-                    PREFILL_ROLE, c.id, c.incarnation, now)
-
-            def decode_load(c: Candidate) -> float:
-                s = base(c)
-                return s if s >= SATURATED_SCORE else (s + 1.0) * latency.cost(
-                    DECODE_ROLE, c.id, c.incarnation, now)
+            def weighted(role: str) -> Callable[[Candidate], float]:
+                def load(c: Candidate) -> float:
+                    s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s)
+                    if s >= SATURATED_SCORE:
+                        return s
+                    if latency.probe_due(role, c.id, c.incarnation, now):
+                        return -1.0  # due a probe: it wins when sampled, once
+                    return (s + 1.0) * latency.cost(role, c.id, c.incarnation)
+                return load
+            prefill_load, decode_load = weighted(PREFILL_ROLE), weighted(DECODE_ROLE)
 
         options: list[tuple[Sequence[Candidate], Sequence[Candidate]]] = []
         for pool in pools:
@@ -152,6 +162,8 @@ class Pairer:
         else:  # several protocols serve this model: choose P across all, D in P's pool
             prefills = [c for ps, _ in options for c in ps]
         p = self._prefill.choose(prefills, prefill_load, key)
+        if latency is not None and latency.probe_due(PREFILL_ROLE, p.id, p.incarnation, now):
+            latency.probing(PREFILL_ROLE, p.id, now)
         if p.role is Role.MIXED:
             return Pair(p, p)
         if len(options) > 1:
@@ -160,7 +172,10 @@ class Pairer:
             near = [d for d in decodes if d.locality == p.locality and base(d) < SATURATED_SCORE]
             if near:
                 decodes = near
-        return Pair(p, self._decode.choose(decodes, decode_load, key))
+        d = self._decode.choose(decodes, decode_load, key)
+        if latency is not None and latency.probe_due(DECODE_ROLE, d.id, d.incarnation, now):
+            latency.probing(DECODE_ROLE, d.id, now)
+        return Pair(p, d)
 
 
 def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Sequence[Candidate]:
@@ -173,7 +188,10 @@ def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Seque
 
 POLICY_NAMES: Final = ("peak_ewma", "power_of_two", "round_robin", "random", "least_loaded",
                        "prefix", "session")
-DEFAULT_POLICY: Final = "power_of_two"
+# peak_ewma won bench/bench_router.py against power_of_two: one prefill 10x slower got 0%
+# of prefills instead of 11-12% (p99 TTFT as with the fast workers alone), one decode 5x
+# slower 6-11% instead of 23-25%, at the same CPU per request (bench/RESULTS.md).
+DEFAULT_POLICY: Final = "peak_ewma"
 
 
 def make_chooser(name: str, rng: random.Random) -> Chooser:

@@ -254,7 +254,7 @@ class Proxy:
                     continue
                 if tap.finished:  # only the end was lost: complete it here
                     return await self._complete(client, tap, reshaper)
-                why = self._why_not_continue(tap, migrations_left)
+                why = "budget" if migrations_left <= 0 else self._why_not_continue(tap)
                 if why:
                     return await self._give_up(client, failure.public, why)
                 next_body = continuation_of(call.path, call.body, tap.prompt_ids or [],
@@ -262,18 +262,8 @@ class Proxy:
                 if next_body is None:  # every token the client asked for was sent
                     return await self._complete(client, tap, reshaper)
                 migrations_left -= 1
-                router.metrics.migrations.labels(failure.kind).inc()
-                logger.warning("[router] migrate request=%s after %s: %d tokens sent, "
-                               "%d migrations left", call.request_id, failure.kind,
-                               len(next_body["prompt"]) - len(tap.prompt_ids or []),
-                               migrations_left)
-                if reshaper is None:
-                    reshaper = Reshaper.for_stream(tap, chat=call.chat,
-                                                   keep_ids=call.wants_ids)
-                else:
-                    reshaper.sent_before = tap.sent_count()
+                reshaper = self._migrating(failure, tap, reshaper, migrations_left)
                 path, body = COMPLETIONS_PATH, next_body
-                self.attempts_left = router.max_attempts  # a fresh start, on a new pair
         except ConnectionError:
             # A write to the client's closing socket: the client hung up (often right
             # after [DONE], before the stream's end). A cancel, not an upstream failure.
@@ -281,9 +271,21 @@ class Proxy:
             router.count(call.model, "cancelled")
             return client.response or web.Response(status=499)
 
-    def _why_not_continue(self, tap: TokenTap, migrations_left: int) -> str:
-        if migrations_left <= 0:
-            return "budget"
+    def _migrating(self, failure: LegFailure, tap: TokenTap, reshaper: Reshaper | None,
+                   migrations_left: int) -> Reshaper:
+        """Count and log a migration; the reshaper for the legs from now on."""
+        router, call = self.router, self.call
+        router.metrics.migrations.labels(failure.kind).inc()
+        logger.warning("[router] migrate request=%s after %s: %d tokens sent, %d "
+                       "migrations left", call.request_id, failure.kind, tap.sent_count(),
+                       migrations_left)
+        self.attempts_left = router.max_attempts  # a fresh start, on a new pair
+        if reshaper is None:
+            return Reshaper.for_stream(tap, chat=call.chat, keep_ids=call.wants_ids)
+        reshaper.sent_before = tap.sent_count()
+        return reshaper
+
+    def _why_not_continue(self, tap: TokenTap) -> str:
         if self.call.migratable is not None:
             return "request_shape"
         if tap.unmigratable:

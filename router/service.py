@@ -20,11 +20,13 @@ from typing import Final
 import uvloop
 from aiohttp import web
 
+from router.adapters import Adapters
 from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS, MembershipSource, Router
 from router.guard import UpstreamPolicy
+from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S
 from router.quarantine import QUARANTINE_S
-from router.upstream import (
+from router.upstream_bounds import (
     CONNECT_TIMEOUT_S,
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
@@ -59,10 +61,13 @@ class RouterConfig:
     allow_upstream: str = ""  # CIDRs; "" = every address but link-local and metadata
     drain_delay_s: float = DRAIN_DELAY_S
     drain_timeout_s: float = DRAIN_TIMEOUT_S
+    latency_decay_s: float = DECAY_S
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig, view: MembershipSource) -> None:
+    def __init__(self, config: RouterConfig, view: MembershipSource, *,
+                 adapters: Adapters | None = None) -> None:
+        """`adapters`: the handshakes to speak (default: every one, unseeded)."""
         self.config = config
         self.router = Router(
             view, policy=config.policy, locality_label=config.locality_label,
@@ -72,7 +77,8 @@ class RouterServer:
             timeouts=Timeouts(connect_s=config.connect_timeout_s,
                               first_byte_s=config.first_byte_timeout_s,
                               idle_read_s=config.stream_idle_timeout_s),
-            upstream_policy=UpstreamPolicy.build(config.allow_upstream))
+            upstream_policy=UpstreamPolicy.build(config.allow_upstream),
+            latency_decay_s=config.latency_decay_s, adapters=adapters)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None

@@ -25,13 +25,11 @@ Every request carries the router's hop header (see router/guard.py).
 from __future__ import annotations
 
 import asyncio
-import enum
 import ipaddress
 import logging
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final
 from urllib.parse import urlsplit
@@ -39,58 +37,18 @@ from urllib.parse import urlsplit
 import httptools
 
 from router.guard import HOP_HEADER, UpstreamPolicy
+from router.upstream_bounds import MAX_BODY_BYTES, FailureKind, Timeouts, UpstreamError
 
-__all__ = [
-    "CONNECT_TIMEOUT_S",
-    "FailureKind",
-    "Timeouts",
-    "UpstreamError",
-    "UpstreamPool",
-    "UpstreamResponse",
-]
+__all__ = ["UpstreamPool", "UpstreamResponse"]
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S: Final = 3.0  # an engine that cannot accept in this long is treated as down
-# From the request sent to the status line. A non-streaming answer arrives whole when the
-# generation is done, so this bounds a whole non-streaming generation too.
-FIRST_BYTE_TIMEOUT_S: Final = 300.0
-# Between two reads of an answer's body: a stream with no token for this long is stalled.
-IDLE_READ_TIMEOUT_S: Final = 15.0
-# A buffered (non-streamed) answer larger than this is refused: no engine answer is.
-MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 # Idle pooled connections live this long: under the 5 s keep-alive of uvicorn (vLLM's and
 # SGLang's servers), so the router never sends on a connection the engine is closing.
 KEEPALIVE_S: Final = 4.0
 # A stream the client reads slower than the engine writes: stop reading the engine's
 # socket above this many buffered bytes (TCP then slows the engine), resume below half.
 READ_HIGH_WATER_BYTES: Final = 2 * 1024 * 1024
-
-
-class FailureKind(enum.StrEnum):
-    RESET = "reset"  # the connection broke (RST, error) before the answer was complete
-    EOF = "eof"  # the engine closed the connection cleanly before the answer was complete
-    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
-    IDLE_TIMEOUT = "idle_timeout"
-    MALFORMED = "malformed"  # not HTTP/1.1
-    TOO_LARGE = "too_large"
-    FORBIDDEN = "forbidden"  # the address is outside --allow-upstream
-
-
-class UpstreamError(ConnectionError):
-    """The answer cannot be had: the connection dropped, the engine stopped answering,
-    the answer is not HTTP or too large, or the address is not allowed."""
-
-    def __init__(self, message: str, kind: FailureKind = FailureKind.RESET) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    connect_s: float = CONNECT_TIMEOUT_S
-    first_byte_s: float = FIRST_BYTE_TIMEOUT_S
-    idle_read_s: float = IDLE_READ_TIMEOUT_S
 
 
 _HOP: Final = HOP_HEADER.encode()

@@ -76,15 +76,17 @@ class EngineHandle:
 def start_engine(role: str = "mixed", backend: str = "sim", protocol: str = "vllm-nixl",
                  model: str = "tiny", registry: str | None = None,
                  extra_args: Sequence[str] = (),
-                 timeout_s: float = ENGINE_READY_TIMEOUT_S) -> EngineHandle:
-    """Start `pdreg engine` and wait for its ready line. The caller must stop() it."""
+                 timeout_s: float = ENGINE_READY_TIMEOUT_S,
+                 src: Path = REPO_ROOT) -> EngineHandle:
+    """Start `pdreg engine` and wait for its ready line. The caller must stop() it.
+    `src`: the pdreg source tree to run it from (benchmarks compare versions)."""
     log_fd, log_path = tempfile.mkstemp(prefix=f"pdreg-engine-{role}-", suffix=".log")
     cmd = [sys.executable, "-m", "pdreg", "engine", "--role", role, "--backend", backend,
            "--protocol", protocol, "--model", model, "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--registry", registry] if registry else ["--no-register"]
     cmd += list(extra_args)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_fd,
+    proc = subprocess.Popen(cmd, cwd=src, stdout=subprocess.PIPE, stderr=log_fd,
                             stdin=subprocess.DEVNULL, env=env)
     os.close(log_fd)
     try:

@@ -36,23 +36,30 @@ def test_peak_ewma_table(samples: list[tuple[float, float]], expected: float) ->
     assert estimate.cost == pytest.approx(expected)
 
 
-def test_an_unrefreshed_estimate_drifts_to_the_typical_value() -> None:
-    estimate = PeakEwma(1.0, 0.0)
-    assert estimate.value(0.0, typical=0.1, idle_decay_s=30.0) == 1.0
-    assert estimate.value(30.0, typical=0.1, idle_decay_s=30.0) == pytest.approx(
-        1.0 * math.exp(-1) + 0.1 * (1 - math.exp(-1)))
-    assert estimate.value(1e6, typical=0.1, idle_decay_s=30.0) == pytest.approx(0.1)
+def test_an_avoided_member_is_due_one_probe_per_interval() -> None:
+    tracker = LatencyTracker(probe_interval_s=30.0)
+    tracker.observe(PREFILL_ROLE, "slow", 1, 1.0, 0.0)
+    assert not tracker.probe_due(PREFILL_ROLE, "slow", 1, 29.0)
+    assert tracker.probe_due(PREFILL_ROLE, "slow", 1, 30.0)
+    tracker.probing(PREFILL_ROLE, "slow", 30.0)
+    assert not tracker.probe_due(PREFILL_ROLE, "slow", 1, 31.0)  # one out, awaiting it
+    assert tracker.probe_due(PREFILL_ROLE, "slow", 1, 60.0)  # its answer never came
+    tracker.observe(PREFILL_ROLE, "slow", 1, 0.1, 32.0)  # it has recovered
+    assert not tracker.probe_due(PREFILL_ROLE, "slow", 1, 33.0)
+    # After a long gap a fast sample outweighs the old estimate almost entirely.
+    assert tracker.cost(PREFILL_ROLE, "slow", 1) < 0.2
+    assert not tracker.probe_due(PREFILL_ROLE, "never-seen", 1, 1e6)  # costed as typical
 
 
 @given(st.lists(st.tuples(st.floats(0, 100), st.floats(0, 5)), min_size=1, max_size=40))
 def test_an_estimate_stays_within_what_was_seen(samples: list[tuple[float, float]]) -> None:
-    tracker = LatencyTracker(decay_s=10.0, idle_decay_s=30.0)
+    tracker = LatencyTracker(decay_s=10.0)
     now = 0.0
     for gap, sample in samples:
         now += gap
         tracker.observe(PREFILL_ROLE, "a", 1, sample, now)
     seen = [s for _, s in samples]
-    cost = tracker.cost(PREFILL_ROLE, "a", 1, now)
+    cost = tracker.cost(PREFILL_ROLE, "a", 1)
     assert min(seen) - 1e-9 <= cost <= max(seen) + 1e-9
     assert min(seen) - 1e-9 <= tracker.typical(PREFILL_ROLE) <= max(seen) + 1e-9
 
@@ -61,23 +68,23 @@ def test_bad_samples_are_ignored_and_members_without_samples_cost_the_typical() 
     tracker = LatencyTracker()
     for bad in (-1.0, math.nan, math.inf):
         tracker.observe(PREFILL_ROLE, "a", 1, bad, NOW)
-    assert tracker.cost(PREFILL_ROLE, "a", 1, NOW) == 0.0
+    assert tracker.cost(PREFILL_ROLE, "a", 1) == 0.0
     tracker.observe(PREFILL_ROLE, "a", 1, 0.2, NOW)
     tracker.observe(PREFILL_ROLE, "b", 1, 0.4, NOW + 10)
-    assert tracker.cost(PREFILL_ROLE, "new", 1, NOW + 10) == tracker.typical(PREFILL_ROLE)
+    assert tracker.cost(PREFILL_ROLE, "new", 1) == tracker.typical(PREFILL_ROLE)
     assert 0.2 < tracker.typical(PREFILL_ROLE) < 0.4
-    assert tracker.cost(DECODE_ROLE, "a", 1, NOW) == 0.0  # roles do not mix
+    assert tracker.cost(DECODE_ROLE, "a", 1) == 0.0  # roles do not mix
 
 
 def test_a_new_incarnation_starts_afresh_and_gone_members_are_forgotten() -> None:
     tracker = LatencyTracker()
     tracker.observe(PREFILL_ROLE, "a", 1, 5.0, NOW)
     tracker.observe(PREFILL_ROLE, "b", 1, 0.1, NOW)
-    assert tracker.cost(PREFILL_ROLE, "a", 2, NOW) == tracker.typical(PREFILL_ROLE)
+    assert tracker.cost(PREFILL_ROLE, "a", 2) == tracker.typical(PREFILL_ROLE)
     tracker.observe(PREFILL_ROLE, "a", 2, 0.1, NOW)
-    assert tracker.cost(PREFILL_ROLE, "a", 2, NOW) == pytest.approx(0.1)
+    assert tracker.cost(PREFILL_ROLE, "a", 2) == pytest.approx(0.1)
     tracker.retain({"b"})
-    assert set(tracker.estimates(NOW)) == {(PREFILL_ROLE, "b")}
+    assert set(tracker.estimates()) == {(PREFILL_ROLE, "b")}
 
 
 # --- the peak_ewma policy -------------------------------------------------------------------
@@ -111,6 +118,29 @@ def test_a_member_with_no_samples_gets_traffic() -> None:
     picks = Counter(pairer.choose(t, "m", now=NOW, in_flight={}).prefill.id  # type: ignore[union-attr]
                     for _ in range(300))
     assert picks["new"] > 30  # costed as typical: beats the slow one, loses to the fast
+
+
+def test_a_slow_member_gets_its_probe_and_no_more() -> None:
+    tracker = LatencyTracker(probe_interval_s=30.0)
+    pairer = make_pairer("peak_ewma", rng=random.Random(3), latency=tracker,
+                         stale_after_s=1e9)  # loads stay fresh over the test's minutes
+    tracker.observe(PREFILL_ROLE, "fast", 1, 0.01, NOW)
+    tracker.observe(PREFILL_ROLE, "slow", 1, 1.0, NOW)
+    t = table("fast", "slow")
+
+    def picks(at: float, n: int = 40) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for _ in range(n):
+            pair = pairer.choose(t, "m", now=at, in_flight={})
+            assert pair is not None
+            out[pair.prefill.id] += 1
+            if pair.prefill.id == "fast":  # the fast one keeps answering: fresh samples
+                tracker.observe(PREFILL_ROLE, "fast", 1, 0.01, at)
+        return out
+
+    assert picks(NOW + 10)["slow"] == 0
+    assert picks(NOW + 31)["slow"] == 1  # due a probe: exactly one request
+    assert picks(NOW + 45)["slow"] == 0  # its answer has not come: no second probe
 
 
 def test_other_policies_ignore_latency() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -11,15 +12,17 @@ import httpx
 import msgspec
 import openai
 import pytest
-from standins_engines import Fleet, LoopThread, live_member, tokens_for
+from standins_engines import tokens_for
+from standins_fleet import Fleet, LoopThread, live_member
 
 from pdreg.testing import wait_until
-from registry.protocol import MemberState, Role
+from registry.protocol import Handshake, MemberState, Role
 from router import upstream
+from router.adapters import default_adapters
 from router.service import RouterConfig, RouterServer
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
-PROTOCOLS = ("vllm-nixl", "sglang", "vllm-p2p")
+PROTOCOLS = tuple(Handshake)
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ def fleet(loop_thread: LoopThread, request: pytest.FixtureRequest) -> Fleet:
 
 @pytest.fixture
 def nixl(loop_thread: LoopThread) -> Fleet:
-    return Fleet(loop_thread, "vllm-nixl")
+    return Fleet(loop_thread, Handshake.VLLM_NIXL)
 
 
 class RouterFixture:
@@ -105,7 +108,7 @@ def test_completion_stream_and_chat_plain(fleet: Fleet, router: RouterFixture) -
 
 
 def test_mixed_member_serves_directly(loop_thread: LoopThread, router: RouterFixture) -> None:
-    fleet = Fleet(loop_thread, "sglang")
+    fleet = Fleet(loop_thread, Handshake.SGLANG)
     x = fleet.add("x1", X)
     server = router(fleet)
     got = client(server).completions.create(model="m", prompt="direct", max_tokens=3)
@@ -263,7 +266,7 @@ def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixtur
 
 def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread,
                                                          router: RouterFixture) -> None:
-    fleet = Fleet(loop_thread, "sglang")
+    fleet = Fleet(loop_thread, Handshake.SGLANG)
     bad = fleet.add("p1", P)
     fleet.add("p2", P)
     d = fleet.add("d1", D)
@@ -275,6 +278,19 @@ def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread
     assert len(d.requests) == 2
     rooms = {r[1]["bootstrap_room"] for r in d.requests}
     assert len(rooms) == 2  # a new room for the new pair
+
+
+def test_bootstrap_rooms_come_from_the_adapters_rng(loop_thread: LoopThread) -> None:
+    rooms = []
+    for _ in range(2):
+        fleet = Fleet(loop_thread, Handshake.SGLANG)
+        fleet.add("p1", P)
+        d = fleet.add("d1", D)
+        with RouterServer(RouterConfig(port=0), fleet.view,
+                          adapters=default_adapters(random.Random(7))) as server:
+            client(server).completions.create(model="m", prompt="x", max_tokens=1)
+        rooms.append(d.requests[0][1]["bootstrap_room"])
+    assert rooms[0] == rooms[1] == random.Random(7).randrange(2**63)
 
 
 def test_draining_member_gets_nothing_new(nixl: Fleet, router: RouterFixture) -> None:
@@ -295,7 +311,7 @@ def test_client_leaving_after_done_is_a_quiet_cancel(
         loop_thread: LoopThread, router: RouterFixture, caplog: pytest.LogCaptureFixture
         ) -> None:
     # SGLang: D has streamed [DONE] while P's leg still runs; the client hangs up then.
-    fleet = Fleet(loop_thread, "sglang")
+    fleet = Fleet(loop_thread, Handshake.SGLANG)
     p = fleet.add("p1", P)
     fleet.add("d1", D)
     p.faults.answer_delay_s = 1.0

@@ -23,7 +23,7 @@ from reference_helpers import EngineHandle, collect, start_engine, start_engines
 
 from pdreg.testing import die_with_parent, stop_process, wait_until
 from registry.client import LiveMember, MembershipView
-from registry.protocol import MemberState, Role
+from registry.protocol import Handshake, MemberState, Role
 from registry.server import RegistryServer
 from router.service import RouterConfig, RouterServer
 
@@ -96,7 +96,7 @@ def oai(router: RouterServer) -> openai.OpenAI:
 
 # --- handshakes: identical to a mixed engine ----------------------------------------------------
 
-@pytest.mark.parametrize("protocol", ["vllm-nixl", "sglang"])
+@pytest.mark.parametrize("protocol", [Handshake.VLLM_NIXL, Handshake.SGLANG])
 def test_both_endpoints_stream_and_not_match_a_mixed_engine(
         protocol: str, engines: Engines, view: MembershipView, router: RouterServer) -> None:
     p, d = engines.start({"role": "prefill", "protocol": protocol},

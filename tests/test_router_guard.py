@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from standins_engines import NIXL_REQUEST_PARAMS, Fleet, LoopThread, live_member
+from standins_engines import NIXL_REQUEST_PARAMS
+from standins_fleet import Fleet, LoopThread, live_member
 
 from registry.protocol import Handshake, Role
 from router import relay

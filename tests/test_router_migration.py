@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from standins_engines import Fleet, LoopThread, generate_ids, prompt_ids, token_text
+from standins_engines import generate_ids, prompt_ids, token_text
+from standins_fleet import Fleet, LoopThread
 
 from registry.protocol import Handshake, Role
 from router.service import RouterConfig, RouterServer

@@ -49,6 +49,15 @@ def parse_picks(metrics_text: str) -> dict[str, float]:
     return picks
 
 
+def routable_roles(members: Members | None) -> str:
+    """'routable 2P+2D' for a status line ('registry away' without a sample)."""
+    if members is None:
+        return "registry away"
+    count = {role: sum(1 for m in members if m["routable"] and m["role"] == role)
+             for role in ("prefill", "decode")}
+    return f"routable {count['prefill']}P+{count['decode']}D"
+
+
 def parse_migrations(metrics_text: str) -> float:
     """Streams the router continued on a new pair, all reasons together."""
     return sum(float(m.group(1)) for line in metrics_text.splitlines()
@@ -91,14 +100,20 @@ class Observer:
         """pdreg_router_migrations_total at the last sample (all reasons)."""
         return self._migrations
 
-    def in_flight_now(self, member_id: str) -> float:
-        """Requests the router has open on `member_id` right now (0 if it cannot tell)."""
-        try:
-            text = httpx.get(f"{self.router_url}/metrics", timeout=HTTP_TIMEOUT_S).text
-        except httpx.HTTPError:
-            return 0.0
-        return next((float(m.group(2)) for line in text.splitlines()
-                     if (m := _IN_FLIGHT.match(line)) and m.group(1) == member_id), 0.0)
+    def wait_in_flight(self, member_id: str, timeout_s: float) -> bool:
+        """Block until the router has a request open on `member_id` (or timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as http:
+            while time.monotonic() < deadline:
+                try:
+                    text = http.get(f"{self.router_url}/metrics").text
+                except httpx.HTTPError:
+                    text = ""
+                if any((m := _IN_FLIGHT.match(line)) and m.group(1) == member_id
+                       and float(m.group(2)) >= 1 for line in text.splitlines()):
+                    return True
+                time.sleep(0.005)
+        return False
 
     def sample_now(self) -> None:
         """Take a sample at once (e.g. right before an action, to count from it)."""

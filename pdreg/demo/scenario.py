@@ -25,7 +25,7 @@ import httpx
 
 from pdreg.cmd_status import fetch_members, render
 from pdreg.demo.cluster import Cluster, ClusterConfig
-from pdreg.demo.observer import Members, Observer
+from pdreg.demo.observer import Members, Observer, routable_roles
 from pdreg.demo.traffic import RequestRecord, TrafficFigures, TrafficGenerator, figures
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,6 @@ class StepResult:
     checks: list[Check] = field(default_factory=list)
     measures: dict[str, float] = field(default_factory=dict)  # seconds unless named _count
     traffic: TrafficFigures | None = None
-    requests_table: str = ""  # what happened to the requests (kill step)
     table: str = ""
 
     @property
@@ -265,9 +264,7 @@ class Scenario:
         migrations_before = observer.migrations()
         # Kill it while it streams to someone: that is what the router must save. It holds
         # a request from the handshake on; one typical TTFT later that request streams.
-        deadline = time.monotonic() + STREAM_ON_VICTIM_WAIT_S
-        while observer.in_flight_now(victim) < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        observer.wait_in_flight(victim, STREAM_ON_VICTIM_WAIT_S)
         typical = figures(self._records(), self.began, time.monotonic()).ttft_p50_s
         time.sleep(min(typical or 0.0, 1.0))
         kill_at = self.kill_at = time.monotonic()
@@ -290,7 +287,6 @@ class Scenario:
         step.measures["in_flight_at_kill_count"] = len(in_flight)
         step.measures["migrated_count"] = migrated
         step.measures["failed_count"] = len(failed)
-        step.requests_table = requests_table(len(in_flight), migrated, len(failed))
         step.check("no client request failed", not failed,
                    f"{len(failed)} failed of {len(in_flight)} in flight, {migrated} migrated: "
                    + "; ".join(r.error for r in failed[:3]) if failed else
@@ -393,28 +389,11 @@ class Scenario:
             step = self._current
             records = self._records()
             ok = sum(r.ok for r in records)
-            members = self.observer.members() if self.observer is not None else None
-            if members is None:
-                roles = "registry away"
-            else:
-                count = {"prefill": 0, "decode": 0}
-                for m in members:
-                    if m["routable"] and m["role"] in count:
-                        count[m["role"]] += 1
-                roles = f"routable {count['prefill']}P+{count['decode']}D"
+            roles = routable_roles(self.observer.members() if self.observer else None)
             elapsed = time.monotonic() - step.started if step else 0.0
             self.display.status(
                 f"{step.name if step else '-'} {elapsed:5.1f}s | {roles} | "
                 f"ok {ok} failed {len(records) - ok}")
-
-
-def requests_table(in_flight: int, migrated: int, failed: int) -> str:
-    """The kill step's account of its requests, as a small table."""
-    head = ("in flight at the kill", "migrated to another decode", "failed")
-    values = (str(in_flight), str(migrated), str(failed))
-    widths = [max(len(h), len(v)) for h, v in zip(head, values, strict=True)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
-                     for row in (head, values))
 
 
 def _member(members: Members, member_id: str) -> dict | None:
