@@ -261,3 +261,21 @@ async def _screenshot(page: Page) -> None:
     if target:
         with open(target, "wb") as out:
             out.write(png)
+
+
+def test_state_is_computed_once_per_snapshot_for_every_viewer() -> None:
+    """Viewers cannot make the registry redo work per viewer: one JSON per snapshot."""
+    from registry.dashboard import SharedState
+    from registry.published import Published
+
+    snapshot = Published(epoch=1, version=1, members=(), heartbeat_interval_s=1.0,
+                         lease_s=3.0, self_preserving=False, taken_at=time.time())
+    current = {"published": snapshot}
+
+    shared = SharedState(lambda: current["published"])
+    first = shared.current()
+    assert all(shared.current()[1] is first[1] for _ in range(100))  # the same object
+    current["published"] = Published(epoch=1, version=2, members=(), heartbeat_interval_s=1.0,
+                                     lease_s=3.0, self_preserving=False, taken_at=time.time())
+    second = shared.current()
+    assert second[1] is not first[1] and json.loads(second[1])["version"] == 2
