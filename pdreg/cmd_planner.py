@@ -52,6 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="inter-token latency objective (decodes scale on it)")
     g.add_argument("--latency-quantile", type=_fraction, default=0.9, metavar="Q",
                    help="which quantile of the routers' latency meets the objectives")
+    g.add_argument("--load-window", type=float, default=10.0, metavar="S",
+                   help="running, waiting and KV use are averaged over this (0: latest)")
     g.add_argument("--latency-window", type=_positive, default=30.0, metavar="S",
                    help="how far back latency quantiles and request rates look")
     g.add_argument("--target-utilization", type=_positive, default=0.7, metavar="U",
@@ -100,7 +102,8 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
         prefill=Bounds(args.min_prefill, args.max_prefill),
         decode=Bounds(args.min_decode, args.max_decode))
     return PlannerConfig(
-        rule=rule, interval_s=args.interval, latency_quantile=args.latency_quantile,
+        rule=rule, interval_s=args.interval, load_window_s=args.load_window,
+        latency_quantile=args.latency_quantile,
         default_capacity=args.default_capacity, scrape_timeout_s=args.scrape_timeout,
         models=frozenset(args.models), exec_argv=tuple(shlex.split(args.exec_command)),
         exec_timeout_s=args.exec_timeout)

@@ -106,8 +106,8 @@ class RoleSignals:
     """What the planner knows about one (model, role) at one moment."""
 
     replicas: int  # members now: joining or ready, not draining
-    running: int = 0  # summed over those members
-    waiting: int = 0
+    running: float = 0.0  # summed over those members (averaged over the load window)
+    waiting: float = 0.0
     capacity: int = 0  # summed declared capacity; 0 = nobody declared one
     kv_usage: float = 0.0  # mean over those members, 0..1
     ttft_s: float | None = None  # the model's TTFT quantile over the latency window
@@ -251,8 +251,8 @@ class Planner:
         if utilization is not None:
             count = _hpa(current, utilization / cfg.target_utilization, cfg.tolerance)
             votes.append(_Vote(count, Reason.UTILIZATION,
-                               f"utilization {utilization:.2f} (running {s.running} + waiting "
-                               f"{s.waiting} of capacity {s.capacity}) vs target "
+                               f"utilization {utilization:.2f} (running {s.running:.3g} + "
+                               f"waiting {s.waiting:.3g} of capacity {s.capacity}) vs target "
                                f"{cfg.target_utilization:.2f} -> {count}"))
         elif s.waiting:
             per_replica = s.waiting / current

@@ -28,6 +28,7 @@ from planner.inputs import RoleFleet, fleet_of, routers_of
 from planner.metrics import PlannerMetrics
 from planner.rule import Decision, Planner, RoleSignals, RuleConfig
 from planner.scrape import ScrapeError, fetch_metrics, metrics_url, parse_router_metrics
+from planner.smoothing import LoadMeans, MeanLoad
 from registry.client import LinkState, LinkStatus, LiveMember
 from registry.protocol import Role, role_name
 
@@ -49,6 +50,7 @@ class MembershipSource(Protocol):
 class PlannerConfig:
     rule: RuleConfig = field(default_factory=RuleConfig)
     interval_s: float = 2.0
+    load_window_s: float = 10.0  # running/waiting/KV are averaged over this
     latency_quantile: float = 0.9
     default_capacity: int = 0
     scrape_timeout_s: float = 2.0
@@ -88,6 +90,7 @@ class PlanningLoop:
         self.metrics = metrics or PlannerMetrics(config.rule, config.latency_quantile)
         span = config.rule.latency_window_s or config.interval_s
         self.latency = Window(max(span, config.interval_s))
+        self.load = LoadMeans(config.load_window_s)
         self.hook = ExecHook(config.exec_argv, config.exec_timeout_s,
                              lambda r: self.metrics.exec_runs.labels(r).inc()) \
             if config.exec_argv else None
@@ -152,7 +155,7 @@ class PlanningLoop:
             decision = self.planner.hold(model, role, fleet.replicas, hold, now)
             signals = self._signals.get(key)
         else:
-            signals = self._signals_for(model, fleet, now)
+            signals = self._signals_for(model, role, fleet, now)
             self._signals[key] = signals
             decision = self.planner.decide(model, role, signals, now)
         self.metrics.publish(decision, None if hold else signals)
@@ -171,14 +174,17 @@ class PlanningLoop:
             hook_status = self.hook.status(model, role_name(role))
         return PlanEntry(decision, signals, hook_status)
 
-    def _signals_for(self, model: str, fleet: RoleFleet, now: float) -> RoleSignals:
+    def _signals_for(self, model: str, role: Role, fleet: RoleFleet, now: float
+                     ) -> RoleSignals:
         q = self.config.latency_quantile
+        load = self.load.add((model, role), MeanLoad(fleet.running, fleet.waiting,
+                                                     fleet.kv_usage), now)
         ttft = self.latency.delta(("ttft", model), now)
         itl = self.latency.delta(("itl", model), now)
         requests = self.latency.delta(("requests", model), now)
         return RoleSignals(
-            replicas=fleet.replicas, running=fleet.running, waiting=fleet.waiting,
-            capacity=fleet.capacity, kv_usage=fleet.kv_usage,
+            replicas=fleet.replicas, running=load.running, waiting=load.waiting,
+            capacity=fleet.capacity, kv_usage=load.kv_usage,
             ttft_s=quantile(ttft[0], q) if ttft else None,
             itl_s=quantile(itl[0], q) if itl else None,
             request_rate=requests[0].total / requests[1] if requests else None)
@@ -226,6 +232,7 @@ class PlanningLoop:
             if (model, role) not in keys:
                 self.planner.forget(model, role)
                 self._signals.pop((model, role), None)
+                self.load.forget((model, role))
                 if self.hook is not None:
                     self.hook.forget(model, role_name(role))
         self.metrics.forget_models(models)

@@ -13,6 +13,7 @@ from planner_helpers import member
 from planner.histogram import Cumulative, Window, quantile
 from planner.inputs import fleet_of, routers_of
 from planner.scrape import ScrapeError, metrics_url, parse_router_metrics
+from planner.smoothing import LoadMeans, MeanLoad
 from registry.protocol import Load, MemberState, Role
 from router.metrics import TTFT_BUCKETS_S, RouterMetrics
 
@@ -183,3 +184,14 @@ def test_only_openai_api_servers_are_routers() -> None:
         member("p", Role.PREFILL),
     ]
     assert [m.id for m in routers_of({m.id: m for m in members})] == ["r1", "r2"]
+
+
+def test_load_means_cover_the_window_only() -> None:
+    means = LoadMeans(2.0)
+    means.add("k", MeanLoad(4, 0, 0.2), 0.0)
+    means.add("k", MeanLoad(0, 2, 0.4), 1.0)
+    mean = means.add("k", MeanLoad(2, 0, 0.6), 2.0)
+    assert (mean.running, mean.waiting, mean.kv_usage) == pytest.approx((2.0, 2 / 3, 0.4))
+    mean = means.add("k", MeanLoad(0, 0, 0.0), 3.5)  # t=0 and t=1 have left the window
+    assert (mean.running, mean.waiting, mean.kv_usage) == pytest.approx((1.0, 0.0, 0.3))
+    assert LoadMeans(0.0).add("k", MeanLoad(7, 1, 0.5), 9.0) == MeanLoad(7, 1, 0.5)

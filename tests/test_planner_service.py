@@ -68,7 +68,7 @@ def entry(plan: Plan, role: Role):
 def test_prefill_queueing_scales_prefills(router: FakeRouterMetrics) -> None:
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     plan = rounds(loop, [0.0])
     prefill, decode = entry(plan, Role.PREFILL), entry(plan, Role.DECODE)
     assert (prefill.decision.current, prefill.decision.desired) == (1, 3)  # util 2.0 / 0.7
@@ -80,10 +80,22 @@ def test_prefill_queueing_scales_prefills(router: FakeRouterMetrics) -> None:
     assert 'pdreg_planner_holding{model="tiny",role="prefill"} 0.0' in text
 
 
+def test_load_is_averaged_over_the_load_window(router: FakeRouterMetrics) -> None:
+    """One prefill serving one request at a time reads busy or idle, never between."""
+    view = HandView()
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=3.0), view)
+    for now, running in [(0.0, 1), (1.0, 0), (2.0, 1), (3.0, 0)]:
+        view.set(*fleet(router.url, prefill_load=Load(running=running)))
+        plan = rounds(loop, [now])
+    signals = entry(plan, Role.PREFILL).signals
+    assert signals is not None and signals.running == 0.5  # not 1, not 0
+    assert entry(plan, Role.PREFILL).decision.desired == 1
+
+
 def test_ttft_and_request_rate_come_from_the_routers(router: FakeRouterMetrics) -> None:
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=4, waiting=2)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     router.observe_ttft("tiny", 0.02, times=100)  # before the window: not counted
     rounds(loop, [0.0])
     router.observe_ttft("tiny", 3.0, times=20)
@@ -100,7 +112,7 @@ def test_an_unreachable_router_holds_every_decision_and_says_so(
         router: FakeRouterMetrics) -> None:
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     assert entry(rounds(loop, [0.0]), Role.PREFILL).decision.desired == 3
     router.status = 500
     view.set(*fleet(router.url, prefill_load=Load()))  # idle now, but the router is dark
@@ -128,7 +140,7 @@ def test_a_suspect_member_holds_its_role_only(router: FakeRouterMetrics) -> None
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8),
                     decode_load=Load(running=16, kv_usage=0.9)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     rounds(loop, [0.0])
     view.set(*fleet(router.url, prefill_load=Load(), decode_load=Load(), suspect_decode=True))
     plan = rounds(loop, [1.0])
@@ -143,7 +155,7 @@ def test_a_suspect_member_holds_its_role_only(router: FakeRouterMetrics) -> None
 def test_models_that_leave_are_forgotten(router: FakeRouterMetrics) -> None:
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=1)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     rounds(loop, [0.0])
     view.set()
     assert rounds(loop, [1.0]).entries == ()
@@ -164,7 +176,7 @@ def test_exec_is_called_when_a_decision_changes(router: FakeRouterMetrics,
     argv = hook_script(tmp_path, "open(log, 'a').write(' '.join(sys.argv[1:]) + '\\n')")
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, exec_argv=argv), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0, exec_argv=argv), view)
     rounds(loop, [0.0, 1.0])  # the same decision twice: one call
     assert (tmp_path / "calls").read_text().splitlines() == ["tiny prefill 3"]
     view.set(*fleet(router.url, prefill_load=Load(running=1)))
@@ -180,7 +192,7 @@ def test_a_failing_or_hanging_hook_is_retried_and_counted(router: FakeRouterMetr
     argv = hook_script(tmp_path, "print('scale refused'); sys.exit(3)")
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, exec_argv=argv), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0, exec_argv=argv), view)
     rounds(loop, [0.0])
     rounds(loop, [1.0])  # tried again
     hook = loop.hook.status("tiny", "prefill")  # type: ignore[union-attr]
@@ -188,7 +200,7 @@ def test_a_failing_or_hanging_hook_is_retried_and_counted(router: FakeRouterMetr
     assert "scale refused" in hook.last_error
     assert 'pdreg_planner_exec_total{result="failed"} 2.0' in loop.metrics.render().decode()
 
-    slow = PlanningLoop(PlannerConfig(rule=FAST_RULE, exec_timeout_s=0.3,
+    slow = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0, exec_timeout_s=0.3,
                                       exec_argv=hook_script(tmp_path, "time.sleep(30)")), view)
     rounds(slow, [0.0])
     assert "killed after 0.3 s" in slow.hook.status("tiny", "prefill").last_error  # type: ignore[union-attr]
@@ -202,7 +214,8 @@ def test_service_serves_plan_metrics_and_health(router: FakeRouterMetrics) -> No
     view = HandView()
     view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8),
                     decode_load=Load(running=2, kv_usage=0.95)))
-    with PlannerServer(PlannerConfig(rule=FAST_RULE, interval_s=0.05), view) as server:
+    config = PlannerConfig(rule=FAST_RULE, load_window_s=0.0, interval_s=0.05)
+    with PlannerServer(config, view) as server:
         assert wait_until(lambda: len(httpx.get(f"{server.url}/v1/plan").json()["decisions"])
                           == 2, WAIT_S)
         plan = httpx.get(f"{server.url}/v1/plan").json()
