@@ -109,8 +109,9 @@ class PlanningLoop:
         for model, why in sorted(fleet.refused.items()):
             self._error("refused_model", problems, f"model {model!r} not planned: {why}")
         links = self.view.links()
-        if links and not any(link.state is LinkState.LIVE for link in links):
-            global_hold = "no registry is live: the membership may be out of date"
+        # SYNCING is a resync in progress (the last view stands); AWAY is silence.
+        if links and all(link.state is LinkState.AWAY for link in links):
+            global_hold = "every registry is away: the membership may be out of date"
             self._error("registry_away", problems, global_hold)
 
         # 2) Routers
