@@ -49,7 +49,7 @@ class Reason(enum.StrEnum):
     TTFT = "ttft"
     ITL = "itl"
     SLO_FLOOR = "slo_floor"
-    TOLERANCE = "tolerance"  # every signal is within the band: keep the count
+    STEADY = "steady"  # the highest vote is the current count (within tolerance, or ceil)
     NO_SIGNAL = "no_signal"  # nothing to go by (no capacity, no latency): keep the count
     EMPTY = "empty"  # no member of the role: start the minimum (at least one)
     MIN = "min"
@@ -235,11 +235,11 @@ class Planner:
         if not votes:
             return _Vote(s.replicas, Reason.NO_SIGNAL,
                          "no declared capacity and no latency yet: keep the count")
-        # Ties go to a latency vote: its reason says more than "within tolerance".
+        # Ties go to a latency vote: its reason says more than "steady".
         best = max(votes, key=lambda v: (v.count, v.reason in _LATENCY))
         if best.count == s.replicas and best.reason not in _LATENCY:
-            return _Vote(best.count, Reason.TOLERANCE,
-                         f"within {cfg.tolerance:.0%} of target: {best.why}")
+            return _Vote(best.count, Reason.STEADY,
+                         f"keep {best.count}: {best.why}")
         return best
 
     def _votes(self, role: Role, s: RoleSignals, state: _RoleState,

@@ -58,7 +58,7 @@ def test_planner_command_line_parses_and_listens_where_it_is_probed() -> None:
 def test_scaled_objects_follow_the_planners_gauge_for_their_deployment() -> None:
     args = planner_args()
     metrics = PlannerMetrics(config_from(args).rule, 0.9)
-    metrics.publish(Decision("m", Role.DECODE, 1, 1, 1, Reason.TOLERANCE, "", 0.0),
+    metrics.publish(Decision("m", Role.DECODE, 1, 1, 1, Reason.STEADY, "", 0.0),
                     RoleSignals(1))
     exposed = metrics.render().decode()
     deployments = objects(DEPLOY / "k8s", "Deployment")

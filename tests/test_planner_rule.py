@@ -37,12 +37,12 @@ def decide(role: Role, signals: RoleSignals, cfg: RuleConfig | None = None,
 @pytest.mark.parametrize(("replicas", "running", "waiting", "capacity", "expected", "reason"), [
     # ratio = ((running + waiting) / capacity) / 0.7; desired = ceil(replicas * ratio)
     (2, 14, 0, 16, 3, Reason.UTILIZATION),  # 0.875 / 0.7 = 1.25 -> ceil(2.5)
-    (2, 11, 0, 16, 2, Reason.TOLERANCE),  # 0.6875 / 0.7 = 0.98: inside 10%
-    (2, 12, 0, 16, 2, Reason.TOLERANCE),  # 0.75 / 0.7 = 1.07: inside 10%
+    (2, 11, 0, 16, 2, Reason.STEADY),  # 0.6875 / 0.7 = 0.98: inside 10%
+    (2, 12, 0, 16, 2, Reason.STEADY),  # 0.75 / 0.7 = 1.07: inside 10%
     (4, 8, 0, 32, 2, Reason.UTILIZATION),  # 0.25 / 0.7 -> ceil(1.43)
     (4, 0, 0, 32, 1, Reason.MIN),  # idle: down to the minimum
     (1, 8, 24, 8, 6, Reason.UTILIZATION),  # 4.0 / 0.7 = 5.71: waiting counts
-    (3, 21, 0, 30, 3, Reason.TOLERANCE),  # exactly on target
+    (3, 21, 0, 30, 3, Reason.STEADY),  # exactly on target
 ])
 def test_utilization_vote_is_hpa(replicas: int, running: int, waiting: int, capacity: int,
                                  expected: int, reason: Reason) -> None:
