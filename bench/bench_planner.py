@@ -36,9 +36,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdreg.demo.cluster import ClusterConfig, json_ready_line  # noqa: E402
+from pdreg.demo.cluster import ClusterConfig  # noqa: E402
 from pdreg.demo.open_loop import OpenLoopLoad, Phase, Workload, attainment  # noqa: E402
-from pdreg.demo.scaler import RoleArgsCluster, Scaler, hook_command  # noqa: E402
+from pdreg.demo.scaler import RoleArgsCluster, Scaler, start_planner  # noqa: E402
 
 TTFT_SLO_S = 1.0
 ITL_SLO_S = 0.05
@@ -82,12 +82,7 @@ def run_config(name: str, time_scale: float, seed: int) -> dict[str, Any]:
         scaler.set("prefill", prefills)
         scaler.set("decode", decodes)
         if name == "planner":
-            requests.touch()
-            planner = cluster._spawn("planner", [
-                "planner", "--registry", cluster.registry_address, "--port",
-                str(cluster.ports.take()), *PLANNER_ARGS, "--exec", hook_command(requests)],
-                json_ready_line)
-            planner.wait_ready()
+            planner = start_planner(cluster, PLANNER_ARGS, requests)
         scaler.start()
         time.sleep(2.0)  # every engine routable, loads reported
         load = OpenLoopLoad(cluster.router_url, profile, WORKLOAD, seed=seed).start()

@@ -1,13 +1,16 @@
 """Registry benchmarks: heartbeat ingest, event propagation, snapshot size and time.
 
-    .venv/bin/python bench/bench_registry.py [--quick]
+    .venv/bin/python bench/bench_registry.py [--quick] [--baseline-src DIR]
 
 Each figure runs the registry as its own process (`pdreg registry`), the way it is
 deployed, and drives it from this one over loopback:
 
 1. ingest: simulated members (a separate process) pipeline heartbeats as fast as the
-   registry answers; the registry does full processing (decode, validate, membership,
-   reply, digests). Compared with a bare pyzmq+msgspec receive loop.
+   registry answers; the registry does full processing (decode, session proof and seq,
+   membership, reply, digests). Side by side in one run: a bare pyzmq+msgspec receive
+   loop (the floor), the registry with sessions checked, the same with CURVE on both
+   sockets, and, with `--baseline-src DIR` (a source tree of an older pdreg, e.g.
+   `git archive b216f1c | tar -x -C DIR`), that registry without sessions.
 2. propagation: with 1,000 members registered, a member changes state; the time until a
    `MembershipView` in this process sees the event (p50/p99).
 3. snapshot: with 10,000 members, a Sync round trip (request -> decoded snapshot), its
@@ -22,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from pdreg.testing import die_with_parent  # noqa: E402
+from registry import sessions  # noqa: E402
 from registry.client import MembershipView, request_snapshot  # noqa: E402
 from registry.protocol import (  # noqa: E402
     Endpoints,
@@ -45,17 +50,25 @@ from registry.protocol import (  # noqa: E402
     Role,
     control_decoder,
     make_encoder,
+    reply_decoder,
 )
+from registry.security import ClientCurve, generate_keys  # noqa: E402
+
+INGEST_MEMBERS = 1000
 
 
 @contextmanager
-def registry_process(interval_s: float = 1.0, lease_s: float = 30.0) -> Iterator[tuple[str, int]]:
-    """A `pdreg registry` child on OS-chosen ports; yields (control address, pid)."""
+def registry_process(interval_s: float = 1.0, lease_s: float = 30.0, *,
+                     extra: tuple[str, ...] = (), src: str = ROOT
+                     ) -> Iterator[tuple[str, int]]:
+    """A `pdreg registry` child (from source tree `src`) on OS-chosen ports; yields
+    (control address, pid)."""
+    env = {**os.environ, "PYTHONPATH": src}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "registry", "--port", "0",
          "--events-port", "0", "--http-port", "-1", "--heartbeat-interval", str(interval_s),
-         "--lease", str(lease_s)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        preexec_fn=die_with_parent)
+         "--lease", str(lease_s), *extra],
+        stdout=subprocess.PIPE, text=True, cwd=src, env=env, preexec_fn=die_with_parent)
     try:
         line = proc.stdout.readline()
         address = line.split("control ")[1].split()[0]
@@ -73,34 +86,74 @@ def spec(i: int) -> MemberSpec:
                       labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
 
 
-def register_members(address: str, count: int, start: int = 0) -> None:
+def register_members(address: str, count: int, start: int = 0, *,
+                     curve: ClientCurve | None = None) -> dict[str, bytes]:
+    """Register members m-START.. and return their sessions."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(f"tcp://{address}")
+    encoder, decoder = make_encoder(), reply_decoder()
+    for i in range(start, start + count):
+        sock.send(encoder.encode(Register(spec=spec(i), nonce=sessions.new_nonce(),
+                                          state=MemberState.READY)))
+    found = {}
+    for i in range(start, start + count):
+        found[f"m-{i}"] = decoder.decode(sock.recv()).session
+    sock.close(linger=0)
+    return found
+
+
+def register_members_v1(address: str, count: int) -> None:
+    """Register on a registry that speaks protocol version 1 (no nonce, no sessions)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://{address}")
-    encoder = make_encoder()
-    for i in range(start, start + count):
-        sock.send(encoder.encode(Register(spec=spec(i), state=MemberState.READY)))
+    for i in range(count):
+        sock.send(msgspec.msgpack.encode(["Register", msgspec.to_builtins(spec(i)),
+                                          int(MemberState.READY)]))
     for _ in range(count):
         sock.recv()
     sock.close(linger=0)
 
 
-def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queue) -> None:
-    """Child process: pipeline heartbeats, keeping `window` unanswered at a time."""
+def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queue,
+           signed: bool, curve: ClientCurve | None) -> None:
+    """Child process: pipeline heartbeats, keeping `window` unanswered at a time.
+
+    With `signed`, it registers its members first and sends each heartbeat with a fresh
+    seq and its session proof, as agents do; else the same heartbeat bytes over and over
+    (what a registry without sessions accepts).
+    """
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        curve.apply(sock)
     sock.connect(f"tcp://{address}")
-    encoder = make_encoder()
-    beats = [encoder.encode(Heartbeat(f"m-{i}", 1, 1, MemberState.READY,
-                                      Load(i % 7, i % 3, (i % 10) / 10)))
+    encode = make_encoder().encode
+    ids = [f"m-{i}" for i in range(members)]
+    loads = [Load(i % 7, i % 3, (i % 10) / 10) for i in range(members)]
+    keys = [b""] * members
+    if signed:
+        held = register_members(address, members, curve=curve)
+        keys = [held[member_id] for member_id in ids]
+    fixed = [encode(Heartbeat(ids[i], 1, 1, MemberState.READY, loads[i]))
              for i in range(members)]
+    seal = sessions.seal
     sent = received = 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         while sent - received < window:
-            sock.send(beats[sent % members], zmq.NOBLOCK)
+            i = sent % members
+            if signed:
+                payload = encode(Heartbeat(ids[i], 1, sent // members + 1, MemberState.READY,
+                                           loads[i]))
+                sock.send(seal(keys[i], payload), zmq.NOBLOCK)
+            else:
+                sock.send(fixed[i], zmq.NOBLOCK)
             sent += 1
         sock.poll(100)
         try:
@@ -114,18 +167,35 @@ def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queu
     ctx.term()
 
 
-def bench_ingest(seconds: float) -> dict[str, float]:
-    members = 1000
-    with registry_process() as (address, _pid):
-        register_members(address, members)
-        out: mp.Queue = mp.Queue()
-        child = mp.Process(target=_flood, args=(address, members, seconds, 2000, out))
-        start = time.perf_counter()
-        child.start()
-        answered = out.get(timeout=seconds + 30)
-        elapsed = time.perf_counter() - start
-        child.join()
-    return {"heartbeats_per_s": answered / elapsed}
+def _drive(address: str, seconds: float, *, signed: bool,
+           curve: ClientCurve | None = None) -> float:
+    out: mp.Queue = mp.Queue()
+    child = mp.Process(target=_flood, args=(address, INGEST_MEMBERS, seconds, 2000, out,
+                                            signed, curve))
+    child.start()
+    # Timed from the flood's start: the child registers first when `signed`.
+    answered = out.get(timeout=seconds + 60)
+    child.join()
+    return answered / seconds
+
+
+def bench_ingest(seconds: float, *, curve_keys: str | None = None) -> float:
+    """Heartbeats/s the registry answers with sessions checked (and CURVE with keys)."""
+    extra: tuple[str, ...] = ()
+    curve = None
+    if curve_keys is not None:
+        extra = ("--curve-secret-key", os.path.join(curve_keys, "registry.key_secret"))
+        curve = ClientCurve.from_files(os.path.join(curve_keys, "registry.key"),
+                                       os.path.join(curve_keys, "client.key_secret"))
+    with registry_process(extra=extra) as (address, _pid):
+        return _drive(address, seconds, signed=True, curve=curve)
+
+
+def bench_baseline(seconds: float, src: str) -> float:
+    """The registry of another source tree (protocol 1: no sessions), same flood."""
+    with registry_process(src=src) as (address, _pid):
+        register_members_v1(address, INGEST_MEMBERS)
+        return _drive(address, seconds, signed=False)
 
 
 def _bare_receiver(port_out: mp.Queue, seconds: float, out: mp.Queue) -> None:
@@ -142,37 +212,31 @@ def _bare_receiver(port_out: mp.Queue, seconds: float, out: mp.Queue) -> None:
             continue
         while True:
             try:
-                identity, payload = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            decoder.decode(payload)
-            sock.send_multipart((identity, b"ok"))
+            decoder.decode(frames[1])
+            sock.send_multipart((frames[0], b"ok"))
             count += 1
     out.put(count)
 
 
 def bench_bare(seconds: float) -> float:
-    """The floor: a bare ROUTER that decodes and answers, nothing else."""
+    """The floor: a bare ROUTER that decodes and answers, nothing else (same flood)."""
     port_q: mp.Queue = mp.Queue()
     count_q: mp.Queue = mp.Queue()
     receiver = mp.Process(target=_bare_receiver, args=(port_q, seconds, count_q))
     receiver.start()
     address = f"127.0.0.1:{port_q.get(timeout=10)}"
-    out: mp.Queue = mp.Queue()
-    child = mp.Process(target=_flood, args=(address, 1000, seconds, 2000, out))
-    start = time.perf_counter()
-    child.start()
-    answered = out.get(timeout=seconds + 30)
-    elapsed = time.perf_counter() - start
-    child.join()
+    rate = _drive(address, seconds, signed=False)
     receiver.terminate()
-    return answered / elapsed
+    return rate
 
 
 def bench_propagation(samples: int) -> dict[str, float]:
     members = 1000
     with registry_process() as (address, _pid):
-        register_members(address, members)
+        held = register_members(address, members)
         with MembershipView(address) as view:
             assert view.wait_for(lambda m: len(m) == members, 30)
             seen = threading.Event()
@@ -196,7 +260,8 @@ def bench_propagation(samples: int) -> dict[str, float]:
                 target.update(id=f"m-{i}", state=state)
                 seen.clear()
                 start = time.perf_counter()
-                sock.send(encoder.encode(Heartbeat(f"m-{i}", 1, n + 2, state, Load())))
+                payload = encoder.encode(Heartbeat(f"m-{i}", 1, n + 2, state, Load()))
+                sock.send(sessions.seal(held[f"m-{i}"], payload))
                 if not seen.wait(5):
                     raise RuntimeError("event never reached the view")
                 latencies.append(time.perf_counter() - start)
@@ -240,14 +305,26 @@ def bench_snapshot(members: int, rounds: int) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs (smoke test)")
+    parser.add_argument("--baseline-src", metavar="DIR", default=None,
+                        help="also measure the registry of this source tree (protocol 1)")
     args = parser.parse_args()
     seconds = 2.0 if args.quick else 8.0
     print("registry benchmarks (2-core machine, loopback)")
     bare = bench_bare(seconds)
-    print(f"  bare pyzmq+msgspec ROUTER loop:      {bare:10,.0f} heartbeats/s")
+    print(f"  bare pyzmq+msgspec ROUTER loop:        {bare:10,.0f} heartbeats/s")
+    if args.baseline_src:
+        base = bench_baseline(seconds, args.baseline_src)
+        print(f"  registry without sessions (baseline):  {base:10,.0f} heartbeats/s "
+              f"({base / bare:.0%} of bare)")
     ingest = bench_ingest(seconds)
-    print(f"  registry, full processing:           {ingest['heartbeats_per_s']:10,.0f} "
-          f"heartbeats/s ({ingest['heartbeats_per_s'] / bare:.0%} of bare)")
+    print(f"  registry, sessions checked:            {ingest:10,.0f} heartbeats/s "
+          f"({ingest / bare:.0%} of bare)")
+    with tempfile.TemporaryDirectory() as keys:
+        generate_keys(keys, "registry")
+        generate_keys(keys, "client")
+        curve = bench_ingest(seconds, curve_keys=keys)
+    print(f"  registry, sessions checked, CURVE on:  {curve:10,.0f} heartbeats/s "
+          f"({curve / bare:.0%} of bare)")
     prop = bench_propagation(200 if args.quick else 2000)
     print(f"  propagation to a MembershipView @1k: p50 {prop['p50_ms']:.2f} ms, "
           f"p99 {prop['p99_ms']:.2f} ms, max {prop['max_ms']:.2f} ms")

@@ -10,9 +10,10 @@ from typing import Any
 
 import httpx
 
-from pdreg.args import add_registry_argument
+from pdreg.args import add_client_curve_arguments, add_registry_argument, client_curve_of
 from pdreg.cmd_status import fetch_members
 from planner.inputs import PLANNER_PROTOCOL
+from registry.security import ClientCurve
 
 WATCH_PERIOD_S = 1.0
 HTTP_TIMEOUT_S = 5.0
@@ -22,6 +23,7 @@ COLUMNS = ("MODEL", "ROLE", "NOW", "DESIRED", "WHY")
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="show the planner's decisions")
     add_registry_argument(p)
+    add_client_curve_arguments(p)
     p.add_argument("--planner", default="", metavar="URL",
                    help="the planner's HTTP address (default: found through the registry)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -29,9 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def find_planner(registries: str | None) -> str:
+def find_planner(registries: str | None, curve: ClientCurve | None = None) -> str:
     """The HTTP address of a ready planner registered with the registry."""
-    planners = [m for m in fetch_members(registries)
+    planners = [m for m in fetch_members(registries, curve=curve)
                 if m["role"] == "api_server" and m["protocol"] == PLANNER_PROTOCOL
                 and m["routable"]]
     if not planners:
@@ -68,7 +70,7 @@ def render(plan: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        url = args.planner or find_planner(args.registry)
+        url = args.planner or find_planner(args.registry, client_curve_of(args))
         if not args.watch:
             plan = fetch_plan(url)
             print(json.dumps(plan, indent=2) if args.json else render(plan))

@@ -12,7 +12,14 @@ import threading
 import time
 
 from engine_agent.agent import Agent, default_member_id, new_incarnation
-from pdreg.args import add_registry_argument
+from pdreg.args import (
+    TOKEN,
+    add_client_curve_arguments,
+    add_registry_argument,
+    add_secret_argument,
+    client_curve_of,
+    secret_of,
+)
 from planner.inputs import PLANNER_PROTOCOL
 from planner.rule import Bounds, RuleConfig
 from planner.service import PlannerServer
@@ -37,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (0 = OS picks)")
     p.add_argument("--advertise-host", default="",
                    help="host to register as the planner's address (default --host)")
-    p.add_argument("--token", default="", help="registration token for the registry")
+    add_secret_argument(p, TOKEN, "the registry's fleet token (the planner registers)")
+    add_client_curve_arguments(p)
     p.add_argument("--no-register", action="store_true",
                    help="do not register as an api_server member (pdreg plan then needs "
                         "--planner URL)")
@@ -115,10 +123,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdreg planner: {exc}", file=sys.stderr)
         return 2
+    token, curve = secret_of(args, TOKEN), client_curve_of(args)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    view = MembershipView(args.registry).start()
+    view = MembershipView(args.registry, curve=curve).start()
     server: PlannerServer | None = None
     agent: Agent | None = None
     try:
@@ -131,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
                 protocol=PLANNER_PROTOCOL,
                 endpoints=Endpoints(http=f"http://{advertise}:{server.port}"),
                 started_at=time.time())
-            agent = Agent(spec, registries=args.registry, token=args.token,
-                          state=MemberState.READY).start()
+            agent = Agent(spec, registries=args.registry, token=token,
+                          state=MemberState.READY, curve=curve).start()
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)
         stop.wait()
     finally:

@@ -228,7 +228,6 @@ class Planner:
     # --- votes ----------------------------------------------------------------------------
 
     def _recommend(self, role: Role, s: RoleSignals, state: _RoleState, now: float) -> _Vote:
-        cfg = self.config
         if s.replicas == 0:
             return _Vote(1, Reason.EMPTY, f"no {role_name(role)} running")
         votes = [v for v in self._votes(role, s, state, now) if v is not None]

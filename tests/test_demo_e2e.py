@@ -60,6 +60,8 @@ def _step(scenario: Scenario, name: str) -> StepResult:
 def test_scenario_holds_every_expectation(played: tuple[Scenario, str]) -> None:
     scenario, printed = played
     assert scenario.ok, printed
+    # The whole scenario ran with security on, and the demo says so.
+    assert "CURVE on (1 allowed client key), fleet token, admin token" in printed
     assert [r.name for r in scenario.results] == [n for n, _ in Scenario.STEPS] + ["summary"]
 
     for name in ("start", "scale_up", "drain_prefill", "restart_registry", "scale_down"):

@@ -55,3 +55,13 @@ def test_config_rejects_nonsense():
         DetectorConfig(heartbeat_interval_s=0)
     with pytest.raises(ValueError, match="share"):
         DetectorConfig(self_preservation_share=1.5)
+
+
+@pytest.mark.parametrize(("interval", "lease", "silent_after"), [
+    (1.0, 3.0, 1.0),    # the default lease: silent past one interval, when someone is due
+    (0.5, 1.5, 0.5),
+    (1.0, 10.0, 8.0),   # a long lease: two intervals before it
+])
+def test_silence_counts_two_intervals_before_the_lease(interval, lease, silent_after):
+    timing = timing_for(DetectorConfig(heartbeat_interval_s=interval, lease_s=lease), 1)
+    assert timing.silent_after_s == pytest.approx(silent_after)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from registry import sessions
 from registry.protocol import (
+    NO_PROOF,
+    PROOF_BYTES,
     Bye,
     ByeReason,
     Endpoints,
@@ -45,13 +48,14 @@ SPEC = MemberSpec(
 RECORD = MemberRecord(spec=SPEC, state=MemberState.READY, load=Load(1, 2, 0.5))
 
 CONTROL = [
-    Register(spec=SPEC, state=MemberState.READY, token="t"),
+    Register(spec=SPEC, nonce=b"n" * 16, state=MemberState.READY, token="t"),
     Heartbeat("x", 1, 7, MemberState.DRAINING, Load(3, 4, 0.25, {"tok_s": 10.0})),
-    Bye("x", 1, ByeReason.CRASHED),
+    Bye("x", 1, 8, ByeReason.CRASHED),
     Sync(models=["a", "b"]),
-    Report("x", 1, "connect refused", "router-1"),
+    Report("router-1", 1, 9, "x", 1, "connect refused"),
 ]
 REPLIES = [Reply(ReplyStatus.UNKNOWN, 5, 1.0, "register again", 7601, 7680),
+           Reply(ReplyStatus.OK, 5, 1.0, session=b"s" * 32),
            Snapshot(5, 9, [RECORD], 1.0, 7601, 7680)]
 EVENTS = [MemberUpdated(5, 10, RECORD), MemberLeft(5, 11, "x", 1, "m", LeaveReason.EXPIRED),
           LoadDigest(5, 11, "m", [LoadEntry("x", 1, Load(1, 0, 0.1), 0.3)], 1.0)]
@@ -75,7 +79,18 @@ def test_event_round_trip(message):
 def test_heartbeat_is_compact():
     beat = Heartbeat("decode-10.0.0.7-8200", 1_700_000_000_000_000_000, 123456,
                      MemberState.READY, Load(12, 3, 0.42))
-    assert len(make_encoder().encode(beat)) < 64
+    assert len(make_encoder().encode(beat)) < 64 + PROOF_BYTES + 2
+
+
+def test_a_proof_is_the_last_bytes_of_its_message():
+    """What `registry.sessions.seal` relies on: the proof's 16 bytes end the encoding."""
+    for message in (Heartbeat("x", 1, 7, MemberState.READY, Load(1, 2, 0.5, {"a": 1.0})),
+                    Bye("x", 1, 8), Report("r", 1, 9, "x", 1)):
+        payload = sessions.seal(b"k" * 32, make_encoder().encode(message))
+        decoded = msgspec.msgpack.decode(payload, type=type(message))
+        assert payload.endswith(decoded.proof) and decoded.proof != NO_PROOF
+        assert sessions.verify(b"k" * 32, payload, decoded.proof)
+        assert not sessions.verify(b"j" * 32, payload, decoded.proof)
 
 
 @pytest.mark.parametrize("payload", [
@@ -87,6 +102,10 @@ def test_heartbeat_is_compact():
     msgspec.msgpack.encode(["Heartbeat", "x", 1, 0, 9, [0, 0, 0.0]]),    # bad state
     msgspec.msgpack.encode(["Heartbeat", "x", 1, 0, 2, [0, 0, 1.5]]),    # kv_usage > 1
     msgspec.msgpack.encode(["Heartbeat", "x" * 500, 1, 0, 2, [0, 0, 0]]),  # id too long
+    msgspec.msgpack.encode(["Heartbeat", "x", 1, 2**63, 2, [0, 0, 0.0]]),  # seq too big
+    msgspec.msgpack.encode(["Bye", "x", 1]),                              # no seq
+    msgspec.msgpack.encode(["Bye", "x", 1, 1, 1, b"short"]),              # proof length
+    msgspec.msgpack.encode(["Register", msgspec.to_builtins(SPEC), b"short"]),  # nonce
 ])
 def test_malformed_control_messages_are_refused(payload):
     with pytest.raises(msgspec.MsgspecError):
@@ -94,10 +113,34 @@ def test_malformed_control_messages_are_refused(payload):
 
 
 def test_too_many_labels_are_refused():
-    raw = msgspec.to_builtins(Register(spec=SPEC))
+    raw = msgspec.to_builtins(Register(spec=SPEC, nonce=b"n" * 16))
     raw[1]["labels"] = {f"k{i}": "v" for i in range(100)}
     with pytest.raises(msgspec.ValidationError, match="labels"):
         control_decoder().decode(msgspec.msgpack.encode(raw))
+
+
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["kv_usage", "extra", "started_at"])
+def test_every_float_is_finite(bad, where):
+    """NaN or infinity anywhere a member can put a float is refused on decode: it would
+    break the dashboard's JSON and `pdreg status`."""
+    if where == "started_at":
+        raw = msgspec.to_builtins(Register(spec=SPEC, nonce=b"n" * 16))
+        raw[1]["started_at"] = bad
+    else:
+        load = [1, 2, bad, {}] if where == "kv_usage" else [1, 2, 0.5, {"tok_s": bad}]
+        raw = ["Heartbeat", "x", 1, 1, 2, load]
+    with pytest.raises(msgspec.ValidationError):
+        control_decoder().decode(msgspec.msgpack.encode(raw))
+
+
+@pytest.mark.parametrize("member_id", ["a/b", "a\n", "a\nb", " a", "-a", "a b", "a\x00", "é"])
+def test_ids_are_strict(member_id):
+    bad = msgspec.structs.replace(SPEC, id=member_id)
+    assert "id" in (validate_spec(bad) or "")
 
 
 @pytest.mark.parametrize(("change", "problem"), [
@@ -110,6 +153,16 @@ def test_too_many_labels_are_refused():
     ({"id": "bad id!"}, "id"),
     ({"protocol": "Bad Proto"}, "protocol"),
     ({"endpoints": Endpoints(http="http://h:1", kv_host="h;rm -rf")}, "kv_host"),
+    ({"endpoints": Endpoints(http="http://h:1", kv_host="h\n")}, "kv_host"),
+    ({"endpoints": Endpoints(http="http://169.254.169.254:80")}, "link-local"),
+    ({"endpoints": Endpoints(http="http://[fe80::1]:80")}, "link-local"),
+    ({"endpoints": Endpoints(http="http://h:1", kv_host="169.254.1.1")}, "link-local"),
+    ({"endpoints": Endpoints(http="http://user:pw@h:1")}, "credentials"),
+    ({"model": "a\x00b"}, "printable"),
+    ({"model": "line\nbreak"}, "printable"),
+    ({"labels": {"zone": "a\x1b[31m"}}, "printable"),
+    ({"labels": {"": "x"}}, "label"),
+    ({"protocol": "vllm\n"}, "protocol"),
 ])
 def test_semantic_validation(change, problem):
     bad = msgspec.structs.replace(SPEC, **change)

@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import httpx
 
-from pdreg.demo.cluster import ClusterConfig, ManagedProcess, json_ready_line
+from pdreg.demo.cluster import ClusterConfig, ManagedProcess
 from pdreg.demo.display import TerminalDisplay
 from pdreg.demo.open_loop import OpenLoopLoad, Phase, Workload, attainment
-from pdreg.demo.scaler import RoleArgsCluster, ScaleEvent, Scaler, hook_command
+from pdreg.demo.scaler import RoleArgsCluster, ScaleEvent, Scaler, hook_command, start_planner
 
 __all__ = ["AutoscaleConfig", "AutoscaleDemo", "PhaseReport"]
 
@@ -141,23 +141,20 @@ class AutoscaleDemo:
         self.scaler.set("decode", 1)
         requests = self.scaler.requests_file
         assert requests is not None
-        requests.touch()
-        # Cluster has no public way to start another pdreg process; _spawn is that way.
-        self.planner = cluster._spawn("planner", [
-            "planner", "--registry", cluster.registry_address, "--port",
-            str(cluster.ports.take()), "--ttft-slo", str(cfg.ttft_slo_s), "--itl-slo",
-            str(cfg.itl_slo_s), *cfg.planner_args, "--exec", hook_command(requests)],
-            json_ready_line)
-        planner_url = str(self.planner.wait_ready()["url"])
+        self.planner = start_planner(cluster, (
+            "--ttft-slo", str(cfg.ttft_slo_s), "--itl-slo", str(cfg.itl_slo_s),
+            *cfg.planner_args), requests)
+        planner_url = str(self.planner.ready["url"])
         self.scaler.start()
         self._watcher = threading.Thread(target=self._watch_plan, args=(planner_url,),
                                          name="demo-plan-watch", daemon=True)
         self._watcher.start()
         self.display.message(
             f"  router {cluster.router_url}/v1, planner {planner_url}/v1/plan "
-            f"(`pdreg plan --registry {cluster.registry_address} --watch`), logs "
-            f"{cluster.log_dir}\n  SLOs: TTFT {cfg.ttft_slo_s * 1e3:.0f} ms, ITL "
-            f"{cfg.itl_slo_s * 1e3:.0f} ms. Hook: --exec {hook_command(requests)}")
+            f"(`pdreg plan --planner {planner_url} --watch`), logs {cluster.log_dir}\n"
+            f"  security: {cluster.security_summary()}\n"
+            f"  SLOs: TTFT {cfg.ttft_slo_s * 1e3:.0f} ms, ITL {cfg.itl_slo_s * 1e3:.0f} ms. "
+            f"Hook: --exec {hook_command(requests)}")
 
     def _play_phase(self, phase: Phase) -> None:
         self.display.message(f"\n==> {phase.name}: {phase.rate_text} for "

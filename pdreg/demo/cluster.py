@@ -4,6 +4,12 @@ Each child runs in its own session (so a terminal's Ctrl-C reaches only the demo
 then stops children in order) and with a parent-death signal (so even a SIGKILLed demo
 leaves no orphans). stdout is read by a thread that waits for the child's ready line;
 stdout and stderr both go to a log file per process under one temporary directory.
+
+Security is on as the README says to run a fleet (`DemoSecurity`): CURVE keys from
+`pdreg keys generate` with an allow-list, a fleet token and an admin token. The registry
+reads them from files (`--token-file`, `--curve-secret-key`), engines and the router
+from the environment (`PDREG_TOKEN`, `PDREG_CURVE_KEY`, ...), as Kubernetes Secrets
+would give them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -24,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pdreg.args import ADMIN_TOKEN, CURVE_KEY_ENV, REGISTRY_PUBLIC_KEY_ENV, TOKEN
 from pdreg.testing import die_with_parent, free_low_port
+from registry.security import ClientCurve, generate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +172,52 @@ class RegistryPorts:
     http: int
 
 
+class DemoSecurity:
+    """Keys and tokens for one demo cluster, in a private directory under its logs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        keys = directory / "keys"
+        generate_keys(keys, "registry")
+        generate_keys(keys, "client")
+        self.allowed = keys / "allowed"
+        self.allowed.mkdir(mode=0o700)
+        shutil.copy(keys / "client.key", self.allowed / "client.key")
+        self.registry_secret_key = keys / "registry.key_secret"
+        self.registry_public_key = keys / "registry.key"
+        self.client_key = keys / "client.key_secret"
+        self.token_file = self._secret_file("fleet-token")
+        self.admin_token_file = self._secret_file("admin-token")
+        self.curve = ClientCurve.from_files(self.registry_public_key, self.client_key)
+
+    def _secret_file(self, name: str) -> Path:
+        path = self.directory / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+        return path
+
+    def registry_args(self) -> list[str]:
+        return ["--curve-secret-key", str(self.registry_secret_key),
+                "--allowed-clients", str(self.allowed),
+                f"--{TOKEN.flag}-file", str(self.token_file),
+                f"--{ADMIN_TOKEN.flag}-file", str(self.admin_token_file)]
+
+    def client_env(self) -> dict[str, str]:
+        """What an engine or a router gets: the fleet token and CURVE keys, no admin."""
+        return {TOKEN.env: self.token_file.read_text().strip(),
+                REGISTRY_PUBLIC_KEY_ENV: str(self.registry_public_key),
+                CURVE_KEY_ENV: str(self.client_key)}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token_file.read_text().strip()}"}
+
+    def summary(self) -> str:
+        return (f"CURVE on (1 allowed client key), fleet token, admin token "
+                f"(keys and tokens in {self.directory})")
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     backend: str = "torch"  # reference engine backend: torch | sim
@@ -175,6 +230,7 @@ class ClusterConfig:
     # pulled, and a draining prefill waits for it. Short here: demo requests take ms.
     kv_lease_s: float = 5.0
     log_level: str = "INFO"
+    secure: bool = True  # CURVE, a fleet token and an admin token (DemoSecurity)
 
 
 class Cluster:
@@ -193,6 +249,7 @@ class Cluster:
         self.engines: dict[str, ManagedProcess] = {}  # member id -> process
         self._retired: list[ManagedProcess] = []
         self._counter = 0
+        self.security = DemoSecurity(self.log_dir / "secrets") if config.secure else None
 
     # --- addresses ---------------------------------------------------------------------
 
@@ -208,15 +265,27 @@ class Cluster:
     def router_url(self) -> str:
         return self.router.ready["url"] if self.router is not None else ""
 
+    @property
+    def client_curve(self) -> ClientCurve | None:
+        """For in-process clients of the registry (status tables)."""
+        return self.security.curve if self.security is not None else None
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return self.security.admin_headers if self.security is not None else {}
+
+    def security_summary(self) -> str:
+        return self.security.summary() if self.security is not None else "off"
+
     # --- starting ----------------------------------------------------------------------
 
-    def _spawn(self, name: str, args: Sequence[str], ready_parser: ReadyParser
-               ) -> ManagedProcess:
+    def _spawn(self, name: str, args: Sequence[str], ready_parser: ReadyParser,
+               env_extra: dict[str, str] | None = None) -> ManagedProcess:
         self._counter += 1
         log_path = self.log_dir / f"{self._counter:02d}-{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 (the reader thread closes it)
         cmd = [sys.executable, "-m", "pdreg", "--log-level", self.config.log_level, *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                 preexec_fn=die_with_parent)
@@ -233,7 +302,8 @@ class Cluster:
             "registry", "--host", "127.0.0.1", "--port", str(ports.control),
             "--events-port", str(ports.events), "--http-port", str(ports.http),
             "--heartbeat-interval", str(self.config.heartbeat_interval_s),
-            "--lease", str(self.config.lease_s)], registry_ready_line)
+            "--lease", str(self.config.lease_s),
+            *(self.security.registry_args() if self.security else [])], registry_ready_line)
         self.registry.wait_ready()
         return self.registry
 
@@ -246,7 +316,7 @@ class Cluster:
     def start_router(self) -> ManagedProcess:
         self.router = self._spawn("router", [
             "router", "--registry", self.registry_address, "--host", "127.0.0.1",
-            "--port", str(self.ports.take())], json_ready_line)
+            "--port", str(self.ports.take())], json_ready_line, self._client_env())
         self.router.wait_ready()
         return self.router
 
@@ -262,7 +332,10 @@ class Cluster:
             args += ["--kv-port", str(self.ports.take()),
                      "--bootstrap-port", str(self.ports.take())]
         args += list(self.config.engine_args)
-        return self._spawn(f"{role}-{port}", args, json_ready_line)
+        return self._spawn(f"{role}-{port}", args, json_ready_line, self._client_env())
+
+    def _client_env(self) -> dict[str, str]:
+        return self.security.client_env() if self.security is not None else {}
 
     def wait_engine(self, managed: ManagedProcess) -> str:
         member_id = str(managed.wait_ready()["id"])

@@ -17,13 +17,13 @@ import logging
 import shlex
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdreg.demo.cluster import Cluster, ClusterConfig, ManagedProcess
+from pdreg.demo.cluster import Cluster, ClusterConfig, ManagedProcess, json_ready_line
 
-__all__ = ["RoleArgsCluster", "ScaleEvent", "Scaler", "hook_command"]
+__all__ = ["RoleArgsCluster", "ScaleEvent", "Scaler", "hook_command", "start_planner"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,21 @@ def hook_command(requests_file: Path) -> str:
     short write with O_APPEND)."""
     script = f'printf "%s %s %s\\n" "$1" "$2" "$3" >> {shlex.quote(str(requests_file))}'
     return f"sh -c {shlex.quote(script)} scale"
+
+
+def start_planner(cluster: Cluster, planner_args: Sequence[str],
+                  requests_file: Path) -> ManagedProcess:
+    """`pdreg planner` on the cluster's registry, its hook appending to `requests_file`,
+    with the cluster's client credentials; returns once it serves."""
+    requests_file.touch()
+    env = cluster.security.client_env() if cluster.security is not None else {}
+    # Cluster starts engines, routers and registries; _spawn is how it starts any pdreg.
+    planner = cluster._spawn("planner", [
+        "planner", "--registry", cluster.registry_address, "--port",
+        str(cluster.ports.take()), *planner_args, "--exec", hook_command(requests_file)],
+        json_ready_line, env)
+    planner.wait_ready()
+    return planner
 
 
 class Scaler:

@@ -173,7 +173,8 @@ class Scenario:
         if self.traffic is not None:
             step.traffic = figures(self.traffic.records(), step.started, step.finished)
         try:
-            step.table = render(fetch_members(self.cluster.registry_address))
+            step.table = render(fetch_members(self.cluster.registry_address,
+                                              curve=self.cluster.client_curve))
         except (RuntimeError, TimeoutError, ValueError) as exc:
             step.table = f"(registry did not answer: {exc})"
         self.display.step_finished(step)
@@ -201,6 +202,7 @@ class Scenario:
             "registry": cluster.registry_address,
             "registry HTTP": f"{cluster.registry_url}/v1/members",
             "dashboard": f"{cluster.registry_url}/",
+            "security": cluster.security_summary(),
             "logs": str(cluster.log_dir),
         }
 
@@ -225,7 +227,7 @@ class Scenario:
         victim = self.cluster.engine_ids("prefill")[0]
         observer = self._observer()
         response = httpx.post(f"{self.cluster.registry_url}/v1/members/{victim}/drain",
-                              timeout=10.0)
+                              headers=self.cluster.admin_headers, timeout=10.0)
         step.check(f"registry accepted drain of {victim}", response.is_success,
                    f"HTTP {response.status_code}")
         self._wait(f"{victim} draining", lambda m: _state(m, victim) == "draining")
