@@ -113,6 +113,10 @@ class PlanningLoop:
         if links and all(link.state is LinkState.AWAY for link in links):
             global_hold = "every registry is away: the membership may be out of date"
             self._error("registry_away", problems, global_hold)
+        else:
+            problems.extend(f"registry {link.address}: {link.state.value}, no snapshot yet"
+                            for link in links if link.state is LinkState.SYNCING
+                            and not link.epoch)
 
         # 2) Routers
         routers = routers_of(members)

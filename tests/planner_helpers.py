@@ -29,7 +29,8 @@ class HandView:
     """A MembershipSource whose members and link state the test sets."""
 
     current: dict[str, LiveMember] = field(default_factory=dict)
-    live: bool = True
+    state: LinkState = LinkState.LIVE
+    epoch: int = 1  # 0: no snapshot yet
 
     def set(self, *members: LiveMember) -> None:
         self.current = {m.id: m for m in members}
@@ -38,8 +39,7 @@ class HandView:
         return dict(self.current)
 
     def links(self) -> list[LinkStatus]:
-        state = LinkState.LIVE if self.live else LinkState.AWAY
-        return [LinkStatus("127.0.0.1:7600", state, 1, 1, len(self.current))]
+        return [LinkStatus("127.0.0.1:7600", self.state, self.epoch, 1, len(self.current))]
 
 
 class FakeRouterMetrics:

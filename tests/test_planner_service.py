@@ -21,7 +21,7 @@ from pdreg.testing import wait_until
 from planner.rule import Bounds, RuleConfig
 from planner.service import PlannerServer
 from planner.tick import Plan, PlannerConfig, PlanningLoop
-from registry.client import LiveMember
+from registry.client import LinkState, LiveMember
 from registry.protocol import Load, Role
 
 WAIT_S = 10.0
@@ -148,8 +148,16 @@ def test_a_suspect_member_holds_its_role_only(router: FakeRouterMetrics) -> None
     assert entry(plan, Role.DECODE).decision.desired == 2
     assert not entry(plan, Role.PREFILL).decision.holding
     assert entry(plan, Role.PREFILL).decision.desired == 1
-    view.live = False  # the registry went away: the view is the last one it had
-    assert all(e.decision.holding for e in rounds(loop, [2.0]).entries)
+    view.state = LinkState.SYNCING  # a resync: the last view stands
+    assert not entry(rounds(loop, [2.0]), Role.PREFILL).decision.holding
+    view.state = LinkState.AWAY  # the registry went silent: the view may be out of date
+    assert all(e.decision.holding for e in rounds(loop, [3.0]).entries)
+
+
+def test_a_registry_never_reached_is_named(router: FakeRouterMetrics) -> None:
+    view = HandView(state=LinkState.SYNCING, epoch=0)
+    plan = rounds(PlanningLoop(PlannerConfig(rule=FAST_RULE), view), [0.0])
+    assert plan.problems == ("registry 127.0.0.1:7600: syncing, no snapshot yet",)
 
 
 def test_models_that_leave_are_forgotten(router: FakeRouterMetrics) -> None:
