@@ -13,8 +13,10 @@ one starts at 1P1D and its `--exec` hook starts and drains engines.
 Per configuration: TTFT and ITL SLO attainment (share of requests whose TTFT, and whose
 mean time per output token, met the objective; failures miss both) and engine-seconds
 (each engine process from start to exit, within the profile). Each configuration writes a
-JSON file to --out; --report prints the Markdown table of every file there. Run each
-configuration under the heavy lock on a shared machine:
+JSON file to --out; --report prints the Markdown table of every file there, with the
+load average each ran under (before each configuration the bench waits, bounded, for
+the machine to be quiet). Run each configuration under the heavy lock on a shared
+machine:
 
     for c in 1P1D 2P2D 1P3D 3P1D planner; do
         flock /work/locks/heavy .venv/bin/python bench/bench_planner.py --configs $c
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -62,6 +65,15 @@ STATIC = {"1P1D": (1, 1), "2P2D": (2, 2), "1P3D": (1, 3), "3P1D": (3, 1)}
 DEFAULT_OUT = Path("/tmp/pdreg-bench-planner")
 
 
+def wait_for_quiet(max_load: float, timeout_s: float) -> float:
+    """The machine is shared: wait (bounded) until the 1-minute load average is below
+    `max_load`, so a configuration is not measured against someone else's test run."""
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(5.0)
+    return os.getloadavg()[0]
+
+
 def run_config(name: str, time_scale: float, seed: int) -> dict[str, Any]:
     profile = tuple(Phase(p.name, p.duration_s * time_scale, p.start_rate, p.end_rate)
                     for p in PROFILE)
@@ -88,6 +100,7 @@ def run_config(name: str, time_scale: float, seed: int) -> dict[str, Any]:
         load = OpenLoopLoad(cluster.router_url, profile, WORKLOAD, seed=seed).start()
         samples = _sample_while(load, scaler)
         began, ended = load.started_at, time.monotonic()
+        load_average = os.getloadavg()[1]  # 5-minute: mostly this run
         outcomes = load.outcomes()
         result = attainment(outcomes, TTFT_SLO_S, ITL_SLO_S)
         phases = {}
@@ -102,7 +115,7 @@ def run_config(name: str, time_scale: float, seed: int) -> dict[str, Any]:
             "config": name, "time_scale": time_scale, "seed": seed,
             "ttft_slo_s": TTFT_SLO_S, "itl_slo_s": ITL_SLO_S, **asdict(result),
             "engine_seconds": scaler.engine_seconds(began, ended),
-            "duration_s": ended - began,
+            "duration_s": ended - began, "load_average_5m": load_average,
             "mean_prefills": _mean([s[1] for s in samples]),
             "mean_decodes": _mean([s[2] for s in samples]),
             "peak_prefills": max((s[1] for s in samples), default=0),
@@ -152,15 +165,16 @@ def report(out: Path) -> str:
         f"TTFT SLO {first['ttft_slo_s'] * 1e3:.0f} ms, ITL SLO {first['itl_slo_s'] * 1e3:.0f} "
         f"ms; profile {sum(p.duration_s for p in PROFILE) * first['time_scale']:.0f} s.", "",
         "| config | requests (failed) | TTFT attained | ITL attained | both | TTFT p50 / p90 | "
-        "engine-seconds | mean P / D | peak P / D |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "engine-seconds | mean P / D | peak P / D | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for name in order:
         r = results[name]
         lines.append(
             f"| {name} | {r['requests']} ({r['failed']}) | {r['ttft']:.1%} | {r['itl']:.1%} | "
             f"{r['both']:.1%} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | "
             f"{r['engine_seconds']:.0f} | {r['mean_prefills']:.1f} / {r['mean_decodes']:.1f} | "
-            f"{r['peak_prefills']} / {r['peak_decodes']} |")
+            f"{r['peak_prefills']} / {r['peak_decodes']} | "
+            f"{r.get('load_average_5m', 0):.1f} |")
     lines += ["", "TTFT attained per phase:", "",
               "| config | " + " | ".join(p.name for p in PROFILE) + " |",
               "|---|" + "---|" * len(PROFILE)]
@@ -186,13 +200,19 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report", action="store_true", help="only print the table")
+    parser.add_argument("--quiet-load", type=float, default=4.0, metavar="L",
+                        help="before each configuration, wait (up to --quiet-wait) for the "
+                             "1-minute load average to fall below L")
+    parser.add_argument("--quiet-wait", type=float, default=120.0, metavar="S")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
         for name in args.configs.split(","):
             if name not in STATIC and name != "planner":
                 parser.error(f"unknown configuration {name!r}")
-            print(f"[bench_planner] {name} ...", file=sys.stderr, flush=True)
+            before = wait_for_quiet(args.quiet_load, args.quiet_wait)
+            print(f"[bench_planner] {name} (load average {before:.1f}) ...", file=sys.stderr,
+                  flush=True)
             result = run_config(name, args.time_scale, args.seed)
             (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
             print(f"[bench_planner] {name}: TTFT {result['ttft']:.1%}, ITL "
