@@ -19,7 +19,8 @@ Each round starts one more decode, then kill -9s the oldest decode, measuring:
 - kill: once the dead engine's process is gone, a "tombstone" listener takes over its
   port and records every POST that arrives (and resets the connection, as a dead host's
   port would refuse it): the time from SIGKILL to the last one within KILL_WINDOW_S, how
-  many arrived, and the client requests that failed meanwhile.
+  many arrived, and the client requests that failed meanwhile (for pdreg also how many
+  streams it migrated, from pdreg_router_migrations_total).
 
 Prints one Markdown table (the figures bench/RESULTS.md quotes).
 """
@@ -180,13 +181,24 @@ class Harness:
     def stop(self) -> None:
         """Stop whatever start() started outside the cluster."""
 
+    def migrations(self) -> float | None:
+        """Streams the router has continued on another pair so far (None: it cannot)."""
+        return None
+
 
 class PdregHarness(Harness):
     name = "pdreg"
+    url = ""
 
     def start(self, cluster: Cluster, engines: list[dict[str, Any]]) -> str:
         cluster.start_router()
-        return cluster.router_url
+        self.url = cluster.router_url
+        return self.url
+
+    def migrations(self) -> float | None:
+        text = httpx.get(self.url + "/metrics", timeout=HTTP_TIMEOUT_S).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdreg_router_migrations_total{"))
 
 
 class SglangHarness(Harness):
@@ -267,6 +279,7 @@ class Figures:
     last_request_s: list[float] = field(default_factory=list)
     sent_to_dead: list[int] = field(default_factory=list)
     failures: list[int] = field(default_factory=list)
+    migrated: list[int] = field(default_factory=list)
     ok: int = 0
 
 
@@ -318,6 +331,7 @@ def measure_kill(cluster: Cluster, harness: Harness, traffic: TrafficGenerator,
     victim_id = cluster.engine_ids("decode")[0]
     managed = cluster.retire(victim_id)
     engine = {**managed.ready, "role": "decode"}
+    migrations_before = harness.migrations()
     kill_at = time.monotonic()
     managed.kill()
     managed.wait(10.0)
@@ -333,6 +347,9 @@ def measure_kill(cluster: Cluster, harness: Harness, traffic: TrafficGenerator,
     figures.last_request_s.append((posts[-1] - kill_at) if posts else 0.0)
     figures.failures.append(sum(1 for r in traffic.records()
                                 if not r.ok and kill_at <= r.finished <= window_end))
+    migrations_after = harness.migrations()
+    if migrations_before is not None and migrations_after is not None:
+        figures.migrated.append(int(migrations_after - migrations_before))
 
 
 def print_table(results: list[Figures], args: argparse.Namespace) -> None:
@@ -348,11 +365,12 @@ def print_table(results: list[Figures], args: argparse.Namespace) -> None:
           f"kill window {KILL_WINDOW_S:g} s, sampling {SAMPLE_PERIOD_S * 1e3:.0f} ms\n")
     print("| router | ready → first routed request | kill -9 → last request sent to it "
           f"| requests sent to the dead engine in {KILL_WINDOW_S:g} s "
-          "| failed client requests per kill | requests ok |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "| failed client requests per kill | streams migrated per kill | requests ok |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for f in results:
         print(f"| {f.router} | {ms(f.joins_s)} | {ms(f.last_request_s)} | "
-              f"{count(f.sent_to_dead)} | {count(f.failures)} | {f.ok} |")
+              f"{count(f.sent_to_dead)} | {count(f.failures)} | {count(f.migrated)} | "
+              f"{f.ok} |")
 
 
 def main() -> int:
@@ -377,7 +395,8 @@ def main() -> int:
         figures = measure(HARNESSES[name](), args)
         print(f"  joins {[round(j * 1e3) for j in figures.joins_s]} ms, last request "
               f"{[round(t * 1e3) for t in figures.last_request_s]} ms, sent to dead "
-              f"{figures.sent_to_dead}, failed {figures.failures}", flush=True)
+              f"{figures.sent_to_dead}, failed {figures.failures}, migrated "
+              f"{figures.migrated or '-'}", flush=True)
         results.append(figures)
     print_table(results, args)
     return 0

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -55,6 +56,13 @@ from registry.protocol import (  # noqa: E402
 from registry.security import ClientCurve, generate_keys  # noqa: E402
 
 INGEST_MEMBERS = 1000
+_PROOF_FIELD_BYTES = 2 + sessions.PROOF_BYTES  # msgpack bin8 header + the proof
+
+
+def _without_proof(payload: bytes) -> bytes:
+    """A protocol-2 heartbeat as protocol 1 sent it: the same array, one element (the
+    trailing proof) shorter. The first byte is the fixarray header, holding the count."""
+    return bytes((payload[0] - 1,)) + payload[1:-_PROOF_FIELD_BYTES]
 
 
 @contextmanager
@@ -123,8 +131,9 @@ def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queu
     """Child process: pipeline heartbeats, keeping `window` unanswered at a time.
 
     With `signed`, it registers its members first and sends each heartbeat with a fresh
-    seq and its session proof, as agents do; else the same heartbeat bytes over and over
-    (what a registry without sessions accepts).
+    seq and its session proof, as agents do; else heartbeats without a proof (what a
+    registry without sessions accepts), built with the same work per message, so the
+    flood costs the two cores the same either way and only the receiver differs.
     """
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -140,20 +149,21 @@ def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queu
     if signed:
         held = register_members(address, members, curve=curve)
         keys = [held[member_id] for member_id in ids]
-    fixed = [encode(Heartbeat(ids[i], 1, 1, MemberState.READY, loads[i]))
-             for i in range(members)]
+    out.put("flooding")
     seal = sessions.seal
+    unused_key = b"k" * sessions.SESSION_BYTES
     sent = received = 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         while sent - received < window:
             i = sent % members
+            payload = encode(Heartbeat(ids[i], 1, sent // members + 1, MemberState.READY,
+                                       loads[i]))
             if signed:
-                payload = encode(Heartbeat(ids[i], 1, sent // members + 1, MemberState.READY,
-                                           loads[i]))
                 sock.send(seal(keys[i], payload), zmq.NOBLOCK)
             else:
-                sock.send(fixed[i], zmq.NOBLOCK)
+                seal(unused_key, payload)  # the same client work, thrown away
+                sock.send(_without_proof(payload), zmq.NOBLOCK)
             sent += 1
         sock.poll(100)
         try:
@@ -167,35 +177,49 @@ def _flood(address: str, members: int, seconds: float, window: int, out: mp.Queu
     ctx.term()
 
 
-def _drive(address: str, seconds: float, *, signed: bool,
-           curve: ClientCurve | None = None) -> float:
+@dataclass(frozen=True)
+class Ingest:
+    heartbeats_per_s: float
+    cpu_us_per_heartbeat: float  # the receiving process's CPU (all its threads)
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drive(address: str, pid: int, seconds: float, *, signed: bool,
+           curve: ClientCurve | None = None) -> Ingest:
     out: mp.Queue = mp.Queue()
     child = mp.Process(target=_flood, args=(address, INGEST_MEMBERS, seconds, 2000, out,
                                             signed, curve))
     child.start()
-    # Timed from the flood's start: the child registers first when `signed`.
+    assert out.get(timeout=60) == "flooding"  # members registered (when `signed`)
+    cpu_before = _cpu_s(pid)
     answered = out.get(timeout=seconds + 60)
+    cpu = _cpu_s(pid) - cpu_before
     child.join()
-    return answered / seconds
+    return Ingest(answered / seconds, 1e6 * cpu / max(1, answered))
 
 
-def bench_ingest(seconds: float, *, curve_keys: str | None = None) -> float:
-    """Heartbeats/s the registry answers with sessions checked (and CURVE with keys)."""
+def bench_ingest(seconds: float, *, curve_keys: str | None = None) -> Ingest:
+    """The registry with sessions checked (and CURVE on both sockets, given keys)."""
     extra: tuple[str, ...] = ()
     curve = None
     if curve_keys is not None:
         extra = ("--curve-secret-key", os.path.join(curve_keys, "registry.key_secret"))
         curve = ClientCurve.from_files(os.path.join(curve_keys, "registry.key"),
                                        os.path.join(curve_keys, "client.key_secret"))
-    with registry_process(extra=extra) as (address, _pid):
-        return _drive(address, seconds, signed=True, curve=curve)
+    with registry_process(extra=extra) as (address, pid):
+        return _drive(address, pid, seconds, signed=True, curve=curve)
 
 
-def bench_baseline(seconds: float, src: str) -> float:
+def bench_baseline(seconds: float, src: str) -> Ingest:
     """The registry of another source tree (protocol 1: no sessions), same flood."""
-    with registry_process(src=src) as (address, _pid):
+    with registry_process(src=src) as (address, pid):
         register_members_v1(address, INGEST_MEMBERS)
-        return _drive(address, seconds, signed=False)
+        return _drive(address, pid, seconds, signed=False)
 
 
 def _bare_receiver(port_out: mp.Queue, seconds: float, out: mp.Queue) -> None:
@@ -221,16 +245,16 @@ def _bare_receiver(port_out: mp.Queue, seconds: float, out: mp.Queue) -> None:
     out.put(count)
 
 
-def bench_bare(seconds: float) -> float:
+def bench_bare(seconds: float) -> Ingest:
     """The floor: a bare ROUTER that decodes and answers, nothing else (same flood)."""
     port_q: mp.Queue = mp.Queue()
     count_q: mp.Queue = mp.Queue()
     receiver = mp.Process(target=_bare_receiver, args=(port_q, seconds, count_q))
     receiver.start()
     address = f"127.0.0.1:{port_q.get(timeout=10)}"
-    rate = _drive(address, seconds, signed=False)
+    result = _drive(address, receiver.pid, seconds, signed=False)
     receiver.terminate()
-    return rate
+    return result
 
 
 def bench_propagation(samples: int) -> dict[str, float]:
@@ -302,29 +326,47 @@ def bench_snapshot(members: int, rounds: int) -> dict[str, float]:
             "rss_bytes_per_member": (after - before) / members}
 
 
+def _median(results: list[Ingest]) -> Ingest:
+    return Ingest(statistics.median(r.heartbeats_per_s for r in results),
+                  statistics.median(r.cpu_us_per_heartbeat for r in results))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs (smoke test)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="ingest rounds, interleaved (default 3, quick 1); medians shown")
     parser.add_argument("--baseline-src", metavar="DIR", default=None,
                         help="also measure the registry of this source tree (protocol 1)")
+    parser.add_argument("--ingest-only", action="store_true",
+                        help="skip the propagation and snapshot figures")
     args = parser.parse_args()
     seconds = 2.0 if args.quick else 8.0
+    rounds = args.rounds or (1 if args.quick else 3)
     print("registry benchmarks (2-core machine, loopback)")
-    bare = bench_bare(seconds)
-    print(f"  bare pyzmq+msgspec ROUTER loop:        {bare:10,.0f} heartbeats/s")
-    if args.baseline_src:
-        base = bench_baseline(seconds, args.baseline_src)
-        print(f"  registry without sessions (baseline):  {base:10,.0f} heartbeats/s "
-              f"({base / bare:.0%} of bare)")
-    ingest = bench_ingest(seconds)
-    print(f"  registry, sessions checked:            {ingest:10,.0f} heartbeats/s "
-          f"({ingest / bare:.0%} of bare)")
+    figures: dict[str, list[Ingest]] = {}
     with tempfile.TemporaryDirectory() as keys:
         generate_keys(keys, "registry")
         generate_keys(keys, "client")
-        curve = bench_ingest(seconds, curve_keys=keys)
-    print(f"  registry, sessions checked, CURVE on:  {curve:10,.0f} heartbeats/s "
-          f"({curve / bare:.0%} of bare)")
+        runs = {"bare pyzmq+msgspec ROUTER loop": lambda: bench_bare(seconds)}
+        if args.baseline_src:
+            runs["registry without sessions (baseline)"] = lambda: bench_baseline(
+                seconds, args.baseline_src)
+        runs["registry, sessions checked"] = lambda: bench_ingest(seconds)
+        runs["registry, sessions checked, CURVE on"] = lambda: bench_ingest(
+            seconds, curve_keys=keys)
+        for _ in range(rounds):  # interleaved, so a noisy minute hits every figure
+            for name, run in runs.items():
+                figures.setdefault(name, []).append(run())
+    bare = _median(figures["bare pyzmq+msgspec ROUTER loop"]).heartbeats_per_s
+    for name, results in figures.items():
+        median = _median(results)
+        print(f"  {name + ':':40} {median.heartbeats_per_s:9,.0f} heartbeats/s "
+              f"({median.heartbeats_per_s / bare:4.0%} of bare), "
+              f"{median.cpu_us_per_heartbeat:5.1f} us CPU each "
+              f"[rates: {', '.join(f'{r.heartbeats_per_s:,.0f}' for r in results)}]")
+    if args.ingest_only:
+        return 0
     prop = bench_propagation(200 if args.quick else 2000)
     print(f"  propagation to a MembershipView @1k: p50 {prop['p50_ms']:.2f} ms, "
           f"p99 {prop['p99_ms']:.2f} ms, max {prop['max_ms']:.2f} ms")

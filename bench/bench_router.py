@@ -1,4 +1,4 @@
-"""Routers side by side: CPU per request, latency, req/s; and p99 TTFT with a slow prefill.
+"""Routers side by side: CPU per request, latency, req/s; and p99 TTFT with a slow worker.
 
 In front of the same 2 prefill + 2 decode sim engines (registered with a real registry
 for pdreg, given as static URLs to the peers), the same aiohttp load generator (in this
@@ -10,12 +10,21 @@ process) drives:
 - SGLang's bootstrap handshake: `pdreg router` (engines registered as sglang),
   sglang-router 0.3.2 (round_robin) and SGLang's Python mini_lb (random).
 
-Router CPU is utime+stime of the router process and its children (/proc/PID/stat) over the
-concurrency-32 burst. Then the same line-up in front of engines where one prefill is 10x
-slower, under streaming clients: p50/p99 time to first token, and the share of requests
-each router sent to the slow prefill (from the engines' own request counters).
+pdreg runs once per policy in --policies (default: power_of_two and peak_ewma).
 
-    .venv/bin/python bench/bench_router.py [--requests 2000] [--policy power_of_two]
+Steady: router CPU is utime+stime of the router process and its children
+(/proc/PID/stat) over the concurrency-32 burst. Before its warm-up, each router also
+takes a cold burst (64 requests at c=32 on fresh connections): its p99 is the start-of-run
+cost a benchmark that warms up at low concurrency folds into its c=32 figures.
+
+Slow worker: the same line-up in front of engines where one prefill is 10x slower, and
+separately where one decode is 5x slower per token, under streaming clients: p50/p99
+time to first token and end to end, and the share of requests each router sent to the
+slow worker (from the engines' own request counters). "fast workers only" is pdreg in
+front of the same cluster without the slow worker: the bar to be within 2x of.
+
+    .venv/bin/python bench/bench_router.py [--requests 2000] [--policies a,b]
+        [--scenarios steady,prefill,decode] [--handshakes vllm-nixl,sglang] [--no-peers]
 
 Writes bench/out/router.json and the plot bench/plots/router.png (matplotlib from
 .venv-peers, which bench/peers.py installs on first use).
@@ -59,16 +68,22 @@ BODY = {"model": "tiny", "prompt": "benchmark prompt", "max_tokens": 4, "ignore_
 OUT_DIR = REPO / "bench" / "out"
 PLOT_PATH = REPO / "bench" / "plots" / "router.png"
 PLOT_SCRIPT = REPO / "bench" / "plots" / "plot_router.py"
-WARMUP_REQUESTS = 50
+WARMUP_REQUESTS = 200
+COLD_REQUESTS = 64
+CONCURRENCY = 32
 READY_TIMEOUT_S = 30.0
 ROUTER_STOP_TIMEOUT_S = 20.0
-# Slow-prefill scenario: per prompt token (a ~25-token prompt: fast ≈ 12 ms, slow ≈ 125 ms).
+# Slow-worker scenarios. Prefill per prompt token (a ~25-token prompt: fast ≈ 12 ms,
+# slow ≈ 125 ms); decode per output token (8 tokens: fast ≈ 16 ms, slow ≈ 80 ms).
 FAST_PREFILL_S_PER_TOKEN = 0.0005
 SLOW_PREFILL_S_PER_TOKEN = 0.005
-DECODE_S_PER_TOKEN = 0.002
+FAST_DECODE_S_PER_TOKEN = 0.002
+SLOW_DECODE_S_PER_TOKEN = 0.010
 STREAM_CLIENTS = 8
 STREAM_SECONDS = 6.0
 REQUESTS_REQUEST_COUNTER = "pdreg:engine_requests_total"
+DEFAULT_POLICIES = ("power_of_two", "peak_ewma")
+SLOW_ROLES = ("prefill", "decode")
 
 
 @dataclass
@@ -78,6 +93,8 @@ class Row:
     router: str
     handshake: str
     cpu_us_per_req: float | None = None
+    cold_p99_ms: float = 0.0  # a c=32 burst on fresh connections, before the warm-up
+    cold_cpu_us_per_req: float | None = None
     p50_ms_c1: float = 0.0
     p99_ms_c1: float = 0.0
     p50_ms_c32: float = 0.0
@@ -88,15 +105,18 @@ class Row:
 
 @dataclass
 class SlowRow:
-    """One router's figures with one slow prefill."""
+    """One router's figures with one slow worker (`slow`: its role)."""
 
     router: str
     handshake: str
+    slow: str
     ok: int = 0
     failed: int = 0
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
-    slow_share: float = 0.0  # of prefill requests, the share the slow prefill served
+    e2e_p50_ms: float | None = None
+    e2e_p99_ms: float | None = None
+    slow_share: float | None = None  # of that role's requests, the share the slow one served
 
 
 @dataclass
@@ -153,44 +173,62 @@ def p99(values: list[float]) -> float:
 def measure(target: Target, handshake: str, requests: int) -> Row:
     if not wait_until(lambda: serves(target.url), READY_TIMEOUT_S, poll_s=0.2):
         raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
-    asyncio.run(run_load(target.url, WARMUP_REQUESTS, 4))  # warm connection pools
     row = Row(router=target.name, handshake=handshake)
+    cpu_before = target.cpu_s() if target.cpu_s else 0.0
+    cold, _, failed0 = asyncio.run(run_load(target.url, COLD_REQUESTS, CONCURRENCY))
+    if target.cpu_s:
+        row.cold_cpu_us_per_req = (target.cpu_s() - cpu_before) / COLD_REQUESTS * 1e6
+    row.cold_p99_ms = p99(cold) * 1e3
+    # Warm every connection pool at the concurrency measured: a pool warmed at c=4 still
+    # opens 28 connections per engine at the start of a c=32 run.
+    asyncio.run(run_load(target.url, WARMUP_REQUESTS, CONCURRENCY))
     lat1, _, failed1 = asyncio.run(run_load(target.url, max(100, requests // 10), 1))
     row.p50_ms_c1, row.p99_ms_c1 = statistics.median(lat1) * 1e3, p99(lat1) * 1e3
     cpu_before = target.cpu_s() if target.cpu_s else 0.0
-    lat32, wall, failed32 = asyncio.run(run_load(target.url, requests, 32))
+    lat32, wall, failed32 = asyncio.run(run_load(target.url, requests, CONCURRENCY))
     if target.cpu_s:
         row.cpu_us_per_req = (target.cpu_s() - cpu_before) / requests * 1e6
     row.p50_ms_c32, row.p99_ms_c32 = statistics.median(lat32) * 1e3, p99(lat32) * 1e3
     row.req_per_s_c32 = len(lat32) / wall
-    row.failed = failed1 + failed32
+    row.failed = failed0 + failed1 + failed32
     print(f"  {target.name:24s} cpu/req={row.cpu_us_per_req or 0:.0f}us "
+          f"cold c32 p99={row.cold_p99_ms:.1f}ms cpu/req={row.cold_cpu_us_per_req or 0:.0f}us "
           f"c1 p50/p99={row.p50_ms_c1:.2f}/{row.p99_ms_c1:.2f}ms "
           f"c32 p50/p99={row.p50_ms_c32:.1f}/{row.p99_ms_c32:.1f}ms "
           f"{row.req_per_s_c32:.0f} req/s failed={row.failed}", flush=True)
     return row
 
 
-def measure_slow(target: Target, handshake: str, prefills: list[EngineHandle]) -> SlowRow:
-    """Streaming clients for STREAM_SECONDS; TTFT and where the prefills went."""
+def measure_slow(target: Target, handshake: str, slow: str,
+                 workers: list[EngineHandle]) -> SlowRow:
+    """Streaming clients for STREAM_SECONDS: TTFT, end to end, and where `workers` (the
+    slow role's engines, the slow one first; empty for a fast-only run) were used."""
     if not wait_until(lambda: serves(target.url), READY_TIMEOUT_S, poll_s=0.2):
         raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
-    before = [metrics(p.url)[REQUESTS_REQUEST_COUNTER] for p in prefills]
+    asyncio.run(run_load(target.url, WARMUP_REQUESTS // 4, STREAM_CLIENTS))
+    before = [metrics(w.url)[REQUESTS_REQUEST_COUNTER] for w in workers]
     traffic = TrafficGenerator(target.url, clients=STREAM_CLIENTS).start()
     started = time.monotonic()
     try:
         time.sleep(STREAM_SECONDS)  # the measurement window itself, not a wait for a state
     finally:
         traffic.stop()
-    after = [metrics(p.url)[REQUESTS_REQUEST_COUNTER] for p in prefills]
+    after = [metrics(w.url)[REQUESTS_REQUEST_COUNTER] for w in workers]
     served = [a - b for a, b in zip(after, before, strict=True)]
-    result = figures(traffic.records(), started, time.monotonic())
-    row = SlowRow(router=target.name, handshake=handshake, ok=result.ok, failed=result.failed,
-                  slow_share=served[0] / max(1.0, sum(served)))
+    records = [r for r in traffic.records() if started <= r.finished]
+    result = figures(records, started, time.monotonic())
+    row = SlowRow(router=target.name, handshake=handshake, slow=slow, ok=result.ok,
+                  failed=result.failed,
+                  slow_share=served[0] / max(1.0, sum(served)) if served else None)
     if result.ttft_p50_s is not None and result.ttft_p99_s is not None:
         row.ttft_p50_ms, row.ttft_p99_ms = result.ttft_p50_s * 1e3, result.ttft_p99_s * 1e3
-    print(f"  {target.name:24s} TTFT p50/p99={row.ttft_p50_ms or 0:.0f}/"
-          f"{row.ttft_p99_ms or 0:.0f}ms slow-prefill share={row.slow_share:.0%} "
+    e2e = [r.finished - r.started for r in records if r.ok]
+    if e2e:
+        row.e2e_p50_ms, row.e2e_p99_ms = statistics.median(e2e) * 1e3, p99(e2e) * 1e3
+    share = "-" if row.slow_share is None else f"{row.slow_share:.0%}"
+    print(f"  {target.name:28s} TTFT p50/p99={row.ttft_p50_ms or 0:.0f}/"
+          f"{row.ttft_p99_ms or 0:.0f}ms e2e p50/p99={row.e2e_p50_ms or 0:.0f}/"
+          f"{row.e2e_p99_ms or 0:.0f}ms slow-{slow} share={share} "
           f"ok={row.ok} failed={row.failed}", flush=True)
     return row
 
@@ -199,21 +237,30 @@ def measure_slow(target: Target, handshake: str, prefills: list[EngineHandle]) -
 
 
 @contextmanager
-def pd_engines(handshake: str, slow: bool) -> Iterator[tuple[str, list[EngineHandle]]]:
+def pd_engines(handshake: str, slow: str = "", fast_only: bool = False
+               ) -> Iterator[tuple[str, list[EngineHandle]]]:
     """A registry and 2P+2D sim engines registered with it as `handshake` members.
 
-    With `slow`, prefill 0 is 10x slower than prefill 1 (and decoding takes time too).
+    `slow` "prefill": prefill 0 is 10x slower than prefill 1; "decode": decode 0 is 5x
+    slower per token than decode 1 (both with timed prefill and decode); "": no delays.
+    `fast_only`: the slow engine is left out (2 engines of the other role stay).
     Yields the registry's control address and the engines, prefills first.
     """
-    def sim_args(prefill_s_per_token: float) -> list[str]:
-        return ["--sim-prefill-delay", str(prefill_s_per_token),
-                "--sim-decode-delay", str(DECODE_S_PER_TOKEN)] if slow else []
-    specs = [
-        {"role": "prefill", "extra_args": sim_args(SLOW_PREFILL_S_PER_TOKEN)},
-        {"role": "prefill", "extra_args": sim_args(FAST_PREFILL_S_PER_TOKEN)},
-        {"role": "decode", "extra_args": sim_args(0.0)},
-        {"role": "decode", "extra_args": sim_args(0.0)},
-    ]
+    def sim_args(role: str, slow_one: bool) -> list[str]:
+        if not slow:
+            return []
+        prefill = SLOW_PREFILL_S_PER_TOKEN if slow_one and role == "prefill" else \
+            FAST_PREFILL_S_PER_TOKEN
+        decode = SLOW_DECODE_S_PER_TOKEN if slow_one and role == "decode" else \
+            FAST_DECODE_S_PER_TOKEN
+        return ["--sim-prefill-delay", str(prefill), "--sim-decode-delay", str(decode)]
+    specs = []
+    for role in ("prefill", "decode"):
+        for index in range(2):
+            slow_one = role == slow and index == 0
+            if slow_one and fast_only:
+                continue
+            specs.append({"role": role, "extra_args": sim_args(role, slow_one)})
     registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0))
     registry.start()
     handles: list[EngineHandle] = []
@@ -226,21 +273,30 @@ def pd_engines(handshake: str, slow: bool) -> Iterator[tuple[str, list[EngineHan
         registry.close()
 
 
+ROUTER_ARGS: list[str] = []  # --router-args: extra `pdreg router` flags for every run
+BASELINE_SRC: list[Path] = []  # --baseline-src: another pdreg source tree, run beside
+
+
 @contextmanager
-def pdreg_router(registry: str, policy: str) -> Iterator[Target]:
+def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None = None
+                 ) -> Iterator[Target]:
+    """`src`: run the router of another pdreg source tree (e.g. an export of main), with
+    only the flags every version has."""
     port = free_low_port()
     # its log goes to a file: a client that hangs up after [DONE] makes aiohttp log a
     # traceback per request, which would drown the bench's own output
     log = tempfile.NamedTemporaryFile(prefix="pdreg-bench-router-", suffix=".log")  # noqa: SIM115
+    extra = [] if src else ["--drain-delay", "0", *ROUTER_ARGS]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
-         registry, "--port", str(port), "--policy", policy, "--no-register"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+         registry, "--port", str(port), "--policy", policy, "--no-register", *extra],
+        cwd=src or REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     try:
         assert proc.stdout is not None
         url = json.loads(proc.stdout.readline())["url"]
-        yield Target(f"pdreg ({policy})", url, lambda: peers.process_tree_cpu_s(proc.pid))
+        yield Target(label or f"pdreg ({policy})", url,
+                     lambda: peers.process_tree_cpu_s(proc.pid))
     finally:
         stop_process(proc, ROUTER_STOP_TIMEOUT_S)
         errors = Path(log.name).read_text(errors="replace").count(" ERROR ")
@@ -257,13 +313,20 @@ def peer(router: peers.PeerRouter) -> Iterator[Target]:
         router.stop()
 
 
-def lineup(handshake: str, registry: str, policy: str, handles: list[EngineHandle]
+def lineup(handshake: str, registry: str, policies: list[str], handles: list[EngineHandle],
+           peers_too: bool = True, baselines: bool = False
            ) -> list[Callable[[], AbstractContextManager[Target]]]:
     """Context-manager factories for every router that speaks `handshake`, pdreg first."""
-    prefills, decodes = handles[:2], [h.url for h in handles[2:]]
+    prefills = [h for h in handles if h.id.startswith("prefill")]
+    decodes = [h.url for h in handles if h.id.startswith("decode")]
     with_bootstrap = [(h.url, h.bootstrap_port) for h in prefills]
     factories: list[Callable[[], AbstractContextManager[Target]]] = [
-        lambda: pdreg_router(registry, policy)]
+        lambda policy=policy: pdreg_router(registry, policy) for policy in policies]
+    factories += [lambda src=src: pdreg_router(registry, "power_of_two",
+                                               f"pdreg {src.name} (power_of_two)", src)
+                  for src in (BASELINE_SRC if baselines else [])]
+    if not peers_too:
+        return factories
     if handshake == "vllm-nixl":
         factories.append(lambda: peer(peers.start_vllm_router(
             [h.url for h in prefills], decodes)))
@@ -274,23 +337,32 @@ def lineup(handshake: str, registry: str, policy: str, handles: list[EngineHandl
     return factories
 
 
-def run_all(requests: int, policy: str) -> tuple[list[Row], list[SlowRow]]:
+def run_all(requests: int, policies: list[str], scenarios: list[str], handshakes: list[str],
+            peers_too: bool) -> tuple[list[Row], list[SlowRow]]:
     rows: list[Row] = []
     slow_rows: list[SlowRow] = []
-    with start_engine(role="mixed", backend="sim") as direct:
-        print("direct (mixed engine)", flush=True)
-        rows.append(measure(Target("direct (no router)", direct.url), "-", requests))
-    for handshake in ("vllm-nixl", "sglang"):
-        for slow in (False, True):
-            print(f"{handshake} handshake, {'one slow prefill' if slow else 'steady'}",
-                  flush=True)
-            with pd_engines(handshake, slow) as (registry, handles):
-                for factory in lineup(handshake, registry, policy, handles):
+    if "steady" in scenarios:
+        with start_engine(role="mixed", backend="sim") as direct:
+            print("direct (mixed engine)", flush=True)
+            rows.append(measure(Target("direct (no router)", direct.url), "-", requests))
+    for handshake in handshakes:
+        if "steady" in scenarios:
+            print(f"{handshake} handshake, steady", flush=True)
+            with pd_engines(handshake) as (registry, handles):
+                for factory in lineup(handshake, registry, policies, handles, peers_too,
+                                      baselines=True):
                     with factory() as target:
-                        if slow:
-                            slow_rows.append(measure_slow(target, handshake, handles[:2]))
-                        else:
-                            rows.append(measure(target, handshake, requests))
+                        rows.append(measure(target, handshake, requests))
+        for slow in (r for r in SLOW_ROLES if r in scenarios):
+            print(f"{handshake} handshake, one slow {slow}", flush=True)
+            with pd_engines(handshake, slow, fast_only=True) as (registry, _), \
+                    pdreg_router(registry, policies[-1], "fast workers only") as target:
+                slow_rows.append(measure_slow(target, handshake, slow, []))
+            with pd_engines(handshake, slow) as (registry, handles):
+                workers = [h for h in handles if h.id.startswith(slow)]
+                for factory in lineup(handshake, registry, policies, handles, peers_too):
+                    with factory() as target:
+                        slow_rows.append(measure_slow(target, handshake, slow, workers))
     return rows, slow_rows
 
 
@@ -298,32 +370,40 @@ def run_all(requests: int, policy: str) -> tuple[list[Row], list[SlowRow]]:
 
 
 def print_tables(rows: list[Row], slow_rows: list[SlowRow], requests: int) -> None:
-    print(f"\n{requests} requests at c=32, {max(100, requests // 10)} at c=1\n")
+    print(f"\n{requests} requests at c={CONCURRENCY}, {max(100, requests // 10)} at c=1, "
+          f"after a warm-up at c={CONCURRENCY}; cold: {COLD_REQUESTS} requests at "
+          f"c={CONCURRENCY} before any warm-up\n")
     print("| router | handshake | router CPU per request | p50 / p99 at c=1 "
-          "| p50 / p99 at c=32 | req/s at c=32 | failed |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "| p50 / p99 at c=32 | req/s at c=32 | cold c=32 p99 | cold CPU per request "
+          "| failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cpu = f"{r.cpu_us_per_req:.0f} µs" if r.cpu_us_per_req is not None else "-"
         print(f"| {r.router} | {r.handshake} | {cpu} | {r.p50_ms_c1:.2f} / "
               f"{r.p99_ms_c1:.2f} ms | {r.p50_ms_c32:.1f} / {r.p99_ms_c32:.1f} ms | "
-              f"{r.req_per_s_c32:,.0f} | {r.failed} |")
-    print(f"\none slow prefill ({SLOW_PREFILL_S_PER_TOKEN * 1e3:g} ms/token vs "
-          f"{FAST_PREFILL_S_PER_TOKEN * 1e3:g}), {STREAM_CLIENTS} streaming clients, "
-          f"{STREAM_SECONDS:g} s each\n")
-    print("| router | handshake | TTFT p50 | TTFT p99 | requests to the slow prefill "
-          "| ok | failed |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for s in slow_rows:
-        print(f"| {s.router} | {s.handshake} | {s.ttft_p50_ms or 0:.0f} ms | "
-              f"{s.ttft_p99_ms or 0:.0f} ms | {s.slow_share:.0%} | {s.ok} | {s.failed} |")
+              f"{r.req_per_s_c32:,.0f} | {r.cold_p99_ms:.1f} ms | "
+              f"{'-' if r.cold_cpu_us_per_req is None else f'{r.cold_cpu_us_per_req:.0f} µs'} "
+              f"| {r.failed} |")
+    for slow, what in (("prefill", f"one prefill {SLOW_PREFILL_S_PER_TOKEN * 1e3:g} ms per "
+                        f"prompt token vs {FAST_PREFILL_S_PER_TOKEN * 1e3:g}"),
+                       ("decode", f"one decode {SLOW_DECODE_S_PER_TOKEN * 1e3:g} ms per "
+                        f"output token vs {FAST_DECODE_S_PER_TOKEN * 1e3:g}")):
+        print(f"\n{what}; {STREAM_CLIENTS} streaming clients, {STREAM_SECONDS:g} s each\n")
+        print(f"| router | handshake | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 "
+              f"| requests to the slow {slow} | ok | failed |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for s in (r for r in slow_rows if r.slow == slow):
+            share = "-" if s.slow_share is None else f"{s.slow_share:.0%}"
+            print(f"| {s.router} | {s.handshake} | {s.ttft_p50_ms or 0:.0f} ms | "
+                  f"{s.ttft_p99_ms or 0:.0f} ms | {s.e2e_p50_ms or 0:.0f} ms | "
+                  f"{s.e2e_p99_ms or 0:.0f} ms | {share} | {s.ok} | {s.failed} |")
 
 
 def save_and_plot(rows: list[Row], slow_rows: list[SlowRow]) -> None:
     OUT_DIR.mkdir(exist_ok=True)
     data_path = OUT_DIR / "router.json"
     data_path.write_text(json.dumps({"steady": [asdict(r) for r in rows],
-                                     "slow_prefill": [asdict(s) for s in slow_rows]},
-                                    indent=1))
+                                     "slow": [asdict(s) for s in slow_rows]}, indent=1))
     python = peers.ensure_peers_venv() / "bin" / "python"
     done = subprocess.run([str(python), str(PLOT_SCRIPT), str(data_path), str(PLOT_PATH)],
                           check=False)
@@ -333,10 +413,25 @@ def save_and_plot(rows: list[Row], slow_rows: list[SlowRow]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--policy", default="power_of_two")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help="pdreg policies to run, comma-separated")
+    parser.add_argument("--scenarios", default="steady,prefill,decode",
+                        help="steady, prefill (one slow prefill), decode (one slow decode)")
+    parser.add_argument("--handshakes", default="vllm-nixl,sglang")
+    parser.add_argument("--no-peers", action="store_true", help="pdreg only")
+    parser.add_argument("--router-args", default="", help="extra `pdreg router` flags")
+    parser.add_argument("--baseline-src", type=Path, action="append", default=[],
+                        help="also run the router of this pdreg source tree (e.g. `git "
+                             "archive main` unpacked): CPU per request side by side")
     args = parser.parse_args()
+    ROUTER_ARGS.extend(args.router_args.split())
+    BASELINE_SRC.extend(p.resolve() for p in args.baseline_src)
     peers.ensure_peers_venv()
-    rows, slow_rows = run_all(args.requests, args.policy)
+
+    def items(text: str) -> list[str]:
+        return [x for x in text.split(",") if x]
+    rows, slow_rows = run_all(args.requests, items(args.policies), items(args.scenarios),
+                              items(args.handshakes), not args.no_peers)
     print_tables(rows, slow_rows, args.requests)
     save_and_plot(rows, slow_rows)
     return 0

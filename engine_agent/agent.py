@@ -20,14 +20,20 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from engine_agent.backoff import BACKOFF_MAX_S, backoff_delay_s
 from engine_agent.drain import wait_for_idle
-from engine_agent.link import MAX_PENDING_REPORTS, Link, LinkPhase, PendingReport
+from engine_agent.link import (
+    MAX_PENDING_REPORTS,
+    Link,
+    LinkPhase,
+    PendingReport,
+    PollPlan,
+    Request,
+)
 from registry.client import parse_registries
 from registry.protocol import (
     MAX_PROBLEM_CHARS,
@@ -225,7 +231,7 @@ class Agent:
                     logger.exception("[agent] loop step failed id=%s; continuing",
                                      self._spec.id)
                     pause.wait(LOOP_ERROR_PAUSE_S)
-            self._say_bye(context, encoder)
+            self._say_bye(context, encoder, decoder)
         except Exception:
             logger.exception("[agent] bye id=%s failed", self._spec.id)
         finally:
@@ -236,11 +242,11 @@ class Agent:
             self._shutdown = ShutdownState.STOPPED
 
     def _send_due(self, context: zmq.Context,
-                  encoder: msgspec.msgpack.Encoder) -> _PollPlan:
+                  encoder: msgspec.msgpack.Encoder) -> PollPlan:
         """Time out late requests, send what is due, and plan the next poll."""
         self._take_reports()
         now = time.monotonic()
-        plan = _PollPlan(timeout_s=MAX_POLL_S)
+        plan = PollPlan(timeout_s=MAX_POLL_S)
         load: Load | None = None
         for link in self._links:
             if link.phase is LinkPhase.GAVE_UP:
@@ -272,7 +278,7 @@ class Agent:
             plan.watch(link, link.reply_timeout_s)
         return plan
 
-    def _receive(self, plan: _PollPlan, decoder: msgspec.msgpack.Decoder) -> None:
+    def _receive(self, plan: PollPlan, decoder: msgspec.msgpack.Decoder) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
         for link in plan.links:
@@ -299,7 +305,10 @@ class Agent:
             return
         link.on_reply(reply, time.monotonic(), self._rng)
 
-    def _say_bye(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder) -> None:
+    def _say_bye(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder,
+                 decoder: msgspec.msgpack.Decoder) -> None:
+        deadline = time.monotonic() + BYE_TIMEOUT_S
+        self._finish_registrations(deadline, decoder)
         waiting: dict[zmq.Socket, int] = {}  # socket -> replies still expected
         for link in self._links:
             if link.phase is not LinkPhase.HEARTBEATING or not link.session:
@@ -311,7 +320,6 @@ class Agent:
             except zmq.Again:
                 continue
             waiting[sock] = 1 if link.idle else 2
-        deadline = time.monotonic() + BYE_TIMEOUT_S
         poller = zmq.Poller()
         for sock in waiting:
             poller.register(sock, zmq.POLLIN)
@@ -329,6 +337,22 @@ class Agent:
         logger.info("[agent] bye id=%s reason=%s%s", self._spec.id,
                     self._bye_reason.name.lower(),
                     f" (no answer from {','.join(skipped)})" if skipped else "")
+
+    def _finish_registrations(self, deadline: float, decoder: msgspec.msgpack.Decoder) -> None:
+        """Wait (until `deadline`) for Registers still in flight: a bye needs the session
+        their replies bring, or the registry would hold us until the lease runs out."""
+        while time.monotonic() < deadline:
+            pending = [link for link in self._links
+                       if link.in_flight is Request.REGISTER and link.socket is not None]
+            if not pending:
+                return
+            poller = zmq.Poller()
+            for link in pending:
+                poller.register(link.socket, zmq.POLLIN)
+            ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            for link in pending:
+                if link.socket in ready:
+                    self._on_frames(link, link.socket.recv_multipart(zmq.NOBLOCK), decoder)
 
     # --- helpers --------------------------------------------------------------------
 
@@ -375,18 +399,3 @@ class Agent:
     def _close_wake(self) -> None:
         self._wake_rx.close()
         self._wake_tx.close()
-
-
-@dataclass
-class _PollPlan:
-    """What the next poll waits for: links with a request in flight, and a timeout."""
-
-    timeout_s: float
-    links: list[Link] = field(default_factory=list)
-
-    def watch(self, link: Link, timeout_s: float) -> None:
-        self.links.append(link)
-        self.wait_until(timeout_s)
-
-    def wait_until(self, timeout_s: float) -> None:
-        self.timeout_s = min(self.timeout_s, max(0.0, timeout_s))

@@ -205,3 +205,18 @@ class Link:
         if self.socket is not None:
             self.socket.close(linger=0)
             self.socket = None
+
+
+@dataclass
+class PollPlan:
+    """What the next poll waits for: links with a request in flight, and a timeout."""
+
+    timeout_s: float
+    links: list[Link] = field(default_factory=list)
+
+    def watch(self, link: Link, timeout_s: float) -> None:
+        self.links.append(link)
+        self.wait_until(timeout_s)
+
+    def wait_until(self, timeout_s: float) -> None:
+        self.timeout_s = min(self.timeout_s, max(0.0, timeout_s))

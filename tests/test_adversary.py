@@ -210,8 +210,9 @@ def test_a_restarted_member_still_takes_its_id_back_at_once(registry, victim):
                                                            incarnation=new_incarnation()))
         try:
             assert restarted.register().status is ReplyStatus.OK
-            assert view.wait_for(
-                lambda m: m[victim.id].record.spec.incarnation == restarted.spec.incarnation,
+            assert view.wait_for(  # left (replaced), then joined again
+                lambda m: victim.id in m
+                and m[victim.id].record.spec.incarnation == restarted.spec.incarnation,
                 WAIT_S)
             assert registry.stats.departures["replaced"] == 1
             assert victim.heartbeat().status is ReplyStatus.STALE  # the old one is told

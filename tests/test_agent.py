@@ -294,3 +294,34 @@ def test_drain_waits_for_a_quiet_period_not_a_single_zero():
 
 def test_drain_times_out_while_busy():
     assert not wait_for_idle(lambda: 1, timeout_s=0.2, member_id="d", quiet_s=0.1)
+
+
+def test_set_state_and_report_after_stop_touch_no_reused_descriptor(
+        server: RegistryServer) -> None:
+    """Once stopped, a late set_state() or report() must not write into whatever file
+    the process opened since under the wake-up's old descriptor number."""
+    import os
+
+    agent = Agent(make_spec(), registries=server.control_address).start()
+    assert wait_until(lambda: agent.registered, TIMEOUT_S)
+    agent.stop()
+    pipes = [os.pipe() for _ in range(8)]  # likely to reuse the freed descriptor numbers
+    try:
+        agent.set_state(MemberState.DRAINING)
+        agent.report("decode-x-1", 1, "late")
+        for read_end, _ in pipes:
+            os.set_blocking(read_end, False)
+            with pytest.raises(BlockingIOError):
+                os.read(read_end, 1)
+    finally:
+        for read_end, write_end in pipes:
+            os.close(read_end)
+            os.close(write_end)
+
+
+def test_a_stop_right_after_start_still_says_bye(server: RegistryServer) -> None:
+    """The bye needs the session the Register's reply brings: stop() waits for it."""
+    for port in range(8100, 8105):
+        Agent(make_spec(port), registries=server.control_address).start().stop()
+    # Well within the lease: nobody lingers until expiry.
+    assert wait_until(lambda: not server.members(), LEASE_S / 2), list(server.members())

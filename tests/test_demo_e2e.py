@@ -1,9 +1,9 @@
 """The demo's scenario end to end: real processes on loopback, real traffic, sim engines.
 
 The test runs the same `Scenario` as `pdreg demo` and asserts on what it recorded: no
-failed request through scale-up, drain, registry restart and scale-down; on kill -9 only
-requests in flight at that moment fail; new members get traffic within 1 s of being
-ready; the dead member leaves the registry within the lease. Then `pdreg demo` itself is
+failed request through scale-up, drain, kill -9 of a decode (its streams migrate),
+registry restart and scale-down; new members get traffic within 1 s of being ready; the
+dead member leaves the registry within the lease. Then `pdreg demo` itself is
 interrupted with Ctrl-C and must leave no process behind.
 """
 
@@ -64,7 +64,8 @@ def test_scenario_holds_every_expectation(played: tuple[Scenario, str]) -> None:
     assert "CURVE on (1 allowed client key), fleet token, admin token" in printed
     assert [r.name for r in scenario.results] == [n for n, _ in Scenario.STEPS] + ["summary"]
 
-    for name in ("start", "scale_up", "drain_prefill", "restart_registry", "scale_down"):
+    for name in ("start", "scale_up", "drain_prefill", "kill_decode", "restart_registry",
+                 "scale_down"):
         traffic = _step(scenario, name).traffic
         assert traffic is not None and traffic.failed == 0 and traffic.ok > 0, (name, printed)
 
@@ -76,11 +77,10 @@ def test_scenario_holds_every_expectation(played: tuple[Scenario, str]) -> None:
     assert kill.measures["kill_to_gone_s"] <= LEASE_S + LEASE_MARGIN_S
     assert scenario.kill_at is not None
     records = scenario.traffic.records() if scenario.traffic else []
-    failed = [r for r in records if not r.ok]
-    assert all(r.in_flight_at(scenario.kill_at) for r in failed), failed
-    assert len(failed) <= kill.measures["in_flight_at_kill_count"]
-    after_kill = [r for r in records if r.started > scenario.kill_at]
-    assert after_kill and all(r.ok for r in after_kill)
+    assert [r for r in records if not r.ok] == []
+    assert kill.measures["failed_count"] == 0
+    assert kill.measures["migrated_count"] >= 0  # streams it held when killed, if any
+    assert "migrated to another decode" in printed
 
     assert _step(scenario, "restart_registry").measures["rejoin_s"] <= 5.0
     assert len(records) > 50

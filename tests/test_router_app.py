@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -11,15 +12,17 @@ import httpx
 import msgspec
 import openai
 import pytest
-from standins_engines import Fleet, LoopThread, live_member, tokens_for
+from standins_engines import tokens_for
+from standins_fleet import Fleet, LoopThread, live_member
 
 from pdreg.testing import wait_until
-from registry.protocol import MemberState, Role
+from registry.protocol import Handshake, MemberState, Role
 from router import upstream
+from router.adapters import default_adapters
 from router.service import RouterConfig, RouterServer
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
-PROTOCOLS = ("vllm-nixl", "sglang", "vllm-p2p")
+PROTOCOLS = tuple(Handshake)
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ def fleet(loop_thread: LoopThread, request: pytest.FixtureRequest) -> Fleet:
 
 @pytest.fixture
 def nixl(loop_thread: LoopThread) -> Fleet:
-    return Fleet(loop_thread, "vllm-nixl")
+    return Fleet(loop_thread, Handshake.VLLM_NIXL)
 
 
 class RouterFixture:
@@ -105,7 +108,7 @@ def test_completion_stream_and_chat_plain(fleet: Fleet, router: RouterFixture) -
 
 
 def test_mixed_member_serves_directly(loop_thread: LoopThread, router: RouterFixture) -> None:
-    fleet = Fleet(loop_thread, "sglang")
+    fleet = Fleet(loop_thread, Handshake.SGLANG)
     x = fleet.add("x1", X)
     server = router(fleet)
     got = client(server).completions.create(model="m", prompt="direct", max_tokens=3)
@@ -147,7 +150,7 @@ def test_models_health_metrics(fleet: Fleet, router: RouterFixture) -> None:
 
 @pytest.mark.parametrize(("body", "status"), [
     (b"{not json", 400), (b'{"prompt": "x"}', 400), (b"[1, 2]", 400),
-    (b'{"model": "unknown", "prompt": "x"}', 503),
+    (b'{"model": "unknown", "prompt": "x"}', 404),
 ])
 def test_bad_requests_get_clear_errors(nixl: Fleet, router: RouterFixture, body: bytes,
                                        status: int) -> None:
@@ -228,12 +231,12 @@ def test_all_pairs_failing_is_502(nixl: Fleet, router: RouterFixture) -> None:
     assert r.status_code == 503
 
 
-def test_mid_stream_failure_ends_with_an_sse_error(nixl: Fleet, router: RouterFixture
-                                                   ) -> None:
+def test_mid_stream_failure_without_migration_ends_with_an_sse_error(
+        nixl: Fleet, router: RouterFixture) -> None:
     nixl.add("p1", P)
     d = nixl.add("d1", D)
     d.faults.cut_after_chunks = 2
-    server = router(nixl)
+    server = router(nixl, max_migrations=0)
     body = {"model": "m", "prompt": "x", "max_tokens": 6, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -256,14 +259,14 @@ def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixtur
             if line.startswith("data: "):
                 break  # one event, then hang up
     assert wait_until(lambda: d.cancelled == 1, 10)
-    assert wait_until(lambda: server.router._in_flight == {}, 10)
+    assert wait_until(lambda: server.router.in_flight.counts == {}, 10)
     assert fleet.view.reports == []  # the client left; no engine is to blame
     assert server.router.quarantine.active(time.monotonic()) == {}
 
 
 def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread,
                                                          router: RouterFixture) -> None:
-    fleet = Fleet(loop_thread, "sglang")
+    fleet = Fleet(loop_thread, Handshake.SGLANG)
     bad = fleet.add("p1", P)
     fleet.add("p2", P)
     d = fleet.add("d1", D)
@@ -275,6 +278,19 @@ def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread
     assert len(d.requests) == 2
     rooms = {r[1]["bootstrap_room"] for r in d.requests}
     assert len(rooms) == 2  # a new room for the new pair
+
+
+def test_bootstrap_rooms_come_from_the_adapters_rng(loop_thread: LoopThread) -> None:
+    rooms = []
+    for _ in range(2):
+        fleet = Fleet(loop_thread, Handshake.SGLANG)
+        fleet.add("p1", P)
+        d = fleet.add("d1", D)
+        with RouterServer(RouterConfig(port=0), fleet.view,
+                          adapters=default_adapters(random.Random(7))) as server:
+            client(server).completions.create(model="m", prompt="x", max_tokens=1)
+        rooms.append(d.requests[0][1]["bootstrap_room"])
+    assert rooms[0] == rooms[1] == random.Random(7).randrange(2**63)
 
 
 def test_draining_member_gets_nothing_new(nixl: Fleet, router: RouterFixture) -> None:
@@ -295,7 +311,7 @@ def test_client_leaving_after_done_is_a_quiet_cancel(
         loop_thread: LoopThread, router: RouterFixture, caplog: pytest.LogCaptureFixture
         ) -> None:
     # SGLang: D has streamed [DONE] while P's leg still runs; the client hangs up then.
-    fleet = Fleet(loop_thread, "sglang")
+    fleet = Fleet(loop_thread, Handshake.SGLANG)
     p = fleet.add("p1", P)
     fleet.add("d1", D)
     p.faults.answer_delay_s = 1.0
@@ -308,7 +324,7 @@ def test_client_leaving_after_done_is_a_quiet_cancel(
                 break  # hang up before the chunked stream's end
     metrics_text = lambda: httpx.get(server.url + "/metrics").text  # noqa: E731
     assert wait_until(lambda: 'outcome="cancelled"} 1.0' in metrics_text(), 10)
-    assert wait_until(lambda: server.router._in_flight == {}, 10)
+    assert wait_until(lambda: server.router.in_flight.counts == {}, 10)
     assert 'outcome="ok"' not in metrics_text()
     assert [rec for rec in caplog.records if rec.levelno >= logging.ERROR] == []
     assert fleet.view.reports == []  # nobody is to blame
@@ -401,9 +417,9 @@ def test_models_nobody_serves_share_one_metrics_label(fleet: Fleet,
     server = router(fleet)
     for name in ("typo-1", "typo-2", "scan-3"):
         r = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": "x"})
-        assert r.status_code == 503
+        assert r.status_code == 404
     text = httpx.get(server.url + "/metrics").text
-    assert 'pdreg_router_requests_total{model="unknown",outcome="no_capacity"} 3.0' in text
+    assert 'pdreg_router_requests_total{model="unknown",outcome="model_not_found"} 3.0' in text
     assert "typo-1" not in text
 
 

@@ -254,6 +254,27 @@ def test_the_router_reports_failures_through_its_own_session(
         engine.stop(10)
 
 
+def test_the_sidecar_takes_its_credentials_from_the_environment(
+        secure_registry: tuple[str, str], keys: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11: an agent given only PDREG_TOKEN was refused. Now it registers, over CURVE."""
+    address, http = secure_registry
+    env = client_env(keys, monkeypatch)
+    port = free_low_port()
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "pdreg", "agent", "--engine", "vllm", "--engine-url",
+         f"http://127.0.0.1:{port}", "--role", "decode", "--registry", address,
+         "--health-interval", "0.1", "--", sys.executable, "-m", "engine_agent.standins",
+         "--kind", "vllm", "--port", str(port), "--model", "tiny"],
+        env=env, preexec_fn=die_with_parent)
+    try:
+        assert wait_until(lambda: any(m["role"] == "decode" and m["state"] == "ready"
+                                      for m in members(http).values()), WAIT_S)
+    finally:
+        assert stop_process(sidecar, 30) == 0
+    assert wait_until(lambda: members(http) == {}, WAIT_S)
+
+
 def test_status_without_the_keys_says_how_to_reach_a_curve_registry(
         secure_registry: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     address, _ = secure_registry

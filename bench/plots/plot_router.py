@@ -1,4 +1,5 @@
-"""Plot bench/out/router.json (from bench_router.py): CPU per request and p99 latency.
+"""Plot bench/out/router.json (from bench_router.py): CPU per request, p99 latency, and
+p99 TTFT / end to end with a slow prefill / decode.
 
 Runs in .venv-peers (matplotlib lives there, not in the project's test venv):
 
@@ -40,11 +41,14 @@ def bars(axis: plt.Axes, rows: list[dict], key: str, title: str, unit: str) -> N
 
 def main() -> int:
     data = json.loads(Path(sys.argv[1]).read_text())
-    steady, slow = data["steady"], data["slow_prefill"]
-    figure, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    steady, slow = data["steady"], data["slow"]
+    figure, axes = plt.subplots(1, 4, figsize=(18, 4.5))
     bars(axes[0], steady, "cpu_us_per_req", "router CPU per request (c=32)", "µs")
     bars(axes[1], steady, "p99_ms_c32", "p99 latency at c=32", "ms")
-    bars(axes[2], slow, "ttft_p99_ms", "p99 TTFT, one prefill 10x slower (streaming)", "ms")
+    bars(axes[2], [r for r in slow if r["slow"] == "prefill"], "ttft_p99_ms",
+         "p99 TTFT, one prefill 10x slower (streaming)", "ms")
+    bars(axes[3], [r for r in slow if r["slow"] == "decode"], "e2e_p99_ms",
+         "p99 end to end, one decode 5x slower (streaming)", "ms")
     figure.tight_layout()
     figure.savefig(sys.argv[2], dpi=110)
     return 0

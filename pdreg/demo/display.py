@@ -14,6 +14,16 @@ _BOLD = "\x1b[1m"
 _RESET = "\x1b[0m"
 
 
+def requests_table(measures: dict[str, float]) -> list[str]:
+    """What happened to the requests a kill -9 hit: a two-row table."""
+    head = ("in flight at the kill", "migrated to another decode", "failed")
+    values = tuple(str(int(measures.get(f"{name}_count", 0)))
+                   for name in ("in_flight_at_kill", "migrated", "failed"))
+    widths = [max(len(h), len(v)) for h, v in zip(head, values, strict=True)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in (head, values)]
+
+
 class TerminalDisplay:
     """Plain lines for logs and pipes; colour and a refreshing status line on a terminal."""
 
@@ -63,6 +73,10 @@ class TerminalDisplay:
             lines.append(f"  {name.removesuffix('_s').removesuffix('_count')}: {shown}")
         if step.traffic is not None:
             lines.append(f"  traffic: {step.traffic.line()}")
+        if "migrated_count" in step.measures:
+            lines.append("  requests:")
+            lines += ["    " + row for row in requests_table(step.measures)]
+            lines.append("  members:")
         if step.table:
             lines.append("\n".join("    " + row for row in step.table.splitlines()))
         if step.name != "summary":

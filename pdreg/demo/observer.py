@@ -1,9 +1,10 @@
 """Timelines of each member, sampled from the registry's HTTP and the router's /metrics.
 
 Every `period_s` the observer reads `GET /v1/members` (what the registry holds) and the
-router's `pdreg_router_picks_total` (how often the router chose each member), and keeps,
-per member id: when it was first routable, when the router first and last picked it, and
-when it left the registry. The scenario asks it questions; nothing here judges.
+router's /metrics: `pdreg_router_picks_total` (how often the router chose each member) and
+`pdreg_router_migrations_total` (streams continued on a new pair). It keeps, per member
+id: when it was first routable, when the router first and last picked it, and when it
+left the registry. The scenario asks it questions; nothing here judges.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 SAMPLE_PERIOD_S = 0.1
 HTTP_TIMEOUT_S = 2.0
 _PICKS = re.compile(r'^pdreg_router_picks_total\{member="([^"]+)",role="[^"]*"\} (\S+)$')
+_MIGRATIONS = re.compile(r'^pdreg_router_migrations_total\{reason="[^"]*"\} (\S+)$')
+_IN_FLIGHT = re.compile(r'^pdreg_router_in_flight\{member="([^"]+)"\} (\S+)$')
 
 Members = list[dict[str, Any]]
 
@@ -46,6 +49,21 @@ def parse_picks(metrics_text: str) -> dict[str, float]:
     return picks
 
 
+def routable_roles(members: Members | None) -> str:
+    """'routable 2P+2D' for a status line ('registry away' without a sample)."""
+    if members is None:
+        return "registry away"
+    count = {role: sum(1 for m in members if m["routable"] and m["role"] == role)
+             for role in ("prefill", "decode")}
+    return f"routable {count['prefill']}P+{count['decode']}D"
+
+
+def parse_migrations(metrics_text: str) -> float:
+    """Streams the router continued on a new pair, all reasons together."""
+    return sum(float(m.group(1)) for line in metrics_text.splitlines()
+               if (m := _MIGRATIONS.match(line)))
+
+
 class Observer:
     def __init__(self, registry_url: str, router_url: str,
                  period_s: float = SAMPLE_PERIOD_S) -> None:
@@ -54,6 +72,7 @@ class Observer:
         self.period_s = period_s
         self._timelines: dict[str, MemberTimeline] = {}
         self._members: Members | None = None  # None while the registry does not answer
+        self._migrations = 0.0
         self._changed = threading.Condition()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,6 +95,30 @@ class Observer:
 
     def members(self) -> Members | None:
         return self._members
+
+    def migrations(self) -> float:
+        """pdreg_router_migrations_total at the last sample (all reasons)."""
+        return self._migrations
+
+    def wait_in_flight(self, member_id: str, timeout_s: float) -> bool:
+        """Block until the router has a request open on `member_id` (or timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as http:
+            while time.monotonic() < deadline:
+                try:
+                    text = http.get(f"{self.router_url}/metrics").text
+                except httpx.HTTPError:
+                    text = ""
+                if any((m := _IN_FLIGHT.match(line)) and m.group(1) == member_id
+                       and float(m.group(2)) >= 1 for line in text.splitlines()):
+                    return True
+                time.sleep(0.005)
+        return False
+
+    def sample_now(self) -> None:
+        """Take a sample at once (e.g. right before an action, to count from it)."""
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as http:
+            self._sample(http, time.monotonic())
 
     def wait_for(self, predicate: Callable[[Members], bool], timeout_s: float) -> bool:
         """Block until predicate(registry members) holds on a fresh sample, or timeout."""
@@ -101,12 +144,13 @@ class Observer:
 
     def _sample(self, http: httpx.Client, now: float) -> None:
         members = self._get_json(http, f"{self.registry_url}/v1/members")
-        picks = self._get_picks(http)
+        metrics = self._get_router_metrics(http)
         with self._changed:
             if members is not None:
                 self._apply_members(members, now)
-            if picks is not None:
-                self._apply_picks(picks, now)
+            if metrics is not None:
+                self._apply_picks(parse_picks(metrics), now)
+                self._migrations = max(self._migrations, parse_migrations(metrics))
             self._members = members
             self._changed.notify_all()
 
@@ -138,10 +182,10 @@ class Observer:
         except (httpx.HTTPError, ValueError):
             return None  # the registry is away (e.g. restarting): keep the last timelines
 
-    def _get_picks(self, http: httpx.Client) -> dict[str, float] | None:
+    def _get_router_metrics(self, http: httpx.Client) -> str | None:
         try:
             response = http.get(f"{self.router_url}/metrics")
             response.raise_for_status()
         except httpx.HTTPError:
             return None
-        return parse_picks(response.text)
+        return response.text
