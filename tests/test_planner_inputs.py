@@ -15,7 +15,7 @@ from planner.inputs import fleet_of, routers_of
 from planner.scrape import ScrapeError, metrics_url, parse_router_metrics
 from planner.smoothing import LoadMeans, MeanLoad
 from registry.protocol import Load, MemberState, Role
-from router.metrics import TTFT_BUCKETS_S, RouterMetrics
+from router.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S, RouterMetrics
 
 INF = math.inf
 
@@ -87,11 +87,19 @@ def test_parses_what_the_router_writes() -> None:
         metrics.ttft_of("llama").observe(seconds)
     metrics.requests_of("llama", "ok").inc(3)
     metrics.requests_of("llama", "no_capacity").inc()
+    for gap in (0.02, 0.03, 0.03, 0.2):
+        metrics.itl_of("llama").observe(gap)
     figures = parse_router_metrics(metrics.render().decode())
     ttft = figures.ttft["llama"]
     assert ttft.bounds == (*TTFT_BUCKETS_S, INF) and ttft.total == 4
     assert figures.requests == {"llama": 4.0}  # every outcome is an arrival
-    assert figures.itl == {}  # a router without the ITL histogram is fine
+    itl = figures.itl["llama"]
+    assert itl.bounds == (*ITL_BUCKETS_S, INF) and itl.total == 4
+    assert quantile(itl, 0.5) == pytest.approx(0.0375)  # rank 2 of 3 in (0.025, 0.05]
+
+
+def test_a_router_without_the_itl_histogram_is_fine() -> None:
+    assert parse_router_metrics("").itl == {}
 
 
 ITL_PAGE = """# TYPE pdreg_router_itl_seconds histogram
