@@ -18,10 +18,10 @@ Every tick, per (model, role):
 2. The recommendation is the highest vote, raised to the SLO floor (a count that missed
    the SLO within `slo_memory_s` at this request rate or a higher one is not chosen
    again: no scale-down into a known breach, so no flapping), clamped to [min, max].
-3. Stabilization, HPA's behaviour: scale up only to the lowest recommendation of the
-   last up-window, down only to the highest of the last down-window. A spike shorter
-   than the up-window scales nothing up; a lull shorter than the down-window scales
-   nothing down.
+3. Stabilization, HPA's behaviour, from the count last asked for (engines asked for
+   are not up yet): scale up only to the lowest recommendation of the last up-window,
+   down only to the highest of the last down-window. A spike shorter than the up-window
+   scales nothing up; a lull shorter than the down-window scales nothing down.
 """
 
 from __future__ import annotations
@@ -215,9 +215,13 @@ class Planner:
             why = f"maximum {bounds.max_replicas} ({why})"
 
         state.recommendations.append((now, recommended))
-        desired = _stabilize(state, cfg, current, recommended, now)
+        # What was asked last, not what is up: engines asked for take a while to
+        # register, and a recommendation that dips meanwhile must not undo the request
+        # (HPA stabilizes from the scale target's spec.replicas, not its ready pods).
+        asked = state.last.desired if state.last is not None else current
+        desired = _stabilize(state, cfg, asked, recommended, now)
         if desired != recommended:
-            direction = "up" if recommended > current else "down"
+            direction = "up" if recommended > asked else "down"
             window = cfg.scale_up_window_s if direction == "up" else cfg.scale_down_window_s
             why = (f"{why}; scale-{direction} window ({window:g} s) keeps {desired}")
             reason = Reason.STABILIZING
@@ -315,17 +319,13 @@ def _forget_old(state: _RoleState, cfg: RuleConfig, now: float) -> None:
         state.breaches.popleft()
 
 
-def _stabilize(state: _RoleState, cfg: RuleConfig, current: int, recommended: int,
+def _stabilize(state: _RoleState, cfg: RuleConfig, asked: int, recommended: int,
                now: float) -> int:
-    """HPA's stabilizeRecommendationWithBehaviors: the window's min going up, max going
-    down; `recommended` is already in the history."""
+    """HPA's stabilizeRecommendationWithBehaviors: from the count last asked for, up to
+    the up-window's lowest recommendation, down to the down-window's highest;
+    `recommended` is already in the history."""
     up = min((n for t, n in state.recommendations if t >= now - cfg.scale_up_window_s),
              default=recommended)
     down = max((n for t, n in state.recommendations if t >= now - cfg.scale_down_window_s),
                default=recommended)
-    desired = current
-    if desired < up:
-        desired = up
-    if desired > down:
-        desired = down
-    return desired
+    return min(max(asked, up), down)
