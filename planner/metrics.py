@@ -43,8 +43,8 @@ class PlannerMetrics:
                           f"Routers' TTFT, quantile {latency_quantile:g} over the window",
                           ("model",), registry=r)
         self.itl = Gauge("pdreg_planner_input_itl_seconds",
-                         f"Routers' inter-token latency, quantile {latency_quantile:g} over "
-                         "the window", ("model",), registry=r)
+                         "Routers' mean inter-token latency over the window", ("model",),
+                         registry=r)
         self.request_rate = Gauge("pdreg_planner_input_request_rate",
                                   "Requests per second reaching the routers",
                                   ("model",), registry=r)

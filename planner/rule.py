@@ -10,11 +10,13 @@ Every tick, per (model, role):
    - kv_usage     decodes: mean KV use against the target; up and down.
    - queue        only where no member declares a capacity: waiting per replica against
                   the target; up only (an empty queue says nothing about how few suffice).
-   - ttft, itl    the routers' latency quantile against the SLO; up only, at most
-                  doubling per vote. A TTFT breach is the fault of the role that queues;
-                  a role with no queue only refuses to scale down. ITL is the decodes'.
-                  After a change of replica count, latency votes wait one latency window:
-                  the quantile still describes the old fleet.
+   - ttft, itl    the routers' TTFT quantile and mean ITL against the SLOs; up only, at
+                  most doubling per vote, and only the role at fault. TTFT is the fault
+                  of the role that queues; ITL the decodes', when their batches are not
+                  small (at least half the target utilization or KV use: a small batch
+                  runs no faster on more replicas). Not at fault: the vote only refuses
+                  to scale down. After a change of replica count, latency votes wait one
+                  latency window: the figures still describe the old fleet.
 2. The recommendation is the highest vote, raised to the SLO floor (a count that missed
    the SLO within `slo_memory_s` at this request rate or a higher one is not chosen
    again: no scale-down into a known breach, so no flapping), clamped to [min, max].
@@ -111,7 +113,7 @@ class RoleSignals:
     capacity: int = 0  # summed declared capacity; 0 = nobody declared one
     kv_usage: float = 0.0  # mean over those members, 0..1
     ttft_s: float | None = None  # the model's TTFT quantile over the latency window
-    itl_s: float | None = None  # the model's inter-token latency quantile
+    itl_s: float | None = None  # the model's mean inter-token latency
     request_rate: float | None = None  # requests/s reaching the model's routers
 
     @property
@@ -272,8 +274,10 @@ class Planner:
         votes.append(_latency_vote(Reason.TTFT, s.ttft_s, cfg.ttft_slo_s, current,
                                    s.queueing, settled, role, cfg.tolerance))
         if role is Role.DECODE:
-            votes.append(_latency_vote(Reason.ITL, s.itl_s, cfg.itl_slo_s, current, True,
-                                       settled, role, cfg.tolerance))
+            batches_not_small = s.queueing or s.kv_usage >= cfg.target_kv_usage / 2 or (
+                utilization is not None and utilization >= cfg.target_utilization / 2)
+            votes.append(_latency_vote(Reason.ITL, s.itl_s, cfg.itl_slo_s, current,
+                                       batches_not_small, settled, role, cfg.tolerance))
         return votes
 
 
@@ -284,7 +288,7 @@ def _hpa(current: int, ratio: float, tolerance: float) -> int:
 
 
 def _latency_vote(reason: Reason, observed: float | None, slo: float, current: int,
-                  queueing: bool, settled: bool, role: Role, tolerance: float
+                  at_fault: bool, settled: bool, role: Role, tolerance: float
                   ) -> _Vote | None:
     if observed is None:
         return None
@@ -293,9 +297,10 @@ def _latency_vote(reason: Reason, observed: float | None, slo: float, current: i
         return None
     name = reason.value.upper()
     what = f"{name} {observed * 1e3:.0f} ms over the {slo * 1e3:.0f} ms SLO"
-    if not queueing:
-        return _Vote(current, reason, f"{what}, but no {role_name(role)} queues: no "
-                                      "scale-down")
+    if not at_fault:
+        why = "no {} queues" if reason is Reason.TTFT else "{} batches are small"
+        return _Vote(current, reason, f"{what}, but {why.format(role_name(role))}: "
+                                      "no scale-down")
     if not settled:
         return _Vote(current, reason, f"{what}; the count changed within the latency "
                                       "window: waiting for fresh figures")

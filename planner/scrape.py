@@ -1,8 +1,9 @@
 """Reading a router's /metrics: the TTFT and ITL histograms and the request counter.
 
 Names (CONTRACT.md, the router's side): `pdreg_router_ttft_seconds{model}`,
-`pdreg_router_itl_seconds{model}` (histograms), `pdreg_router_requests_total{model,
-outcome}` (every outcome is an arrival, 503s included). A router is another process the
+`pdreg_router_itl_seconds{model}` (histograms; of ITL the planner uses the mean, from
+`_sum` and `_count`), `pdreg_router_requests_total{model, outcome}` (every outcome is an
+arrival, 503s included). A router is another process the
 planner does not trust blindly: the body is size-capped, every number must be finite,
 and a page that does not parse is an error the caller counts, never a crash.
 """
@@ -41,6 +42,7 @@ class RouterFigures:
 
     ttft: dict[str, Cumulative] = field(default_factory=dict)
     itl: dict[str, Cumulative] = field(default_factory=dict)
+    itl_sum: dict[str, float] = field(default_factory=dict)  # seconds, all gaps
     requests: dict[str, float] = field(default_factory=dict)
 
 
@@ -86,20 +88,24 @@ def parse_router_metrics(text: str) -> RouterFigures:
     buckets: dict[str, dict[str, dict[float, float]]] = {
         TTFT_FAMILY: defaultdict(dict), ITL_FAMILY: defaultdict(dict)}
     requests: dict[str, float] = defaultdict(float)
+    itl_sum: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             if family.name in buckets and family.type == "histogram":
                 for sample in family.samples:
+                    model = sample.labels.get("model", "")
                     if sample.name.endswith("_bucket"):
-                        model = sample.labels.get("model", "")
                         bound = float(sample.labels.get("le", "nan"))
                         buckets[family.name][model][bound] = _finite(sample.value)
+                    elif family.name == ITL_FAMILY and sample.name.endswith("_sum"):
+                        itl_sum[model] = _finite(sample.value)
             elif family.name == REQUESTS_FAMILY and family.type == "counter":
                 for sample in family.samples:
                     if sample.name == f"{REQUESTS_FAMILY}_total":
                         requests[sample.labels.get("model", "")] += _finite(sample.value)
         figures = RouterFigures(ttft=_histograms(buckets[TTFT_FAMILY]),
-                                itl=_histograms(buckets[ITL_FAMILY]), requests=dict(requests))
+                                itl=_histograms(buckets[ITL_FAMILY]), itl_sum=itl_sum,
+                                requests=dict(requests))
     except (ValueError, TypeError, IndexError) as exc:
         raise ScrapeError(f"not Prometheus text the router writes: {exc}") from None
     models = set(figures.ttft) | set(figures.itl) | set(figures.requests)

@@ -186,12 +186,16 @@ class PlanningLoop:
                                                      fleet.kv_usage), now)
         ttft = self.latency.delta(("ttft", model), now)
         itl = self.latency.delta(("itl", model), now)
+        itl_sum = self.latency.delta(("itl_sum", model), now)
         requests = self.latency.delta(("requests", model), now)
         return RoleSignals(
             replicas=fleet.replicas, running=load.running, waiting=load.waiting,
             capacity=fleet.capacity, kv_usage=load.kv_usage,
             ttft_s=quantile(ttft[0], q) if ttft else None,
-            itl_s=quantile(itl[0], q) if itl else None,
+            # ITL: the mean gap, i.e. the time per output token (as Dynamo's planner and
+            # DistServe's TPOT): single gaps jitter, a stream's pace is what users see.
+            itl_s=(itl_sum[0].total / itl[0].total
+                   if itl and itl_sum and itl[0].total > 0 else None),
             request_rate=requests[0].total / requests[1] if requests else None)
 
     async def _scrape(self, client: httpx.AsyncClient, routers: list[LiveMember],
@@ -212,6 +216,8 @@ class PlanningLoop:
                 self.latency.add(source, ("ttft", model), histogram, now)
             for model, histogram in figures.itl.items():
                 self.latency.add(source, ("itl", model), histogram, now)
+            for model, seconds in figures.itl_sum.items():
+                self.latency.add(source, ("itl_sum", model), Cumulative.counter(seconds), now)
             for model, count in figures.requests.items():
                 self.latency.add(source, ("requests", model), Cumulative.counter(count), now)
             return None

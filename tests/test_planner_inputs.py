@@ -95,6 +95,7 @@ def test_parses_what_the_router_writes() -> None:
     assert figures.requests == {"llama": 4.0}  # every outcome is an arrival
     itl = figures.itl["llama"]
     assert itl.bounds == (*ITL_BUCKETS_S, INF) and itl.total == 4
+    assert figures.itl_sum["llama"] == pytest.approx(0.28)
     assert quantile(itl, 0.5) == pytest.approx(0.0375)  # rank 2 of 3 in (0.025, 0.05]
 
 

@@ -108,6 +108,24 @@ def test_ttft_and_request_rate_come_from_the_routers(router: FakeRouterMetrics) 
     assert 'pdreg_planner_input_request_rate{model="tiny"} 10.0' in loop.metrics.render().decode()
 
 
+def test_itl_is_the_mean_gap_of_the_window(router: FakeRouterMetrics) -> None:
+    view = HandView()
+    view.set(*fleet(router.url, prefill_load=Load(running=1),
+                    decode_load=Load(running=8, kv_usage=0.5)))
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
+    router.metrics.itl_of("tiny").observe(5.0)  # before the window: not counted
+    rounds(loop, [0.0])
+    for gap in [0.02] * 9 + [0.5]:  # one stall among steady tokens
+        router.metrics.itl_of("tiny").observe(gap)
+    plan = rounds(loop, [2.0])
+    decode = entry(plan, Role.DECODE)
+    assert decode.signals is not None and decode.signals.itl_s == pytest.approx(0.068)
+    assert decode.decision.desired == 2 and decode.decision.reason.value == "itl"
+    shown = re.search(r'^pdreg_planner_input_itl_seconds\{model="tiny"\} (\S+)$',
+                      loop.metrics.render().decode(), re.MULTILINE)
+    assert shown and float(shown.group(1)) == pytest.approx(0.068)
+
+
 def test_an_unreachable_router_holds_every_decision_and_says_so(
         router: FakeRouterMetrics) -> None:
     view = HandView()
