@@ -48,3 +48,4 @@ bench: venv
 	$(BIN)/python bench/bench_engine.py
 	$(BIN)/python bench/bench_router.py
 	$(BIN)/python bench/bench_elasticity.py
+	$(BIN)/python bench/bench_planner.py

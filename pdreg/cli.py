@@ -13,7 +13,7 @@ import sys
 
 # Order is the order `pdreg --help` lists them.
 SUBCOMMANDS = ("registry", "status", "drain", "evict", "engine", "agent", "router", "demo",
-               "keys")
+               "keys", "planner", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

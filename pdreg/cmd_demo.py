@@ -33,10 +33,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="registry lease: a silent member expires after S seconds")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the processes' log directory even when everything held")
+    p.add_argument("--autoscale", action="store_true",
+                   help="instead: load that rises and falls, and `pdreg planner --exec` "
+                        "starting and draining sim engines to follow it (about 2 minutes)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.autoscale:
+        from pdreg.demo import autoscale
+
+        return autoscale.run(args)
     engine_args = ("--sim-prefill-delay", "0.002", "--sim-decode-delay", "0.01") \
         if args.backend == "sim" else ()
     config = ScenarioConfig(

@@ -1,0 +1,174 @@
+"""The planner as a service: planning rounds every interval, and its HTTP face.
+
+    GET /v1/plan   every (model, role): now, desired, why, the inputs used, the hook
+    GET /metrics   Prometheus (planner.metrics)
+    GET /health    liveness: 200 while the loop answers
+
+Everything runs on one uvloop event loop in a background thread; the same class serves
+tests (port 0, start/close) and `pdreg planner`. The endpoints only read: what a
+stranger who reaches the port learns is what /metrics publishes anyway, and nothing it
+sends changes a decision. Shape follows `router.service.RouterServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import httpx
+import msgspec
+import uvloop
+from aiohttp import web
+
+from planner.tick import MembershipSource, Plan, PlannerConfig, PlanningLoop
+
+__all__ = ["PlannerServer", "plan_json"]
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S: Final = 30.0
+STOP_TIMEOUT_S: Final = 10.0
+
+
+def plan_json(plan: Plan, config: PlannerConfig) -> dict[str, Any]:
+    """The /v1/plan document (also what `pdreg plan --json` prints)."""
+    rule = config.rule
+    decisions = []
+    for entry in plan.entries:
+        d, s, hook = entry.decision, entry.signals, entry.hook
+        decisions.append({
+            "model": d.model, "role": d.role_name, "now": d.current, "desired": d.desired,
+            "recommended": d.recommended, "reason": d.reason.value, "why": d.why,
+            "holding": d.holding,
+            "inputs": None if s is None else {
+                "replicas": s.replicas, "running": s.running, "waiting": s.waiting,
+                "capacity": s.capacity, "utilization": _finite(s.utilization),
+                "kv_usage": s.kv_usage, "ttft_s": _finite(s.ttft_s),
+                "itl_s": _finite(s.itl_s), "request_rate": _finite(s.request_rate)},
+            "exec": None if hook is None else {
+                "applied": hook.applied, "running": hook.running,
+                "last_error": hook.last_error},
+        })
+    return {
+        "updated_at": plan.updated_at,
+        "interval_s": config.interval_s,
+        "ttft_slo_s": rule.ttft_slo_s,
+        "itl_slo_s": rule.itl_slo_s,
+        "latency_quantile": config.latency_quantile,
+        "holding": any(e.decision.holding for e in plan.entries),
+        "problems": list(plan.problems),
+        "decisions": decisions,
+    }
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+class PlannerServer:
+    def __init__(self, config: PlannerConfig, view: MembershipSource, *,
+                 host: str = "127.0.0.1", port: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.host = host
+        self.requested_port = port
+        self.rounds = PlanningLoop(config, view)
+        self._clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> PlannerServer:
+        """Bind, serve and start planning; returns once the socket accepts connections."""
+        loop = self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="pdreg-planner",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._serve(), loop).result(START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("[planner] serving url=%s interval=%.1fs", self.url, self.config.interval_s)
+        return self
+
+    async def _serve(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/plan", self._handle_plan)
+        app.router.add_get("/metrics", self._handle_metrics)
+        app.router.add_get("/health", self._handle_health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, self.host, self.requested_port)
+        await site.start()
+        self.port = runner.addresses[0][1]
+        self._task = asyncio.get_running_loop().create_task(self._run_rounds())
+
+    async def _run_rounds(self) -> None:
+        async with httpx.AsyncClient(timeout=self.config.scrape_timeout_s,
+                                     trust_env=False) as client:
+            while True:
+                started = self._clock()
+                try:
+                    await self.rounds.tick(client, started)
+                except Exception:  # a bug in a round must not stop planning
+                    logger.exception("[planner] round failed; next in %.1fs",
+                                     self.config.interval_s)
+                elapsed = self._clock() - started
+                await asyncio.sleep(max(0.0, self.config.interval_s - elapsed))
+
+    async def _handle_plan(self, request: web.Request) -> web.Response:
+        body = msgspec.json.encode(plan_json(self.rounds.plan, self.config))
+        return web.Response(body=body, content_type="application/json")
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.rounds.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+    def close(self) -> None:
+        """Stop planning (a running hook is killed), stop serving. Safe twice."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(STOP_TIMEOUT_S)
+        except Exception:
+            logger.exception("[planner] shutdown failed")
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(STOP_TIMEOUT_S)
+        if not loop.is_running():
+            loop.close()
+        logger.info("[planner] stopped")
+
+    async def _shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.rounds.hook is not None:
+            await self.rounds.hook.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def __enter__(self) -> PlannerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
