@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint test-vllm bench clean
+.PHONY: venv demo test lint test-vllm test-sglang bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,18 @@ VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
 test-vllm: venv
 	VLLM_VENV=$(VLLM_VENV) VLLM_MODEL_DIR=$(VLLM_MODEL_DIR) PYTHON=$(PYTHON) tests/vllm/setup.sh
 	$(BIN)/python tests/vllm/check_vllm_sidecar.py --vllm-venv $(VLLM_VENV) --model-dir $(VLLM_MODEL_DIR)
+
+# Real SGLang (CPU) P/D under `pdreg agent`: builds .venv-sglang (sglang 0.5.23, about 7 GB)
+# and a tiny model once (stamp files; setup re-checks its workarounds every run), then runs
+# two prefills (own bootstrap ports) and a decode behind `pdreg router`: registration read
+# from the real servers, routed output = one plain server, kill -9 and SIGTERM drain of a
+# prefill under load, kill -9 of a sidecar. About 3 minutes after the first install.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_MODEL_DIR ?= .cache/sglang-tiny-model
+
+test-sglang: venv
+	SGLANG_VENV=$(SGLANG_VENV) SGLANG_MODEL_DIR=$(SGLANG_MODEL_DIR) PYTHON=$(PYTHON) tests/sglang/setup.sh
+	$(BIN)/python tests/sglang/check_sglang.py --sglang-venv $(SGLANG_VENV) --model-dir $(SGLANG_MODEL_DIR)
 
 # Every benchmark with its default settings (a few minutes each on 2 cores). The router
 # and elasticity benchmarks install the peer routers into .venv-peers on first use.

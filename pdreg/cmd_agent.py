@@ -32,8 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "agent", help="sidecar: register an external engine, gate on /health, drain on SIGTERM",
         description="Register an external vLLM/SGLang engine with the registry. With "
-                    "'-- COMMAND ...' the engine is launched as a child process; without it "
-                    "the sidecar attaches to an engine already running at --engine-url.")
+                    "'-- COMMAND ...' the engine is launched as a child process in a session "
+                    "of its own, and its whole process group ends with the sidecar, however "
+                    "the sidecar ends (a lifeline process sees to it after a kill -9); "
+                    "without it the sidecar attaches to an engine already running at "
+                    "--engine-url.")
     parser.add_argument("--engine", choices=[kind.value for kind in EngineKind], required=True)
     parser.add_argument("--engine-url", required=True, help="e.g. http://127.0.0.1:8100")
     parser.add_argument("--role", required=True, help="prefill | decode | mixed")
@@ -57,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL_S,
                         metavar="S")
     parser.add_argument("--kill-grace", type=float, default=DEFAULT_KILL_GRACE_S, metavar="S",
-                        help="seconds between SIGTERM and SIGKILL for the child")
+                        help="seconds between SIGTERM and SIGKILL for the child's process "
+                             "group")
     parser.add_argument("command", nargs="*", metavar="-- COMMAND",
                         help="engine command line to launch as a child")
     parser.set_defaults(func=run)
