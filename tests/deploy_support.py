@@ -277,3 +277,37 @@ def grafana_to_promql(expr: str, rate_interval: str = "1m") -> str:
         expr = expr.replace(name, value)
     assert "$" not in expr, f"unknown Grafana variable in {expr}"
     return expr
+
+
+# --- the overlays' workloads ---------------------------------------------------------
+
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+NAMESPACE = "pdreg"
+overlays = pytest.mark.parametrize("overlay", OVERLAYS)
+
+
+def workloads(overlay: str) -> list[dict[str, Any]]:
+    return objects(render(K8S / overlay), "Deployment")
+
+
+def pdreg_containers(overlay: str) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for deployment in workloads(overlay):
+        for container in pod_spec(deployment)["containers"]:
+            if is_pdreg(container):
+                yield pod_spec(deployment), container
+
+
+def engine_deployment(overlay: str, role: str) -> dict[str, Any]:
+    return by_name(render(K8S / overlay), "Deployment")[f"{overlay}-{role}"]
+
+
+def engine_pair(overlay: str, role: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = pod_spec(engine_deployment(overlay, role))
+    [server] = [c for c in pod["containers"] if not is_pdreg(c)]
+    [sidecar] = [c for c in pod["containers"] if is_pdreg(c)]
+    return server, sidecar
+
+
+def named_ports(pod: dict[str, Any]) -> dict[str, int]:
+    return {port["name"]: port["containerPort"] for c in pod["containers"]
+            for port in c.get("ports", [])}
