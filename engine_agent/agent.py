@@ -1,16 +1,12 @@
 """`Agent`: what an engine embeds to be a member of the fleet.
 
 A background thread owns one ZeroMQ DEALER per registry and runs a small loop per
-registry link: register, heartbeat at the interval the registry dictates, re-register at
-once on UNKNOWN (the registry restarted), give up on STALE or REJECTED, and back off with
-jitter while a registry does not answer. The caller's thread never touches a socket:
-`set_state` and `stop` only set fields and wake the loop through a pipe, so a slow or
-absent registry can never block the engine.
-
-Wire: one frame each way (see registry.protocol). A link has at most one request in
-flight, so a reply always answers the last request sent on that link; when a reply is
-late the DEALER is closed and recreated, because a lost peer would otherwise leave
-queued requests whose replies arrive out of step (ZeroMQ Guide ch. 4, "Lazy Pirate").
+registry link (`engine_agent.link`): register, heartbeat at the interval the registry
+dictates, re-register at once on UNKNOWN (the registry restarted), give up on STALE or a
+refused registration, and back off with jitter while a registry does not answer. The
+caller's thread never touches a ZeroMQ socket: `set_state`, `report` and `stop` only set
+fields and wake the loop through a socket pair, so a slow or absent registry can never
+block the engine.
 """
 
 from __future__ import annotations
@@ -18,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import os
+import queue
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,43 +25,34 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from engine_agent.backoff import BACKOFF_MAX_S, backoff_delay_s
+from engine_agent.drain import wait_for_idle
+from engine_agent.link import MAX_PENDING_REPORTS, Link, LinkPhase, PendingReport
 from registry.client import parse_registries
 from registry.protocol import (
-    MAX_MESSAGE_BYTES,
-    Bye,
+    MAX_PROBLEM_CHARS,
     ByeReason,
-    Heartbeat,
     Load,
     MemberSpec,
     MemberState,
-    Register,
     Reply,
-    ReplyStatus,
     Role,
     make_encoder,
     reply_decoder,
     role_name,
     validate_spec,
 )
+from registry.security import ClientCurve
 
 __all__ = [
-    "Agent", "default_member_id", "new_incarnation", "wait_for_idle",
+    "BACKOFF_MAX_S", "Agent", "backoff_delay_s", "default_member_id", "new_incarnation",
+    "wait_for_idle",
 ]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # until the registry's first reply says otherwise
-MIN_HEARTBEAT_INTERVAL_S = 0.01  # guards against a registry dictating a busy loop
-MAX_HEARTBEAT_INTERVAL_S = 60.0
-MIN_REPLY_TIMEOUT_S = 0.5  # a reply later than this means the registry is unreachable
-MAX_REPLY_TIMEOUT_S = 5.0
-REPLY_TIMEOUT_INTERVALS = 2.0  # ... or later than this many heartbeat intervals
-BACKOFF_BASE_S = 0.1  # first retry after an unanswered request
-BACKOFF_MAX_S = 3.0  # exponential backoff is capped here (jitter keeps half to all of it)
 BYE_TIMEOUT_S = 0.5  # stop() waits this long for registries to acknowledge bye
 MAX_POLL_S = 1.0  # the loop never polls longer than this, even with nothing due
-DRAIN_POLL_S = 0.05  # how often drain() asks in_flight()
-DRAIN_QUIET_S = 0.5  # in_flight() must read 0 this long before a drain is done
 THREAD_JOIN_MARGIN_S = 2.0
 LOOP_ERROR_PAUSE_S = 0.1  # after an unexpected error, so a persistent one cannot spin
 
@@ -79,78 +67,10 @@ def new_incarnation() -> int:
     return time.time_ns()
 
 
-
-class LinkPhase(enum.Enum):
-    REGISTERING = "registering"  # next request is a Register
-    HEARTBEATING = "heartbeating"  # registered; next request is a Heartbeat
-    GAVE_UP = "gave_up"  # STALE or REJECTED: this registry will not take us
-
-
 class ShutdownState(enum.Enum):
     RUNNING = "running"
     REQUESTED = "requested"  # stop() was called; the loop says bye and exits
     STOPPED = "stopped"
-
-
-@dataclass
-class _Link:
-    """One registry as the agent's loop sees it. Touched only by the loop thread."""
-
-    address: str
-    socket: zmq.Socket | None = None
-    phase: LinkPhase = LinkPhase.REGISTERING
-    in_flight_since: float | None = None  # monotonic send time of the unanswered request
-    in_flight_state: MemberState | None = None  # the state that request announced
-    next_send_at: float = 0.0  # monotonic
-    interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
-    failures: int = 0  # consecutive unanswered requests
-    registered: bool = False  # the last reply was OK
-    seq: int = 0
-
-    @property
-    def reply_timeout_s(self) -> float:
-        return min(MAX_REPLY_TIMEOUT_S,
-                   max(MIN_REPLY_TIMEOUT_S, REPLY_TIMEOUT_INTERVALS * self.interval_s))
-
-
-def wait_for_idle(in_flight: Callable[[], int], timeout_s: float, member_id: str,
-                  quiet_s: float = DRAIN_QUIET_S) -> bool:
-    """Wait until in_flight() has read 0 for `quiet_s` in a row, or timeout_s passes.
-
-    The quiet period covers requests a router sent just before it saw DRAINING, and
-    requests an engine's HTTP server holds before its scheduler counts them. Returns
-    whether the work drained (idle at the deadline counts). A raising in_flight() counts
-    as "not yet" (logged once).
-    """
-    deadline = time.monotonic() + max(0.0, timeout_s)
-    pause = threading.Event()
-    failed = False
-    idle_since: float | None = None
-    while True:
-        try:
-            busy = int(in_flight()) > 0
-        except Exception:
-            if not failed:
-                logger.exception("[agent] drain id=%s: in_flight() failed", member_id)
-            failed = True
-            busy = True
-        now = time.monotonic()
-        idle_since = None if busy else (idle_since if idle_since is not None else now)
-        if idle_since is not None and now - idle_since >= quiet_s:
-            logger.info("[agent] drain id=%s done", member_id)
-            return True
-        if now >= deadline:
-            if idle_since is not None:
-                return True
-            logger.warning("[agent] drain id=%s timed out after %.1fs", member_id, timeout_s)
-            return False
-        pause.wait(DRAIN_POLL_S)
-
-
-def backoff_delay_s(failures: int, rng: random.Random) -> float:
-    """Exponential backoff with 'equal jitter': half the step fixed, half random."""
-    step = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** max(0, failures - 1))
-    return step / 2 + rng.uniform(0, step / 2)
 
 
 class Agent:
@@ -158,12 +78,14 @@ class Agent:
 
     Thread-safe front, background thread behind: every public method returns at once
     (except `drain`, which waits for the caller's own in-flight work, and `stop`, which
-    waits at most `BYE_TIMEOUT_S` plus a margin).
+    waits at most `BYE_TIMEOUT_S` plus a margin). `curve` makes every socket a CURVE
+    client of the registries (`registry.security.ClientCurve`).
     """
 
     def __init__(self, spec: MemberSpec, *, registries: str | Sequence[str] | None = None,
                  load: Callable[[], Load] = Load, token: str = "",
-                 state: MemberState = MemberState.JOINING) -> None:
+                 state: MemberState = MemberState.JOINING,
+                 curve: ClientCurve | None = None) -> None:
         # Check the spec the way the registry will, so a mistake fails here with a clear
         # message instead of as a REJECTED reply in a log.
         try:
@@ -177,16 +99,21 @@ class Agent:
         self._addresses = parse_registries(registries)
         self._load_fn = load
         self._token = token
+        self._curve = curve
         self._state = MemberState(state)
         self._bye_reason = ByeReason.SHUTDOWN
         self._shutdown = ShutdownState.RUNNING
         self._last_good_load = Load()
         self._load_failed = False  # log a failing callback once per failure streak
-        self._links = [_Link(address) for address in self._addresses]
+        self._links = [Link(address, spec.id) for address in self._addresses]
+        self._reports: queue.SimpleQueue[PendingReport] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stop_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        # A socket pair, not os.pipe(): once closed, a late wake-up fails on the object
+        # instead of writing to a descriptor number the process may have reused.
+        self._wake_rx, self._wake_tx = socket.socketpair()
+        self._wake_rx.setblocking(False)
+        self._wake_tx.setblocking(False)
         self._rng = random.Random()
 
     # --- public front ---------------------------------------------------------------
@@ -219,9 +146,9 @@ class Agent:
         self._thread = threading.Thread(
             target=self._run, name=f"pdreg-agent-{self._spec.id}", daemon=True)
         self._thread.start()
-        logger.info("[agent] start id=%s incarnation=%d role=%s registries=%s",
+        logger.info("[agent] start id=%s incarnation=%d role=%s registries=%s curve=%s",
                     self._spec.id, self._spec.incarnation, role_name(self._spec.role),
-                    ",".join(self._addresses))
+                    ",".join(self._addresses), "on" if self._curve else "off")
         return self
 
     def set_state(self, state: MemberState) -> None:
@@ -232,6 +159,15 @@ class Agent:
         logger.info("[agent] state id=%s %s -> %s", self._spec.id,
                     self._state.name.lower(), state.name.lower())
         self._state = state
+        self._wake()
+
+    def report(self, member_id: str, incarnation: int, problem: str) -> None:
+        """Tell every registry that a member failed a request; never blocks.
+
+        Proved with this member's sessions: registries accept reports only from
+        `api_server` members (routers). At most MAX_PENDING_REPORTS wait per registry.
+        """
+        self._reports.put((member_id, incarnation, problem[:MAX_PROBLEM_CHARS]))
         self._wake()
 
     def drain(self, in_flight: Callable[[], int], timeout_s: float) -> bool:
@@ -257,14 +193,14 @@ class Agent:
         thread = self._thread
         if thread is None:
             self._shutdown = ShutdownState.STOPPED
-            self._close_pipe()
+            self._close_wake()
             return
         self._wake()
         thread.join(BYE_TIMEOUT_S + THREAD_JOIN_MARGIN_S)
         if thread.is_alive():
             logger.warning("[agent] stop id=%s: loop thread did not exit in time", self._spec.id)
         else:
-            self._close_pipe()
+            self._close_wake()
 
     def __enter__(self) -> Agent:
         return self.start()
@@ -289,12 +225,12 @@ class Agent:
                     logger.exception("[agent] loop step failed id=%s; continuing",
                                      self._spec.id)
                     pause.wait(LOOP_ERROR_PAUSE_S)
-            self._say_bye(context, encoder, decoder)
+            self._say_bye(context, encoder)
         except Exception:
             logger.exception("[agent] bye id=%s failed", self._spec.id)
         finally:
             for link in self._links:
-                self._close_socket(link)
+                link.close_socket()
                 link.registered = False
             context.term()
             self._shutdown = ShutdownState.STOPPED
@@ -302,136 +238,79 @@ class Agent:
     def _send_due(self, context: zmq.Context,
                   encoder: msgspec.msgpack.Encoder) -> _PollPlan:
         """Time out late requests, send what is due, and plan the next poll."""
+        self._take_reports()
         now = time.monotonic()
         plan = _PollPlan(timeout_s=MAX_POLL_S)
         load: Load | None = None
         for link in self._links:
             if link.phase is LinkPhase.GAVE_UP:
                 continue
-            if link.in_flight_since is not None:
+            if not link.idle:
+                assert link.in_flight_since is not None
                 late_at = link.in_flight_since + link.reply_timeout_s
                 if now >= late_at:
-                    self._on_no_reply(link, now)
+                    link.on_no_reply(now, self._rng)
                 else:
                     plan.watch(link, late_at - now)
                     continue
-            # A state change is announced at once rather than at the next interval.
-            state_changed = link.registered and link.in_flight_state is not self._state
-            if now < link.next_send_at and not (state_changed and link.failures == 0):
+            # A state change or a failure report goes out at once, not at the next interval.
+            urgent = link.registered and link.failures == 0 and (
+                link.in_flight_state is not self._state or bool(link.reports))
+            if now < link.next_send_at and not urgent:
                 plan.wait_until(link.next_send_at - now)
                 continue
             if load is None:
                 load = self._read_load()  # once per round, shared by every due link
-            self._send(context, encoder, link, now, load)
+            state = self._state
+            frames = link.request(self._spec, self._token, state, load, encoder)
+            sock = link.open_socket(context, self._curve)
+            # A full queue counts as unanswered: the socket is recreated when the reply is late.
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            link.in_flight_since = now
+            link.in_flight_state = state
             plan.watch(link, link.reply_timeout_s)
         return plan
 
     def _receive(self, plan: _PollPlan, decoder: msgspec.msgpack.Decoder) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         for link in plan.links:
             if link.socket is not None:
                 poller.register(link.socket, zmq.POLLIN)
         events = dict(poller.poll(max(0.0, plan.timeout_s) * 1000))
-        if self._wake_r in events:
-            self._drain_pipe()
+        if self._wake_rx in events:
+            self._drain_wake()
         for link in plan.links:
             if link.socket is not None and link.socket in events:
                 self._on_frames(link, link.socket.recv_multipart(zmq.NOBLOCK), decoder)
 
-    def _send(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder, link: _Link,
-              now: float, load: Load | None) -> None:
-        state = self._state
-        if link.phase is LinkPhase.REGISTERING:
-            message: Register | Heartbeat = Register(
-                spec=self._spec, state=state, load=load or self._last_good_load,
-                token=self._token)
-        else:
-            link.seq += 1
-            message = Heartbeat(id=self._spec.id, incarnation=self._spec.incarnation,
-                                seq=link.seq, state=state, load=load or self._last_good_load)
-        if link.socket is None:
-            link.socket = self._open_socket(context, link.address)
-        # A full queue counts as unanswered: the socket is recreated when the reply is late.
-        with contextlib.suppress(zmq.Again):
-            link.socket.send(encoder.encode(message), zmq.NOBLOCK)
-        link.in_flight_since = now
-        link.in_flight_state = state
-
-    def _on_frames(self, link: _Link, frames: list[bytes],
+    def _on_frames(self, link: Link, frames: list[bytes],
                    decoder: msgspec.msgpack.Decoder) -> None:
-        sent_state = link.in_flight_state
-        link.in_flight_since = None
         try:
             reply = decoder.decode(frames[-1])
         except (msgspec.DecodeError, IndexError) as exc:
             logger.warning("[agent] bad reply from %s: %s", link.address, exc)
+            link.in_flight = link.in_flight_since = None
             link.next_send_at = time.monotonic() + link.interval_s
             return
         if not isinstance(reply, Reply):
             logger.warning("[agent] unexpected %s from %s", type(reply).__name__, link.address)
             return
-        self._on_reply(link, reply, sent_state)
+        link.on_reply(reply, time.monotonic(), self._rng)
 
-    def _on_reply(self, link: _Link, reply: Reply, sent_state: MemberState | None) -> None:
-        now = time.monotonic()
-        if link.failures:
-            logger.info("[agent] registry %s answers again after %d unanswered requests",
-                        link.address, link.failures)
-            link.failures = 0
-        link.interval_s = min(MAX_HEARTBEAT_INTERVAL_S,
-                              max(MIN_HEARTBEAT_INTERVAL_S, reply.heartbeat_interval_s))
-        if reply.status is ReplyStatus.OK:
-            if link.phase is LinkPhase.REGISTERING:
-                logger.info("[agent] registered id=%s at %s state=%s interval=%.2fs",
-                            self._spec.id, link.address,
-                            sent_state.name.lower() if sent_state else "?", link.interval_s)
-            link.phase = LinkPhase.HEARTBEATING
-            link.registered = True
-            link.next_send_at = now + link.interval_s
-        elif reply.status is ReplyStatus.UNKNOWN:
-            # The registry restarted (or expired us): register again right away.
-            logger.info("[agent] registry %s does not know id=%s; registering again",
-                        link.address, self._spec.id)
-            link.phase = LinkPhase.REGISTERING
-            link.registered = False
-            link.next_send_at = now
-        else:
-            # STALE: a newer incarnation of this id exists, so this process is superseded.
-            # REJECTED: bad token or invalid spec; retrying would only repeat it.
-            logger.error("[agent] registry %s refused id=%s incarnation=%d: %s %s; "
-                         "no more heartbeats to it", link.address, self._spec.id,
-                         self._spec.incarnation, reply.status.name, reply.reason)
-            link.phase = LinkPhase.GAVE_UP
-            link.registered = False
-
-    def _on_no_reply(self, link: _Link, now: float) -> None:
-        link.failures += 1
-        delay = backoff_delay_s(link.failures, self._rng)
-        log = logger.warning if link.failures == 1 else logger.debug
-        log("[agent] no reply from registry %s in %.1fs (attempt %d); retrying in %.2fs",
-            link.address, link.reply_timeout_s, link.failures, delay)
-        # Fresh socket: the old one may hold queued requests for a lost peer.
-        self._close_socket(link)
-        link.in_flight_since = None
-        link.registered = False
-        link.next_send_at = now + delay
-
-    def _say_bye(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder,
-                 decoder: msgspec.msgpack.Decoder) -> None:
-        bye = encoder.encode(Bye(id=self._spec.id, incarnation=self._spec.incarnation,
-                                 reason=self._bye_reason))
+    def _say_bye(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder) -> None:
         waiting: dict[zmq.Socket, int] = {}  # socket -> replies still expected
         for link in self._links:
-            if link.phase is LinkPhase.GAVE_UP or not (link.registered or link.socket):
-                continue
-            if link.socket is None:
-                link.socket = self._open_socket(context, link.address)
+            if link.phase is not LinkPhase.HEARTBEATING or not link.session:
+                continue  # never registered there (or gave up): nothing to remove
+            sock = link.open_socket(context, self._curve)
             try:
-                link.socket.send(bye, zmq.NOBLOCK)
+                sock.send_multipart(link.bye(self._spec, self._bye_reason, encoder),
+                                    zmq.NOBLOCK)
             except zmq.Again:
                 continue
-            waiting[link.socket] = 2 if link.in_flight_since is not None else 1
+            waiting[sock] = 1 if link.idle else 2
         deadline = time.monotonic() + BYE_TIMEOUT_S
         poller = zmq.Poller()
         for sock in waiting:
@@ -453,12 +332,26 @@ class Agent:
 
     # --- helpers --------------------------------------------------------------------
 
+    def _take_reports(self) -> None:
+        """Hand queued failure reports to every registry link that can still send them."""
+        while True:
+            try:
+                report = self._reports.get_nowait()
+            except queue.Empty:
+                return
+            for link in self._links:
+                if link.phase is not LinkPhase.GAVE_UP:
+                    if len(link.reports) == MAX_PENDING_REPORTS:
+                        logger.warning("[agent] %s: %d reports pending; dropping the oldest",
+                                       link.address, MAX_PENDING_REPORTS)
+                    link.reports.append(report)
+
     def _read_load(self) -> Load:
         """The callback's load, validated; the last good one if it raises or is invalid."""
         try:
             load = self._load_fn()
-            # Struct constructors do not check constraints; the registry's decoder does,
-            # so an out-of-range figure would get the whole heartbeat refused.
+            # Struct constructors do not check constraints (NaN, ranges); the registry's
+            # decoder does, so an invalid figure would get the whole heartbeat refused.
             load = msgspec.convert(msgspec.to_builtins(load), Load)
         except Exception as exc:
             if not self._load_failed:
@@ -470,33 +363,18 @@ class Agent:
         self._last_good_load = load
         return load
 
-    @staticmethod
-    def _open_socket(context: zmq.Context, address: str) -> zmq.Socket:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.connect(f"tcp://{address}")
-        return sock
-
-    @staticmethod
-    def _close_socket(link: _Link) -> None:
-        if link.socket is not None:
-            link.socket.close(linger=0)
-            link.socket = None
-
     def _wake(self) -> None:
-        # A full pipe means a wake-up is pending anyway; a closed one means we stopped.
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")
+        # A full buffer means a wake-up is pending anyway; a closed one means we stopped.
+        with contextlib.suppress(OSError):
+            self._wake_tx.send(b"\0")
 
-    def _drain_pipe(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.read(self._wake_r, 4096)
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_rx.recv(4096)
 
-    def _close_pipe(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    def _close_wake(self) -> None:
+        self._wake_rx.close()
+        self._wake_tx.close()
 
 
 @dataclass
@@ -504,9 +382,9 @@ class _PollPlan:
     """What the next poll waits for: links with a request in flight, and a timeout."""
 
     timeout_s: float
-    links: list[_Link] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
 
-    def watch(self, link: _Link, timeout_s: float) -> None:
+    def watch(self, link: Link, timeout_s: float) -> None:
         self.links.append(link)
         self.wait_until(timeout_s)
 

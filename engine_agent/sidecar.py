@@ -43,6 +43,7 @@ from registry.protocol import (
     Parallel,
     Role,
 )
+from registry.security import ClientCurve
 
 __all__ = ["Sidecar", "SidecarConfig", "default_protocol"]
 
@@ -82,6 +83,7 @@ class SidecarConfig:
     labels: dict[str, str] = field(default_factory=dict)
     capacity: int = 0
     token: str = ""
+    curve: ClientCurve | None = None  # CURVE keys for the registry link
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
@@ -176,7 +178,8 @@ class Sidecar:
         spec = self._build_spec(metadata)
         self._probe.model = spec.model  # count only this model's requests in /metrics
         self._agent = Agent(spec, registries=self.config.registries, load=lambda: self._load,
-                            token=self.config.token, state=MemberState.JOINING).start()
+                            token=self.config.token, state=MemberState.JOINING,
+                            curve=self.config.curve).start()
         self.phase = Phase.MEMBER
         logger.info("[sidecar] member id=%s model=%s protocol=%s http=%s kv=%s:%d "
                     "bootstrap=%d", spec.id, spec.model, spec.protocol, spec.endpoints.http,

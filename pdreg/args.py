@@ -1,10 +1,35 @@
-"""Command-line pieces shared by several subcommands."""
+"""Command-line pieces shared by several subcommands.
+
+Secrets (tokens, keys) are read, in this order, from the flag, from `--X-file FILE`, or
+from the environment variable, the same way for every command, so Kubernetes Secrets
+work as files or as variables.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
 
 from registry.client import REGISTRY_ENV
+from registry.security import ClientCurve, KeyFileError, ServerCurve
+
+__all__ = [
+    "ADMIN_TOKEN", "ALLOWED_CLIENTS_ENV", "API_KEY", "CURVE_KEY_ENV", "CURVE_SECRET_KEY_ENV",
+    "REGISTRY_PUBLIC_KEY_ENV", "TOKEN", "Secret", "add_client_curve_arguments",
+    "add_label_argument", "add_registry_argument", "add_secret_argument",
+    "add_server_curve_arguments", "client_curve_of", "insecure_refusal", "is_loopback",
+    "labels_of", "secret_of", "server_curve_of",
+]
+
+REGISTRY_PUBLIC_KEY_ENV: Final = "PDREG_REGISTRY_PUBLIC_KEY"
+CURVE_KEY_ENV: Final = "PDREG_CURVE_KEY"
+CURVE_SECRET_KEY_ENV: Final = "PDREG_CURVE_SECRET_KEY"
+ALLOWED_CLIENTS_ENV: Final = "PDREG_ALLOWED_CLIENTS"
 
 
 def add_registry_argument(parser: argparse.ArgumentParser) -> None:
@@ -28,3 +53,148 @@ def _label(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--label {text!r}: expected KEY=VALUE")
     return key, value
+
+
+# --- secrets -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Secret:
+    """One credential: `--{flag}`, `--{flag}-file`, `${env}`."""
+
+    flag: str
+    env: str
+    what: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.replace("-", "_")
+
+
+TOKEN: Final = Secret("token", "PDREG_TOKEN", "fleet token: registrations must carry it")
+ADMIN_TOKEN: Final = Secret("admin-token", "PDREG_ADMIN_TOKEN",
+                            "admin token: drain and evict must carry it")
+API_KEY: Final = Secret("api-key", "PDREG_API_KEY",
+                        "router API key: clients send Authorization: Bearer KEY")
+
+
+def add_secret_argument(parser: argparse.ArgumentParser, secret: Secret,
+                        what: str | None = None) -> None:
+    parser.add_argument(f"--{secret.flag}", dest=secret.dest, default=None, metavar="TEXT",
+                        help=f"{what or secret.what} (or --{secret.flag}-file, or "
+                             f"${secret.env})")
+    parser.add_argument(f"--{secret.flag}-file", dest=f"{secret.dest}_file", default=None,
+                        metavar="FILE", help=f"read --{secret.flag} from FILE (a mounted "
+                                             f"Secret); trailing newlines are ignored")
+
+
+def secret_of(args: argparse.Namespace, secret: Secret) -> str:
+    """The flag, else the file's content, else the environment variable, else ""."""
+    value = getattr(args, secret.dest, None)
+    if value:
+        return str(value)
+    path = getattr(args, f"{secret.dest}_file", None)
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+        except OSError as exc:
+            raise SystemExit(f"--{secret.flag}-file {path}: {exc.strerror or exc}") from None
+        if not text:
+            raise SystemExit(f"--{secret.flag}-file {path} is empty")
+        return text
+    return os.environ.get(secret.env, "")
+
+
+# --- CURVE keys ----------------------------------------------------------------------
+
+
+def add_client_curve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--registry-public-key FILE` and `--curve-key FILE`: a CURVE client of the registry."""
+    parser.add_argument("--registry-public-key", default=None, metavar="FILE",
+                        help=f"the registry's CURVE public key file (NAME.key); with "
+                             f"--curve-key, talk to a CURVE registry "
+                             f"(or ${REGISTRY_PUBLIC_KEY_ENV})")
+    parser.add_argument("--curve-key", default=None, metavar="FILE",
+                        help=f"this client's own CURVE key pair (NAME.key_secret) "
+                             f"(or ${CURVE_KEY_ENV})")
+
+
+def client_curve_of(args: argparse.Namespace) -> ClientCurve | None:
+    """The client's CURVE keys from flags or environment; None when neither names any."""
+    server_key = args.registry_public_key or os.environ.get(REGISTRY_PUBLIC_KEY_ENV, "")
+    own_key = args.curve_key or os.environ.get(CURVE_KEY_ENV, "")
+    if not server_key and not own_key:
+        return None
+    if not server_key or not own_key:
+        missing = ("--registry-public-key", REGISTRY_PUBLIC_KEY_ENV) if not server_key \
+            else ("--curve-key", CURVE_KEY_ENV)
+        raise SystemExit(f"CURVE needs both keys: give {missing[0]} (or ${missing[1]})")
+    try:
+        return ClientCurve.from_files(server_key, own_key)
+    except KeyFileError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def add_server_curve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                        help=f"encrypt and authenticate the ZeroMQ sockets with CURVE, "
+                             f"using this key pair (NAME.key_secret) "
+                             f"(or ${CURVE_SECRET_KEY_ENV})")
+    parser.add_argument("--allowed-clients", default=None, metavar="DIR",
+                        help=f"with CURVE, only client public keys (*.key) found in DIR may "
+                             f"connect; default: any key (or ${ALLOWED_CLIENTS_ENV})")
+
+
+def server_curve_of(args: argparse.Namespace) -> ServerCurve | None:
+    secret_key = args.curve_secret_key or os.environ.get(CURVE_SECRET_KEY_ENV, "")
+    allowed = args.allowed_clients or os.environ.get(ALLOWED_CLIENTS_ENV, "")
+    if not secret_key:
+        if allowed:
+            raise SystemExit("--allowed-clients needs --curve-secret-key "
+                             f"(or ${CURVE_SECRET_KEY_ENV})")
+        return None
+    try:
+        return ServerCurve.from_files(secret_key, allowed or None)
+    except KeyFileError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+# --- exposure --------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` exposes nothing beyond this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                   for a in addresses)
+
+
+def insecure_refusal(command: str, host: str, *, secured: bool, insecure: bool) -> str | None:
+    """The one-line reason `command` ("registry" or "router") must not start, or None.
+
+    Bound beyond loopback with no credential at all, anyone who reaches the port could
+    change membership or use the fleet; `--insecure` is the explicit way to want that.
+    """
+    if secured or insecure or is_loopback(host):
+        return None
+    risk, fix = _EXPOSURE[command]
+    return (f"pdreg {command}: refusing to listen on {host} with neither CURVE nor a token: "
+            f"{risk}; add {fix}, or --insecure to run it anyway")
+
+
+_EXPOSURE = {
+    "registry": ("anyone who can reach it could register an engine and receive prompts",
+                 "--token and/or --curve-secret-key"),
+    "router": ("anyone who can reach it could send it prompts",
+               "--api-key (and --token or --registry-public-key/--curve-key)"),
+}

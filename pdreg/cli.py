@@ -12,7 +12,8 @@ import logging
 import sys
 
 # Order is the order `pdreg --help` lists them.
-SUBCOMMANDS = ("registry", "status", "drain", "engine", "agent", "router", "demo")
+SUBCOMMANDS = ("registry", "status", "drain", "evict", "engine", "agent", "router", "demo",
+               "keys")
 
 
 def build_parser() -> argparse.ArgumentParser:

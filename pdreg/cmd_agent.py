@@ -13,7 +13,16 @@ from engine_agent.sidecar import (
     Sidecar,
     SidecarConfig,
 )
-from pdreg.args import add_label_argument, add_registry_argument, labels_of
+from pdreg.args import (
+    TOKEN,
+    add_client_curve_arguments,
+    add_label_argument,
+    add_registry_argument,
+    add_secret_argument,
+    client_curve_of,
+    labels_of,
+    secret_of,
+)
 from registry.protocol import parse_role
 
 logger = logging.getLogger(__name__)
@@ -41,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bootstrap-port", type=int, default=0)
     add_label_argument(parser)
     parser.add_argument("--capacity", type=int, default=0)
-    parser.add_argument("--token", default="")
+    add_secret_argument(parser, TOKEN, "the registry's fleet token")
+    add_client_curve_arguments(parser)
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         metavar="S")
     parser.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL_S,
@@ -62,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
             protocol=args.protocol, advertise_host=args.advertise_host,
             member_id=args.member_id, kv_host=args.kv_host, kv_port=args.kv_port,
             bootstrap_port=args.bootstrap_port, labels=labels_of(args),
-            capacity=args.capacity, token=args.token, drain_timeout_s=args.drain_timeout,
+            capacity=args.capacity, token=secret_of(args, TOKEN),
+            curve=client_curve_of(args), drain_timeout_s=args.drain_timeout,
             health_interval_s=args.health_interval, kill_grace_s=args.kill_grace,
             command=tuple(args.command))
         sidecar = Sidecar(config)

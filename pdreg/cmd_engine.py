@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from pdreg.args import add_label_argument, add_registry_argument, labels_of
+from pdreg.args import (
+    TOKEN,
+    add_client_curve_arguments,
+    add_label_argument,
+    add_registry_argument,
+    add_secret_argument,
+    client_curve_of,
+    labels_of,
+    secret_of,
+)
 from registry.protocol import parse_role
 
 
@@ -16,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "handshakes. Prints one JSON 'ready' line on stdout once serving.")
     p.add_argument("--role", required=True, choices=("prefill", "decode", "mixed"))
     add_registry_argument(p)
-    p.add_argument("--token", default="", help="registration token")
+    add_secret_argument(p, TOKEN, "the registry's fleet token")
+    add_client_curve_arguments(p)
     p.add_argument("--no-register", action="store_true", help="run without a registry")
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=0, help="HTTP port (0 = OS picks)")
@@ -62,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
         max_running=args.max_running, kv_capacity_tokens=args.kv_capacity_tokens,
         kv_lease_s=args.kv_lease_s, kv_fetch_timeout_s=args.kv_fetch_timeout_s,
         drain_timeout_s=args.drain_timeout_s, register=not args.no_register,
-        registries=args.registry, token=args.token, threads=args.threads,
+        registries=args.registry, token=secret_of(args, TOKEN),
+        curve=None if args.no_register else client_curve_of(args), threads=args.threads,
         sim_prefill_s_per_token=args.sim_prefill_s_per_token,
         sim_decode_s_per_token=args.sim_decode_s_per_token,
         sim_kv_bytes_per_token=args.sim_kv_bytes_per_token, labels=labels_of(args))

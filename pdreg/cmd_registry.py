@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
+from pdreg.args import (
+    ADMIN_TOKEN,
+    TOKEN,
+    add_secret_argument,
+    add_server_curve_arguments,
+    insecure_refusal,
+    secret_of,
+    server_curve_of,
+)
+from registry.admission import MAX_MEMBERS
 from registry.detector import HEARTBEAT_INTERVAL_S, LEASE_INTERVALS
-from registry.server import RegistryConfig, RegistryServer, config_from_env
+from registry.server import RegistryConfig, RegistryServer
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -17,10 +28,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=7600, help="control port (ZeroMQ ROUTER)")
     p.add_argument("--events-port", type=int, default=7601, help="event port (ZeroMQ PUB)")
     p.add_argument("--http-port", type=int, default=7680, help="HTTP port; -1 disables HTTP")
-    p.add_argument("--token", default="",
-                   help="registrations must carry this token (or $PDREG_TOKEN)")
-    p.add_argument("--admin-token", default="",
-                   help="drain/evict must carry this bearer token (or $PDREG_ADMIN_TOKEN)")
+    add_secret_argument(p, TOKEN)
+    add_secret_argument(p, ADMIN_TOKEN)
+    add_server_curve_arguments(p)
+    p.add_argument("--insecure", action="store_true",
+                   help="listen beyond loopback with neither CURVE nor a token")
+    p.add_argument("--max-members", type=int, default=MAX_MEMBERS, metavar="N",
+                   help="refuse registrations beyond N members")
+    p.add_argument("--max-members-per-model", type=int, default=0, metavar="N",
+                   help="refuse registrations beyond N members of one model (0: no such cap)")
     p.add_argument("--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S,
                    metavar="S", help="heartbeat interval members are told to use")
     p.add_argument("--lease", type=float, default=None, metavar="S",
@@ -31,16 +47,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     lease = args.lease if args.lease is not None else LEASE_INTERVALS * args.heartbeat_interval
-    config = config_from_env(RegistryConfig(
-        host=args.host, port=args.port, events_port=args.events_port, http_port=args.http_port,
-        heartbeat_interval_s=args.heartbeat_interval, lease_s=lease, token=args.token,
-        admin_token=args.admin_token))
+    token = secret_of(args, TOKEN)
+    curve = server_curve_of(args)
+    refusal = insecure_refusal("registry", args.host, secured=bool(token or curve),
+                               insecure=args.insecure)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    try:
+        config = RegistryConfig(
+            host=args.host, port=args.port, events_port=args.events_port,
+            http_port=args.http_port, heartbeat_interval_s=args.heartbeat_interval,
+            lease_s=lease, token=token, admin_token=secret_of(args, ADMIN_TOKEN),
+            max_members=args.max_members, max_members_per_model=args.max_members_per_model,
+            curve=curve)
+        server = RegistryServer(config)
+    except ValueError as exc:
+        print(f"pdreg registry: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    server = RegistryServer(config).start()
+    server.start()
+    security = ", ".join(part for part, on in (("CURVE", curve), ("token", token),
+                                               ("admin token", config.admin_token)) if on)
     print(f"pdreg registry: control {server.control_address}  events :{server.events_port}  "
-          f"http {server.http_url or 'off'}", flush=True)
+          f"http {server.http_url or 'off'}  security: {security or 'none'}", flush=True)
     try:
         stop.wait()
     finally:

@@ -10,8 +10,9 @@ from typing import Any
 
 import httpx
 
-from pdreg.args import add_registry_argument
+from pdreg.args import add_client_curve_arguments, add_registry_argument, client_curve_of
 from registry.client import http_base, parse_registries, request_snapshot
+from registry.security import ClientCurve
 
 WATCH_PERIOD_S = 1.0
 COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "ADDRESS", "RUN", "WAIT", "KV%", "HB AGE", "UPTIME")
@@ -21,18 +22,20 @@ ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the live membership")
     add_registry_argument(p)
+    add_client_curve_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON list of members")
     p.add_argument("--watch", action="store_true", help="refresh the table in place")
     p.set_defaults(func=run)
 
 
-def fetch_members(registries: str | list[str] | None) -> list[dict[str, Any]]:
+def fetch_members(registries: str | list[str] | None, *,
+                  curve: ClientCurve | None = None) -> list[dict[str, Any]]:
     """Members from every registry; per id the newest incarnation wins."""
     merged: dict[str, dict[str, Any]] = {}
     errors = []
     for address in parse_registries(registries):
         try:
-            base = http_base(address, request_snapshot(address))
+            base = http_base(address, request_snapshot(address, curve=curve))
             response = httpx.get(f"{base}/v1/members", timeout=5.0)
             response.raise_for_status()
         except (OSError, RuntimeError, httpx.HTTPError) as exc:
@@ -81,13 +84,14 @@ def _duration(seconds: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    curve = client_curve_of(args)
     try:
         if not args.watch:
-            members = fetch_members(args.registry)
+            members = fetch_members(args.registry, curve=curve)
             print(json.dumps(members, indent=2) if args.json else render(members))
             return 0
         while True:
-            members = fetch_members(args.registry)
+            members = fetch_members(args.registry, curve=curve)
             text = json.dumps(members) if args.json else render(members)
             # Home the cursor and clear below: the table refreshes in place.
             sys.stdout.write(f"\x1b[H\x1b[J{time.strftime('%H:%M:%S')}  pdreg status\n{text}\n")

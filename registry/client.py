@@ -17,7 +17,6 @@ import contextlib
 import enum
 import logging
 import os
-import queue
 import threading
 import time
 import types
@@ -30,7 +29,6 @@ import zmq
 from registry.protocol import (
     Event,
     Reply,
-    Report,
     Snapshot,
     Sync,
     event_decoder,
@@ -39,6 +37,7 @@ from registry.protocol import (
     topic_for,
 )
 from registry.replica import Applied, LiveMember, Replica
+from registry.security import ClientCurve
 
 __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "LinkState", "LinkStatus", "LiveMember",
            "MembershipView", "http_base", "parse_registries", "request_snapshot"]
@@ -49,6 +48,7 @@ DEFAULT_REGISTRY = "127.0.0.1:7600"
 REGISTRY_ENV = "PDREG_REGISTRY"
 SYNC_TIMEOUT_S = 1.0  # no snapshot by then: new socket, try again
 SYNC_BACKOFF_MAX_S = 2.0
+EVENTS_RCVHWM = 100_000
 AWAY_AFTER_INTERVALS = 3.0  # registry silent this long (pulses come every interval): away
 MIN_AWAY_AFTER_S = 1.0
 TICK_S = 0.1
@@ -122,18 +122,23 @@ class MembershipView:
     newer events and resynchronises on a version gap or a new epoch. While a registry is
     away the last view is kept. Several registries are merged: per id the newest
     incarnation wins.
+
+    `report()` needs a member session (only registered routers may report), which a view
+    does not have: give it a `reporter`, such as the router's own `Agent.report`.
     """
 
     def __init__(self, registries: str | Sequence[str] | None = None, *,
-                 models: Sequence[str] = ()) -> None:
+                 models: Sequence[str] = (), curve: ClientCurve | None = None,
+                 reporter: Callable[[str, int, str], None] | None = None) -> None:
         self.addresses = parse_registries(registries)
         self.models = tuple(models)
+        self.curve = curve
+        self.reporter = reporter
         self._ctx = zmq.Context()
         self._links = [_Link(address, Replica(address)) for address in self.addresses]
         self._members: Mapping[str, LiveMember] = types.MappingProxyType({})
         self._changed = threading.Condition()
         self._listeners: list[Callable[[Mapping[str, LiveMember]], None]] = []
-        self._reports: queue.SimpleQueue[Report] = queue.SimpleQueue()
         wake = f"inproc://pdreg-view-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PULL)
         self._wake_rx.bind(wake)
@@ -197,9 +202,14 @@ class MembershipView:
         self._listeners.append(callback)
 
     def report(self, member_id: str, incarnation: int, problem: str) -> None:
-        """Tell every registry that a member failed a request (it will suspect it)."""
-        self._reports.put(Report(member_id, incarnation, problem[:200]))
-        self._wake()
+        """Tell the registries a member failed a request, through `reporter` (never blocks).
+
+        Without a reporter the report stays local (the router's own quarantine holds).
+        """
+        if self.reporter is not None:
+            self.reporter(member_id, incarnation, problem)
+        else:
+            logger.debug("[view] no reporter: report on %s stays local", member_id)
 
     # --- the view thread ---------------------------------------------------------------
 
@@ -214,7 +224,6 @@ class MembershipView:
             ready = dict(self._poller.poll(TICK_S * 1e3))
             if self._wake_rx in ready:
                 self._drain_wake()
-                self._send_reports()
             now = time.monotonic()
             for link in self._links:
                 if link.dealer is not None and link.dealer in ready:
@@ -243,8 +252,7 @@ class MembershipView:
 
     def _send_sync(self, link: _Link, now: float) -> None:
         if link.dealer is None:
-            link.dealer = self._ctx.socket(zmq.DEALER)
-            link.dealer.setsockopt(zmq.LINGER, 0)
+            link.dealer = self._socket(zmq.DEALER)
             link.dealer.connect(f"tcp://{link.address}")
             self._poller.register(link.dealer, zmq.POLLIN)
         link.dealer.send(self._encoder.encode(Sync(models=list(self.models))), zmq.NOBLOCK)
@@ -266,9 +274,8 @@ class MembershipView:
             self._poller.unregister(link.sub)
             link.sub.close(linger=0)
         host = link.address.rpartition(":")[0]
-        link.sub = self._ctx.socket(zmq.SUB)
-        link.sub.setsockopt(zmq.LINGER, 0)
-        link.sub.setsockopt(zmq.RCVHWM, 100_000)
+        link.sub = self._socket(zmq.SUB)
+        link.sub.setsockopt(zmq.RCVHWM, EVENTS_RCVHWM)
         if self.models:
             for model in (*self.models, ""):
                 link.sub.setsockopt(zmq.SUBSCRIBE, topic_for(model))
@@ -294,7 +301,16 @@ class MembershipView:
             link.last_heard = now
             if isinstance(message, Snapshot):
                 changed |= self._apply_snapshot(link, message, now)
+            else:  # a refused Sync: rate limited, or another protocol version
+                logger.warning("[view] %s refused the sync: %s", link.address, message.reason)
         return changed
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
+        return sock
 
     def _apply_snapshot(self, link: _Link, snapshot: Snapshot, now: float) -> bool:
         needs_subscription = link.sub is None or link.events_port != snapshot.events_port
@@ -368,19 +384,6 @@ class MembershipView:
             except Exception:
                 logger.exception("[view] listener failed")
 
-    def _send_reports(self) -> None:
-        while True:
-            try:
-                report = self._reports.get_nowait()
-            except queue.Empty:
-                return
-            payload = self._encoder.encode(report)
-            for link in self._links:
-                if link.dealer is not None:
-                    # Registry unreachable: fine, the router's own quarantine still holds.
-                    with contextlib.suppress(zmq.Again):
-                        link.dealer.send(payload, zmq.NOBLOCK)
-
     def _drain_wake(self) -> None:
         while True:
             try:
@@ -400,18 +403,22 @@ def _newer(candidate: LiveMember, held: LiveMember) -> bool:
     return c > h or (c == h and candidate.load_at > held.load_at)
 
 
-def request_snapshot(address: str, *, timeout_s: float = 2.0,
-                     models: Sequence[str] = ()) -> Snapshot:
+def request_snapshot(address: str, *, timeout_s: float = 2.0, models: Sequence[str] = (),
+                     curve: ClientCurve | None = None) -> Snapshot:
     """One Sync round trip (for CLIs): the snapshot, which also names the HTTP port."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
     try:
         sock.connect(f"tcp://{address}")
         sock.send(make_encoder().encode(Sync(models=list(models))))
         if not sock.poll(timeout_s * 1e3):
+            hint = ("" if curve is not None else "; if it runs CURVE, give "
+                    "--registry-public-key and --curve-key")
             raise TimeoutError(f"registry {address} did not answer within {timeout_s:.0f}s; "
-                               f"is it running? (set --registry or ${REGISTRY_ENV})")
+                               f"is it running? (set --registry or ${REGISTRY_ENV}){hint}")
         reply = reply_decoder().decode(sock.recv())
     finally:
         sock.close(linger=0)

@@ -1,10 +1,12 @@
 """The registry's live dashboard: a page at `/` and its Server-Sent Events at `/v1/stream`.
 
-The stream polls `server.published` (the loop's immutable snapshot) every
-`STREAM_POLL_S` and pushes the whole state when the membership version or any load,
-state or suspicion changed; a comment line every `KEEPALIVE_S` keeps proxies from
-closing an idle stream. The page is one self-contained file (no CDN: nothing can be
-fetched at run time).
+The stream polls `published` (the loop's immutable snapshot) every `STREAM_POLL_S` and
+pushes the whole state when the membership version or any load, state or suspicion
+changed; a comment line every `KEEPALIVE_S` keeps proxies from closing an idle stream.
+The state's JSON is computed once per snapshot and shared by every viewer
+(`SharedState`), and at most `MAX_STREAMS` streams are open at once, so viewers cannot
+make the registry do work in proportion to their number. The page is one
+self-contained file (no CDN: nothing can be fetched at run time).
 """
 
 from __future__ import annotations
@@ -13,24 +15,24 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from registry.protocol import LeaveReason, MemberJoined, MemberLeft, MembershipEvent, role_name
+from registry.published import Published
 from registry.views import member_json
-
-if TYPE_CHECKING:
-    from registry.server import Published, RegistryServer
 
 logger = logging.getLogger(__name__)
 
 STREAM_POLL_S = 0.5
 KEEPALIVE_S = 15.0
+MAX_STREAMS = 32  # open SSE streams at once; more get 503
 PAGE_PATH = Path(__file__).resolve().parent / "static" / "dashboard.html"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -49,8 +51,8 @@ def event_json(event: MembershipEvent) -> dict[str, Any]:
 
 
 def dashboard_state(published: Published) -> dict[str, Any]:
-    """Everything the page shows, from one snapshot."""
-    now = time.time()
+    """Everything the page shows, from one snapshot (ages as of when it was taken)."""
+    now = published.taken_at
     return {
         "epoch": published.epoch,
         "version": published.version,
@@ -74,39 +76,92 @@ def _page() -> str:
     return PAGE_PATH.read_text(encoding="utf-8")
 
 
-def dashboard_router(server: RegistryServer) -> APIRouter:
+class SharedState:
+    """The page's state per snapshot, computed once for every viewer."""
+
+    def __init__(self, published: Callable[[], Published]) -> None:
+        self._published = published
+        self._cached: tuple[Published, tuple[Any, ...], str] | None = None
+
+    def current(self) -> tuple[tuple[Any, ...], str]:
+        """(fingerprint, JSON text) of the current snapshot."""
+        published = self._published()
+        cached = self._cached
+        if cached is None or cached[0] is not published:
+            cached = (published, _fingerprint(published),
+                      json.dumps(dashboard_state(published), allow_nan=False))
+            self._cached = cached  # one reference swap: safe across threads
+        return cached[1], cached[2]
+
+
+class _StreamSlots:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def take(self) -> Callable[[], None] | None:
+        """A release function for one more stream, or None when all are taken."""
+        if self.active >= self.limit:
+            return None
+        self.active += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.active -= 1
+
+        return release
+
+
+def dashboard_router(published: Callable[[], Published]) -> APIRouter:
     router = APIRouter()
+    shared = SharedState(published)
+    slots = _StreamSlots(MAX_STREAMS)
 
     @router.get("/", response_class=HTMLResponse, include_in_schema=False)
     def page() -> HTMLResponse:
         return HTMLResponse(_page())
 
     @router.get("/v1/dashboard")
-    def state() -> dict[str, Any]:
+    def state() -> Response:
         """The dashboard's state once (what each stream message carries)."""
-        return dashboard_state(server.published)
+        return Response(shared.current()[1], media_type="application/json")
 
-    @router.get("/v1/stream", summary="Live membership as Server-Sent Events")
+    @router.get("/v1/stream", summary="Live membership as Server-Sent Events",
+                responses={503: {"description": f"{MAX_STREAMS} streams are open already"}})
     async def stream(request: Request) -> StreamingResponse:
-        return StreamingResponse(_events(server, request), media_type="text/event-stream",
+        release = slots.take()
+        if release is None:
+            raise HTTPException(503, f"{MAX_STREAMS} dashboard streams are open already; "
+                                     f"close one or poll /v1/dashboard")
+        events = _events(shared, request, release)
+        # A stream the server never started (the client left at once) never runs its
+        # `finally`; the slot then comes back when the generator is collected.
+        weakref.finalize(events, release)
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers=_SSE_HEADERS)
 
     return router
 
 
-async def _events(server: RegistryServer, request: Request) -> AsyncIterator[str]:
+async def _events(shared: SharedState, request: Request,
+                  release: Callable[[], None]) -> AsyncIterator[str]:
     last: tuple[Any, ...] | None = None
     last_sent = time.monotonic()
-    yield f"retry: {int(STREAM_POLL_S * 2000)}\n\n"  # reconnect soon after a restart
-    while not await request.is_disconnected():
-        published = server.published
-        fingerprint = _fingerprint(published)
-        now = time.monotonic()
-        if fingerprint != last:
-            last = fingerprint
-            last_sent = now
-            yield f"event: state\ndata: {json.dumps(dashboard_state(published))}\n\n"
-        elif now - last_sent >= KEEPALIVE_S:
-            last_sent = now
-            yield ": keep-alive\n\n"
-        await asyncio.sleep(STREAM_POLL_S)
+    try:
+        yield f"retry: {int(STREAM_POLL_S * 2000)}\n\n"  # reconnect soon after a restart
+        while not await request.is_disconnected():
+            fingerprint, text = shared.current()
+            now = time.monotonic()
+            if fingerprint != last:
+                last = fingerprint
+                last_sent = now
+                yield f"event: state\ndata: {text}\n\n"
+            elif now - last_sent >= KEEPALIVE_S:
+                last_sent = now
+                yield ": keep-alive\n\n"
+            await asyncio.sleep(STREAM_POLL_S)
+    finally:
+        release()

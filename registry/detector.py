@@ -12,6 +12,15 @@ Self-preservation: if a large share of the fleet is silent at the same time, the
 fault is the registry's (partition, overload), so expiry pauses — for at most
 `self_preservation_max_s`, after which expiry resumes (a real mass failure is then
 cleaned up, and agents behind a healed partition simply register again).
+
+The guarantee: a fleet that falls silent at once loses nobody. Members heartbeat in their
+own phases, so their last heartbeats before a common silence are spread over up to one
+interval, plus however late each was. "Silent", for self-preservation, therefore starts
+SIMULTANEOUS_SPREAD_INTERVALS before the lease: when the first of them reaches its lease,
+every other one already counts as silent, and the decision covers them all. It holds
+while heartbeats arrive within one interval of when they are due. A healthy member is
+never that old (its age stays below one interval plus a round trip), so counting from
+there adds no false alarms.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ MAX_INGEST_PER_S = 20_000.0  # heartbeats/s the registry budgets for; the interv
 SELF_PRESERVATION_SHARE = 0.5  # at least this share of members silent at once ...
 SELF_PRESERVATION_MIN_SILENT = 3  # ... and at least this many (a lone death is just a death)
 SELF_PRESERVATION_MAX_S = 60.0
+# One interval of phase spread plus one of lateness (see the module docstring).
+SIMULTANEOUS_SPREAD_INTERVALS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,7 @@ class Timing:
     heartbeat_interval_s: float
     suspect_after_s: float
     lease_s: float
+    silent_after_s: float  # counts toward self-preservation past this age
 
 
 def timing_for(config: DetectorConfig, members: int) -> Timing:
@@ -70,7 +82,8 @@ def timing_for(config: DetectorConfig, members: int) -> Timing:
     scale = interval / config.heartbeat_interval_s
     lease = max(config.lease_s * scale, LEASE_INTERVALS * interval)
     suspect_after = min(config.suspect_after_intervals * interval, lease)
-    return Timing(interval, suspect_after, lease)
+    silent_after = lease - SIMULTANEOUS_SPREAD_INTERVALS * interval
+    return Timing(interval, suspect_after, lease, silent_after)
 
 
 def loop_lag(previous_tick: float, now: float, tick_period_s: float) -> float:

@@ -4,6 +4,10 @@ No sockets, no threads. The registry loop is the only caller; it hands every mes
 to one transition (`register`, `heartbeat`, `bye`, `report`, `drain`, `evict`) and calls
 `tick` on its timer. Each transition states its rules as guards, stale incarnation first.
 
+Sessions: `register` hands out a secret per member; `heartbeat`, `bye` and `report` take
+the message's bytes and proof and change nothing unless the proof is the member's and its
+`seq` is new (`_authenticate`). So whoever lacks a member's secret cannot touch its record.
+
 Every membership change goes through `_publish`, the one place `version` is bumped, and
 lands in an outbox the loop drains with `take_events()`. Load figures are not changes:
 they are coalesced into per-model digests (`take_load_digests()`).
@@ -14,14 +18,20 @@ records clients see (`registered_at`, `heartbeat_at`).
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from registry import sessions
+from registry.admission import Admission, Limits
 from registry.detector import DetectorConfig, Timing, is_self_preserving, loop_lag, timing_for
+from registry.outcome import BAD_PROOF, OK, UNKNOWN, Outcome, refused
 from registry.protocol import (
+    Bye,
     ByeReason,
+    Heartbeat,
     LeaveReason,
     Load,
     LoadEntry,
@@ -33,23 +43,16 @@ from registry.protocol import (
     MemberState,
     MemberUpdated,
     ReplyStatus,
+    Report,
+    Role,
+    role_name,
 )
 
 logger = logging.getLogger(__name__)
 
 LAG_WARNING_S = 0.5  # a loop stall this long is logged as a warning (always compensated)
 
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What a transition tells the sender."""
-
-    status: ReplyStatus
-    reason: str = ""
-
-
-OK = Outcome(ReplyStatus.OK)
-UNKNOWN = Outcome(ReplyStatus.UNKNOWN, "unknown member, register again")
+__all__ = ["OK", "UNKNOWN", "Limits", "Membership", "Outcome"]
 
 
 @dataclass(slots=True)
@@ -60,6 +63,9 @@ class _Entry:
     registered_at: float  # monotonic
     last_seen: float  # monotonic; moved forward by loop lag
     heartbeat_at: float  # monotonic, never moved: what clients see as heartbeat age
+    session: bytes  # the secret every later message of this incarnation is proved with
+    nonce: bytes  # the registrant's own secret: a retried Register must repeat it
+    last_seq: int = 0  # the highest seq accepted; anything at or below it is a replay
     suspect: bool = False
     admin_draining: bool = False  # an operator's drain sticks whatever the member says
 
@@ -85,11 +91,15 @@ _ALLOWED = {
 
 class Membership:
     def __init__(self, epoch: int, config: DetectorConfig | None = None, *,
-                 wall_offset: float = 0.0) -> None:
+                 limits: Limits | None = None, wall_offset: float = 0.0,
+                 new_session: Callable[[], bytes] = sessions.new_session) -> None:
         self.epoch = epoch
         self.config = config or DetectorConfig()
+        self.limits = limits or Limits()
         self.version = 0
         self.wall_offset = wall_offset
+        self._new_session = new_session
+        self.admission = Admission(self.limits, wall_offset)
         # Ordered by last_seen: a heartbeat moves its member to the end, so the silent
         # ones gather at the front and a tick only looks at those.
         self._members: OrderedDict[str, _Entry] = OrderedDict()
@@ -124,8 +134,15 @@ class Membership:
         return [e.record(self.wall_offset) for e in self._members.values()
                 if not wanted or e.spec.model in wanted]
 
+    def count(self, models: Iterable[str] = ()) -> int:
+        """How many records `records(models)` returns, without building them."""
+        wanted = set(models)
+        if not wanted:
+            return len(self._members)
+        return sum(self.admission.per_model.get(model, 0) for model in wanted)
+
     def models(self) -> set[str]:
-        return {e.spec.model for e in self._members.values()}
+        return set(self.admission.per_model)
 
     def heartbeat_ages(self, now: float) -> dict[str, float]:
         return {mid: now - e.heartbeat_at for mid, e in self._members.items()}
@@ -143,76 +160,85 @@ class Membership:
 
     # --- transitions -------------------------------------------------------------------
 
-    def register(self, spec: MemberSpec, state: MemberState, load: Load, now: float) -> Outcome:
+    def register(self, spec: MemberSpec, state: MemberState, load: Load, now: float, *,
+                 nonce: bytes) -> Outcome:
+        """Admit `spec` (token and spec were checked by the caller); the reply's session."""
+        problem = self.admission.problem(spec, now)
+        if problem is not None:
+            return problem
         current = self._members.get(spec.id)
         if current is not None:
             held = current.spec.incarnation
             # Ignore old incarnations: a process that was replaced must not come back.
             if spec.incarnation < held:
                 return Outcome(ReplyStatus.STALE,
-                               f"incarnation {spec.incarnation} is older than {held}")
+                               f"incarnation {spec.incarnation} is older than {held}",
+                               kind="stale")
             if spec.incarnation == held:
-                # A retried registration (the first reply was lost): refresh, no new member.
-                current.spec = spec
-                self._seen(current, load, now)
-                self._set_state(current, state, now)
-                return OK
+                return self._register_again(current, spec, state, load, now, nonce)
+            cap = self.admission.cap_problem(len(self), spec.model, current.spec)
+            if cap is not None:
+                return cap
             # A newer incarnation replaces the old one: routers must see a new peer.
             self._remove(spec.id, LeaveReason.REPLACED)
-        entry = _Entry(spec=spec, state=state, load=load, registered_at=now,
-                       last_seen=now, heartbeat_at=now)
+        else:
+            cap = self.admission.cap_problem(len(self), spec.model, None)
+            if cap is not None:
+                return cap
+        entry = _Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=now,
+                       heartbeat_at=now, session=self._new_session(), nonce=nonce)
         self._members[spec.id] = entry
+        self.admission.joined(spec.model)
         self._retime()
         self._publish(MemberJoined(self.epoch, self._next_version(),
                                    entry.record(self.wall_offset)))
         logger.info("[registry] join id=%s incarnation=%d role=%s model=%s state=%s",
-                    spec.id, spec.incarnation, spec.role.name.lower(), spec.model,
+                    spec.id, spec.incarnation, role_name(spec.role), spec.model,
                     state.name.lower())
+        return Outcome(ReplyStatus.OK, session=entry.session)
+
+    def heartbeat(self, beat: Heartbeat, payload: bytes, proof: bytes, now: float) -> Outcome:
+        """`payload` is the encoded `beat` and `proof` its session proof."""
+        entry = self._authenticate(beat.id, beat.incarnation, beat.seq, payload, proof)
+        if entry.__class__ is Outcome:
+            return entry  # type: ignore[return-value]
+        self._seen(entry, beat.load, now)  # type: ignore[arg-type]
+        self._set_state(entry, beat.state, now)  # type: ignore[arg-type]
         return OK
 
-    def heartbeat(self, member_id: str, incarnation: int, state: MemberState, load: Load,
-                  now: float) -> Outcome:
-        entry = self._members.get(member_id)
-        if entry is None:
-            return UNKNOWN
-        held = entry.spec.incarnation
-        if incarnation < held:
-            return Outcome(ReplyStatus.STALE, f"incarnation {incarnation} is older than {held}")
-        if incarnation > held:
-            # A restarted process we have not heard register: we lack its spec.
-            return UNKNOWN
-        self._seen(entry, load, now)
-        self._set_state(entry, state, now)
-        return OK
-
-    def bye(self, member_id: str, incarnation: int, reason: ByeReason) -> Outcome:
-        entry = self._members.get(member_id)
-        if entry is None:
+    def bye(self, bye: Bye, payload: bytes, proof: bytes) -> Outcome:
+        if bye.id not in self._members:
             return OK  # already gone: a bye is idempotent
-        if incarnation != entry.spec.incarnation:
-            # Only the incarnation we hold may remove itself; an old one's bye is late news.
-            return Outcome(ReplyStatus.STALE, f"incarnation {incarnation} is not the one held")
-        leave = LeaveReason.CRASHED if reason is ByeReason.CRASHED else LeaveReason.BYE
-        self._remove(member_id, leave)
+        entry = self._authenticate(bye.id, bye.incarnation, bye.seq, payload, proof)
+        if isinstance(entry, Outcome):
+            return entry
+        leave = LeaveReason.CRASHED if bye.reason is ByeReason.CRASHED else LeaveReason.BYE
+        self._remove(bye.id, leave)
         return OK
 
-    def report(self, member_id: str, incarnation: int, now: float) -> Outcome:
-        """A router saw this member fail: suspect it now; its next heartbeat clears that."""
-        entry = self._members.get(member_id)
-        if entry is None:
-            return UNKNOWN
-        if incarnation != entry.spec.incarnation:
-            return Outcome(ReplyStatus.STALE, "report names another incarnation")
+    def report(self, report: Report, payload: bytes, proof: bytes, now: float) -> Outcome:
+        """A router saw `report.member` fail: suspect it now; its next heartbeat clears that."""
+        reporter = self._authenticate(report.id, report.incarnation, report.seq, payload, proof)
+        if isinstance(reporter, Outcome):
+            return reporter
+        if reporter.spec.role is not Role.API_SERVER:
+            return refused(f"reports are accepted only from api_server members; {report.id} "
+                           f"is {role_name(reporter.spec.role)}", "reporter")
+        entry = self._members.get(report.member)
+        if entry is None or entry.spec.incarnation != report.member_incarnation:
+            return Outcome(ReplyStatus.OK, "ignored: no such member incarnation",
+                           kind="ignored")
         if not entry.suspect:
             entry.suspect = True
             self._publish_update(entry)
-            logger.info("[registry] suspect id=%s reported by a router", member_id)
-        return OK
+            logger.info("[registry] suspect id=%s reported by %s: %s", report.member,
+                        report.id, report.problem[:200].encode("unicode_escape").decode())
+        return Outcome(ReplyStatus.OK, kind="accepted")
 
     def drain(self, member_id: str) -> Outcome:
         entry = self._members.get(member_id)
         if entry is None:
-            return Outcome(ReplyStatus.REJECTED, f"no member {member_id!r}")
+            return Outcome(ReplyStatus.UNKNOWN, f"no member {member_id!r}")
         entry.admin_draining = True
         if entry.state is not MemberState.DRAINING:
             entry.state = MemberState.DRAINING
@@ -220,10 +246,17 @@ class Membership:
             logger.info("[registry] drain id=%s (admin)", member_id)
         return OK
 
-    def evict(self, member_id: str) -> Outcome:
-        if member_id not in self._members:
-            return Outcome(ReplyStatus.REJECTED, f"no member {member_id!r}")
-        self._remove(member_id, LeaveReason.EVICTED)
+    def evict(self, member_id: str, now: float, ban_s: float = 0.0) -> Outcome:
+        """Remove a member; with `ban_s`, refuse its id's registrations for that long."""
+        present = member_id in self._members
+        if not present and ban_s <= 0:
+            return Outcome(ReplyStatus.UNKNOWN, f"no member {member_id!r}")
+        if ban_s > 0:
+            problem = self.admission.ban(member_id, now, ban_s)
+            if problem is not None:
+                return problem
+        if present:
+            self._remove(member_id, LeaveReason.EVICTED)
         return OK
 
     def tick(self, now: float) -> None:
@@ -240,16 +273,18 @@ class Membership:
             log("[registry] loop lag %.3fs: deadlines moved", lag)
         timing = self.timing
         silent: list[_Entry] = []
+        look_until = min(timing.suspect_after_s, timing.silent_after_s)
         for entry in self._members.values():
             age = now - entry.last_seen
-            if age <= timing.suspect_after_s:
+            if age <= look_until:
                 break  # ordered by last_seen: everyone after this one is fresher
-            silent.append(entry)
-            if not entry.suspect:
+            if age > timing.silent_after_s:
+                silent.append(entry)
+            if age > timing.suspect_after_s and not entry.suspect:
                 entry.suspect = True
                 self._publish_update(entry)
                 logger.info("[registry] suspect id=%s age=%.1fs", entry.spec.id, age)
-        self._update_self_preservation(len(silent), now)
+        self._update_self_preservation(silent, now)
         if self._preserving_since is not None:
             return
         for entry in silent:
@@ -281,6 +316,50 @@ class Membership:
 
     # --- internals ---------------------------------------------------------------------
 
+    def _authenticate(self, member_id: str, incarnation: int, seq: int, payload: bytes,
+                      proof: bytes) -> _Entry | Outcome:
+        """The member's entry if `proof` is its session's and `seq` is new; else why not.
+
+        Nothing is changed on a refusal, so a message without the secret is harmless.
+        """
+        entry = self._members.get(member_id)
+        if entry is None:
+            return UNKNOWN
+        held = entry.spec.incarnation
+        if incarnation != held:
+            if incarnation < held:
+                return Outcome(ReplyStatus.STALE,
+                               f"incarnation {incarnation} is older than {held}", kind="stale")
+            return UNKNOWN  # a restarted process we have not heard register: no spec yet
+        if not sessions.verify(entry.session, payload, proof):
+            return BAD_PROOF
+        if seq <= entry.last_seq:
+            return refused(f"seq {seq} is not above {entry.last_seq} (a replay?)", "replay")
+        entry.last_seq = seq
+        return entry
+
+    def _register_again(self, entry: _Entry, spec: MemberSpec, state: MemberState, load: Load,
+                        now: float, nonce: bytes) -> Outcome:
+        """The same (id, incarnation) again: a retry by its registrant, or an impostor."""
+        if not hmac.compare_digest(nonce, entry.nonce):
+            return refused(f"id {spec.id!r} incarnation {spec.incarnation} is registered "
+                           f"already; a restarted process registers a newer incarnation",
+                           "takeover")
+        # A retried registration (the first reply was lost): same session, no new member.
+        spec_changed = spec != entry.spec
+        if spec_changed and spec.model != entry.spec.model:
+            cap = self.admission.cap_problem(len(self), spec.model, entry.spec)
+            if cap is not None:
+                return cap
+            self.admission.left(entry.spec.model)
+            self.admission.joined(spec.model)
+        entry.spec = spec
+        self._seen(entry, load, now)
+        self._set_state(entry, state, now)
+        if spec_changed:
+            self._publish_update(entry)
+        return Outcome(ReplyStatus.OK, session=entry.session)
+
     def _seen(self, entry: _Entry, load: Load, now: float) -> None:
         entry.last_seen = now
         entry.heartbeat_at = now
@@ -305,6 +384,7 @@ class Membership:
 
     def _remove(self, member_id: str, reason: LeaveReason) -> None:
         entry = self._members.pop(member_id)
+        self.admission.left(entry.spec.model)
         self._retime()
         self._publish(MemberLeft(self.epoch, self._next_version(), member_id,
                                  entry.spec.incarnation, entry.spec.model, reason))
@@ -326,23 +406,31 @@ class Membership:
     def _retime(self) -> None:
         self.timing = timing_for(self.config, len(self._members))
 
-    def _update_self_preservation(self, silent: int, now: float) -> None:
-        preserving = is_self_preserving(silent, len(self._members), self.config)
+    def _update_self_preservation(self, silent: list[_Entry], now: float) -> None:
+        preserving = is_self_preserving(len(silent), len(self._members), self.config)
         if not preserving:
             self._preservation_spent = False
         if preserving and self._preserving_since is None and not self._preservation_spent:
             self._preserving_since = now
             logger.warning("[registry] self-preservation on: %d of %d members silent at once; "
                            "expiry paused (fault assumed on the registry's side)",
-                           silent, len(self._members))
+                           len(silent), len(self._members))
         elif self._preserving_since is not None:
             held_for = now - self._preserving_since
             if not preserving:
                 self._preserving_since = None
-                logger.warning("[registry] self-preservation off after %.1fs", held_for)
+                # A silent fleet wakes one member at a time: the first ones back end the
+                # pause, and the rest, a moment behind, must not be expired in that moment.
+                # Those still silent get what is left of a lease from now on.
+                floor = now - self.timing.silent_after_s
+                for entry in silent:
+                    entry.last_seen = max(entry.last_seen, floor)
+                logger.warning("[registry] self-preservation off after %.1fs; %d members "
+                               "still silent get %.1fs more", held_for, len(silent),
+                               self.timing.lease_s - self.timing.silent_after_s)
             elif held_for > self.config.self_preservation_max_s:
                 self._preserving_since = None
                 self._preservation_spent = True
                 logger.warning("[registry] self-preservation gave up after %.1fs: "
-                               "expiring %d silent members", held_for, silent)
+                               "expiring %d silent members", held_for, len(silent))
 

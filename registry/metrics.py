@@ -28,8 +28,16 @@ from registry.protocol import (
 )
 
 if TYPE_CHECKING:
-    from registry.membership import Outcome
-    from registry.server import Published
+    from registry.outcome import Outcome
+    from registry.published import Published
+
+
+# Every reason a control message can be refused (pdreg_rejected_messages_total{reason}).
+REJECTION_REASONS = [
+    "malformed", "invalid", "oversized", "frames", "refused",  # the message itself
+    "token", "version", "banned", "incarnation", "cap", "takeover",  # registration
+    "proof", "replay", "reporter", "rate",  # sessions, reports, sync rate
+]
 
 
 @dataclass
@@ -44,7 +52,8 @@ class LoopStats:
     events: int = 0
     digests: int = 0
     syncs: int = 0
-    reports: int = 0
+    reports: Counter[str] = field(default_factory=Counter)
+    handshake_failures: int = 0
     replies_dropped: int = 0
     loop_errors: int = 0
     loop_lateness_s: float = 0.0
@@ -55,6 +64,12 @@ class LoopStats:
 
     def count_registration(self, outcome: Outcome) -> None:
         self.registrations[outcome.status.name.lower()] += 1
+
+    def count_report(self, outcome: Outcome) -> None:
+        """accepted, ignored (no such member incarnation), or why it was refused."""
+        status = outcome.status
+        result = outcome.kind if status is ReplyStatus.OK else status.name.lower()
+        self.reports[result or "accepted"] += 1
 
     def count_rejection(self, reason: str) -> None:
         self.rejections[reason] += 1
@@ -106,13 +121,18 @@ class RegistryCollector(Collector):
                                 stats.departures, [r.name.lower() for r in LeaveReason])
         yield _labelled_counter("pdreg_rejected_messages",
                                 "Control messages refused, by reason.", "reason",
-                                stats.rejections,
-                                ["malformed", "invalid", "oversized", "frames", "refused"])
+                                stats.rejections, REJECTION_REASONS)
         yield _counter("pdreg_events_published", "Membership events published.", stats.events)
         yield _counter("pdreg_load_digests_published", "Load digests published.",
                        stats.digests)
         yield _counter("pdreg_syncs", "Snapshots served to views.", stats.syncs)
-        yield _counter("pdreg_failure_reports", "Failure reports from routers.", stats.reports)
+        yield _labelled_counter("pdreg_failure_reports",
+                                "Failure reports from routers, by result.", "result",
+                                stats.reports, ["accepted", "ignored", "rejected", "unknown",
+                                                "stale"])
+        yield _counter("pdreg_curve_handshake_failures",
+                       "Connections refused by CURVE (no key, or a key not allowed).",
+                       stats.handshake_failures)
         yield _counter("pdreg_replies_dropped", "Replies dropped (peer not reading).",
                        stats.replies_dropped)
         yield _counter("pdreg_loop_errors", "Loop steps that raised (bugs).", stats.loop_errors)

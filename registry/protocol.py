@@ -1,10 +1,19 @@
 """The pdreg wire contract: msgspec Structs, msgpack-encoded, shared by every part.
 
-Control channel (engine agent / router  <->  registry ROUTER socket), one frame each way
-after ZeroMQ's identity envelope:
+Control channel (engine agent / router  <->  registry ROUTER socket), after ZeroMQ's
+identity envelope:
 
     agent -> registry   frame 0: a `ControlMessage` (Register | Heartbeat | Bye | Sync | Report)
+                        frame 1: Heartbeat, Bye and Report only: the member's session proof,
+                                 `registry.sessions.sign(session, frame 0)` (16 bytes)
     registry -> agent   frame 0: a `Reply` (for Register/Heartbeat/Bye/Report) or a `Snapshot`
+
+Sessions: an accepted Register's Reply carries `session`, a secret of 256 random bits the
+registry keeps per member. Every later message about that member is proved with it, and
+its `seq` must be above the last one accepted, so nobody else can speak for the member and
+nothing can be replayed. A Register carries `nonce`, the registrant's own secret: a retried
+Register (the first reply was lost) with the same nonce gets the same session back; one
+without it cannot take over the (id, incarnation).
 
 Event channel (registry PUB socket), two frames per message:
 
@@ -23,13 +32,14 @@ No pickle anywhere: the encoder refuses unknown types instead of falling back.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import re
 from typing import Annotated, Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: member sessions (proof frame, seq, nonce)
 
 # Size limits. They bound memory per member and make hostile input cheap to refuse.
 MAX_MESSAGE_BYTES: Final = 64 * 1024  # also set as ZMQ_MAXMSGSIZE on the control socket
@@ -40,6 +50,11 @@ MAX_LABELS: Final = 32
 MAX_LABEL_CHARS: Final = 128
 MAX_EXTRA_LOAD_FIELDS: Final = 16
 MAX_TOKEN_CHARS: Final = 256
+NONCE_MIN_BYTES: Final = 16
+NONCE_MAX_BYTES: Final = 64
+MAX_PROBLEM_CHARS: Final = 256
+MAX_LOAD_FIGURE: Final = 1e15  # load.extra values; also keeps NaN and infinities out
+MAX_UNIX_TIME_S: Final = 1e11  # year 5138: a bound, so a float field cannot be inf or NaN
 
 TOPIC_TERMINATOR: Final = b"\0"
 
@@ -108,7 +123,16 @@ LabelText = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
 Labels = Annotated[dict[LabelText, LabelText], msgspec.Meta(max_length=MAX_LABELS)]
 Incarnation = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Token = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_MIN_BYTES, max_length=NONCE_MAX_BYTES)]
+Session = Annotated[bytes, msgspec.Meta(max_length=64)]
+# Every float carries bounds: msgspec checks them on decode, and NaN fails any bound, so
+# no NaN or infinity gets in (it would break JSON for the dashboard and `pdreg status`).
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+LoadFigure = Annotated[float, msgspec.Meta(ge=-MAX_LOAD_FIGURE, le=MAX_LOAD_FIGURE)]
+UnixTime = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UNIX_TIME_S)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UNIX_TIME_S)]
+Interval = Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
@@ -147,14 +171,14 @@ class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     parallel: Parallel = Parallel()
     capacity: Count = 0  # max concurrent requests it serves well; 0 = unknown
     labels: Labels = {}
-    started_at: float = 0.0  # unix time the process started, for uptime
+    started_at: UnixTime = 0.0  # unix time the process started, for uptime
 
 
 class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
     running: Count = 0
     waiting: Count = 0
     kv_usage: Fraction = 0.0
-    extra: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], float],
+    extra: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], LoadFigure],
                      msgspec.Meta(max_length=MAX_EXTRA_LOAD_FIELDS)] = {}
 
 
@@ -162,7 +186,11 @@ class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults
 
 
 class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+    """Join (or re-join) the fleet. `nonce`: the registrant's random secret, kept for the
+    life of the process; a retry with the same (id, incarnation) must repeat it."""
+
     spec: MemberSpec
+    nonce: Nonce
     state: MemberState = MemberState.JOINING
     load: Load = Load()
     token: Token = ""
@@ -170,16 +198,21 @@ class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defa
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """Proved by frame 1. `seq` strictly increases per member and registry."""
+
     id: MemberId
     incarnation: Incarnation
-    seq: Annotated[int, msgspec.Meta(ge=0)]
+    seq: Seq
     state: MemberState
     load: Load
 
 
 class Bye(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Proved by frame 1."""
+
     id: MemberId
     incarnation: Incarnation
+    seq: Seq
     reason: ByeReason = ByeReason.SHUTDOWN
 
 
@@ -191,12 +224,19 @@ class Sync(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults
 
 
 class Report(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
-    """A router saw a member fail (connection error, 5xx) and quarantined it locally."""
+    """A router saw `member` fail (connection error, 5xx) and quarantined it locally.
+
+    Sent by the reporter about another member: `id`, `incarnation` and `seq` are the
+    reporter's own, proved by frame 1 with the reporter's session. Only `api_server`
+    members (routers) may report.
+    """
 
     id: MemberId
     incarnation: Incarnation
-    problem: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = ""
-    reporter: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
+    seq: Seq
+    member: MemberId
+    member_incarnation: Incarnation
+    problem: Annotated[str, msgspec.Meta(max_length=MAX_PROBLEM_CHARS)] = ""
 
 
 ControlMessage = Register | Heartbeat | Bye | Sync | Report
@@ -208,10 +248,11 @@ ControlMessage = Register | Heartbeat | Bye | Sync | Report
 class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
     status: ReplyStatus
     epoch: int
-    heartbeat_interval_s: float
+    heartbeat_interval_s: Interval
     reason: str = ""
     events_port: int = 0
     http_port: int = 0
+    session: Session = b""  # set only on an accepted Register: the member's session secret
 
 
 class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -221,8 +262,8 @@ class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     state: MemberState
     suspect: bool = False
     load: Load = Load()
-    registered_at: float = 0.0  # unix time the registry accepted this incarnation
-    heartbeat_at: float = 0.0  # unix time of the last heartbeat (registry clock)
+    registered_at: UnixTime = 0.0  # unix time the registry accepted this incarnation
+    heartbeat_at: UnixTime = 0.0  # unix time of the last heartbeat (registry clock)
 
     @property
     def id(self) -> str:
@@ -238,7 +279,7 @@ class Snapshot(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defa
     epoch: int
     version: int
     members: list[MemberRecord]
-    heartbeat_interval_s: float
+    heartbeat_interval_s: Interval
     events_port: int = 0
     http_port: int = 0
 
@@ -273,7 +314,7 @@ class LoadEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     id: str
     incarnation: int
     load: Load
-    heartbeat_age_s: float
+    heartbeat_age_s: Seconds
 
 
 class LoadDigest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -287,7 +328,7 @@ class LoadDigest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fals
     version: int
     model: str
     loads: list[LoadEntry]
-    heartbeat_interval_s: float
+    heartbeat_interval_s: Interval
 
 
 MembershipEvent = MemberJoined | MemberUpdated | MemberLeft
@@ -323,16 +364,46 @@ def event_decoder() -> msgspec.msgpack.Decoder[Event]:
 
 # --- Semantic validation (beyond what the types enforce) --------------------------------
 
-_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")
-_HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
-_PROTOCOL_OK = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# The whole text must match (`\Z`; `$` would let a trailing newline through). Ids: no `/`
+# (they are URL path segments in the HTTP API), nothing a terminal or log would misread.
+_ID_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*\Z")
+_HOST_OK = re.compile(r"[A-Za-z0-9._:\[\]-]+\Z")
+_PROTOCOL_OK = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
+# Link-local addresses include every cloud's instance metadata service (169.254.169.254):
+# no engine lives there, and a router must never be pointed at it.
+_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+
+
+def validate_member_id(member_id: str) -> str | None:
+    """Why `member_id` is not a valid id, or None."""
+    if not _ID_OK.fullmatch(member_id):
+        return f"id {member_id!r} must be letters, digits and ._:@- (starting alphanumeric)"
+    return None
+
+
+def _is_link_local(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False  # a name: only the router's --allow-upstream can judge where it points
+    return any(address.version == net.version and address in net for net in _LINK_LOCAL)
+
+
+def _problem_with_text(spec: MemberSpec) -> str | None:
+    if not spec.model.isprintable():
+        return f"model {spec.model!r} must be printable text"
+    for key, value in spec.labels.items():
+        if not key or not key.isprintable() or not value.isprintable():
+            return f"label {key!r}={value!r} must be printable text with a non-empty key"
+    return None
 
 
 def validate_spec(spec: MemberSpec) -> str | None:
     """Return why `spec` is unacceptable, or None. Types were already checked on decode."""
-    if not _ID_OK.match(spec.id):
-        return f"id {spec.id!r} must be letters, digits and ._:@/- (starting alphanumeric)"
-    if not _PROTOCOL_OK.match(spec.protocol):
+    problem = validate_member_id(spec.id) or _problem_with_text(spec)
+    if problem:
+        return problem
+    if not _PROTOCOL_OK.fullmatch(spec.protocol):
         return f"protocol {spec.protocol!r} must be lower-case letters, digits and ._-"
     url = spec.endpoints.http
     try:
@@ -342,10 +413,15 @@ def validate_spec(spec: MemberSpec) -> str | None:
         return f"endpoints.http {url!r} is not a URL: {exc}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return f"endpoints.http {url!r} must be http(s)://host[:port]"
+    if not _HOST_OK.fullmatch(parts.hostname) or not url.isprintable():
+        return f"endpoints.http {url!r} has an invalid host"
     if port == 0:
         return f"endpoints.http {url!r} has port 0"
-    if parts.query or parts.fragment:
-        return f"endpoints.http {url!r} must not carry a query or fragment"
+    if parts.query or parts.fragment or parts.username or parts.password:
+        return f"endpoints.http {url!r} must not carry a query or fragment or credentials"
+    for host in (parts.hostname, spec.endpoints.kv_host):
+        if _is_link_local(host):
+            return f"address {host!r} is link-local (instance metadata lives there)"
     if spec.role is not Role.API_SERVER and not spec.model:
         return "model must be set for engine roles"
     p = spec.parallel

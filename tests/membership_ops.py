@@ -1,34 +1,105 @@
-"""Random membership histories, shared by the membership and replica property tests."""
+"""Random membership histories, shared by the membership and replica property tests.
+
+`Fleet` is a `Membership` plus what its legitimate members hold (their nonces, the
+sessions the registry gave them, their seqs), with short helpers that sign as a real agent
+does: `join`, `beat`, `leave`, `accuse` (a router's failure report).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from registry import sessions
+from registry.admission import Limits
 from registry.detector import DetectorConfig
-from registry.membership import Membership
+from registry.membership import Membership, Outcome
 from registry.protocol import (
+    Bye,
     ByeReason,
     Endpoints,
+    Heartbeat,
     Load,
     MemberRecord,
     MemberSpec,
     MemberState,
+    ReplyStatus,
+    Report,
     Role,
+    make_encoder,
 )
 
 CONFIG = DetectorConfig(heartbeat_interval_s=1.0, lease_s=3.0, tick_period_s=0.1)
 READY, JOINING, DRAINING = MemberState.READY, MemberState.JOINING, MemberState.DRAINING
+ROUTER = "router-0"
+_encode = make_encoder().encode
 
 
-def spec(member_id: str = "p0", incarnation: int = 1, model: str = "m") -> MemberSpec:
-    return MemberSpec(id=member_id, incarnation=incarnation, role=Role.PREFILL, model=model,
+def spec(member_id: str = "p0", incarnation: int = 1, model: str = "m",
+         role: Role = Role.PREFILL) -> MemberSpec:
+    return MemberSpec(id=member_id, incarnation=incarnation, role=role,
+                      model="" if role is Role.API_SERVER else model,
                       protocol="reference", endpoints=Endpoints(http="http://127.0.0.1:9000"))
 
 
-def fresh(config: DetectorConfig = CONFIG) -> Membership:
-    return Membership(epoch=7, config=config)
+def nonce_for(member_id: str, incarnation: int) -> bytes:
+    """The nonce the legitimate process of (id, incarnation) registers with."""
+    return hashlib.blake2b(f"{member_id}/{incarnation}".encode(), digest_size=16).digest()
+
+
+def signed(session: bytes, message: object) -> tuple[bytes, bytes]:
+    payload = _encode(message)
+    return payload, sessions.sign(session, payload)
+
+
+class Fleet(Membership):
+    def __init__(self, config: DetectorConfig = CONFIG, limits: Limits | None = None,
+                 epoch: int = 7) -> None:
+        super().__init__(epoch=epoch, config=config, limits=limits)
+        self.sessions: dict[tuple[str, int], bytes] = {}
+        self._seq = itertools.count(1)
+
+    def join(self, spec: MemberSpec, state: MemberState = READY, load: Load | None = None,
+             now: float = 0.0) -> Outcome:
+        outcome = self.register(spec, state, load or Load(), now,
+                                nonce=nonce_for(spec.id, spec.incarnation))
+        if outcome.status is ReplyStatus.OK:
+            self.sessions[(spec.id, spec.incarnation)] = outcome.session
+        return outcome
+
+    def session_of(self, member_id: str, incarnation: int) -> bytes:
+        return self.sessions.get((member_id, incarnation), b"\0" * sessions.SESSION_BYTES)
+
+    def beat(self, member_id: str, incarnation: int, state: MemberState = READY,
+             load: Load | None = None, now: float = 0.0) -> Outcome:
+        beat = Heartbeat(member_id, incarnation, next(self._seq), state, load or Load())
+        return self.heartbeat(beat, *signed(self.session_of(member_id, incarnation), beat),
+                              now)
+
+    def leave(self, member_id: str, incarnation: int,
+              reason: ByeReason = ByeReason.SHUTDOWN) -> Outcome:
+        bye = Bye(member_id, incarnation, next(self._seq), reason)
+        return self.bye(bye, *signed(self.session_of(member_id, incarnation), bye))
+
+    def accuse(self, member_id: str, incarnation: int, now: float,
+               problem: str = "connect refused") -> Outcome:
+        """A registered router reports `member_id` (the router joins first if need be)."""
+        router = self.get(ROUTER)
+        if router is None:
+            self.join(spec(ROUTER, 1, role=Role.API_SERVER), now=now)
+            router = self.get(ROUTER)
+        assert router is not None
+        inc = router.spec.incarnation
+        report = Report(ROUTER, inc, next(self._seq), member_id, incarnation, problem)
+        return self.report(report, *signed(self.session_of(ROUTER, inc), report), now)
+
+
+def fresh(config: DetectorConfig = CONFIG, limits: Limits | None = None,
+          epoch: int = 7) -> Fleet:
+    return Fleet(config, limits, epoch)
 
 
 def ticks(m: Membership, start: float, end: float, step: float = 0.1) -> None:
@@ -64,19 +135,19 @@ ops = st.one_of(
 )
 
 
-def apply(m: Membership, op: Op, now: float) -> float:
+def apply(m: Fleet, op: Op, now: float) -> float:
     if op.kind == "register":
-        m.register(spec(op.member, op.incarnation), op.state, Load(), now)
+        m.join(spec(op.member, op.incarnation), op.state, Load(), now)
     elif op.kind == "heartbeat":
-        m.heartbeat(op.member, op.incarnation, op.state, Load(running=op.incarnation), now)
+        m.beat(op.member, op.incarnation, op.state, Load(running=op.incarnation), now)
     elif op.kind == "bye":
-        m.bye(op.member, op.incarnation, ByeReason.SHUTDOWN)
+        m.leave(op.member, op.incarnation)
     elif op.kind == "report":
-        m.report(op.member, op.incarnation, now)
+        m.accuse(op.member, op.incarnation, now)
     elif op.kind == "drain":
         m.drain(op.member)
     elif op.kind == "evict":
-        m.evict(op.member)
+        m.evict(op.member, now)
     else:
         end = now + op.dt
         ticks(m, now, end)
@@ -88,5 +159,3 @@ def apply(m: Membership, op: Op, now: float) -> float:
 def essence(record: MemberRecord) -> tuple:
     """What events must reproduce (load travels in digests, not events)."""
     return (record.spec, record.state, record.suspect)
-
-

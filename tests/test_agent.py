@@ -178,7 +178,7 @@ def test_unreachable_or_silent_registry_never_blocks_the_caller() -> None:
 
 def test_newer_incarnation_makes_the_older_agent_give_up(
         server: RegistryServer, agents: list[Agent], caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="engine_agent.agent")
+    caplog.set_level(logging.ERROR, logger="engine_agent")
     old_spec = make_spec(incarnation=1000)
     old = Agent(old_spec, registries=server.control_address).start()
     agents.append(old)
@@ -197,7 +197,7 @@ def test_newer_incarnation_makes_the_older_agent_give_up(
 
 def test_bad_token_is_rejected_and_logged(agents: list[Agent],
                                           caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="engine_agent.agent")
+    caplog.set_level(logging.ERROR, logger="engine_agent")
     srv = make_server(token="s3cret")
     try:
         spec = make_spec()

@@ -35,8 +35,8 @@ from registry.protocol import (
 
 def test_register_then_ready_emits_joined_then_updated():
     m = fresh()
-    assert m.register(spec(), JOINING, Load(), 0.0).status is ReplyStatus.OK
-    assert m.heartbeat("p0", 1, READY, Load(running=2), 0.5).status is ReplyStatus.OK
+    assert m.join(spec(), JOINING, Load(), 0.0).status is ReplyStatus.OK
+    assert m.beat("p0", 1, READY, Load(running=2), 0.5).status is ReplyStatus.OK
     events = m.take_events()
     assert [type(e) for e in events] == [MemberJoined, MemberUpdated]
     assert [e.version for e in events] == [1, 2]
@@ -50,16 +50,16 @@ def test_register_then_ready_emits_joined_then_updated():
 ])
 def test_register_incarnation_rules(held, sent, expected):
     m = fresh()
-    m.register(spec(incarnation=held), READY, Load(), 0.0)
-    assert m.register(spec(incarnation=sent), READY, Load(), 0.1).status is expected
+    m.join(spec(incarnation=held), READY, Load(), 0.0)
+    assert m.join(spec(incarnation=sent), READY, Load(), 0.1).status is expected
     assert m.get("p0").spec.incarnation == max(held, sent)
 
 
 def test_newer_incarnation_leaves_as_replaced_and_joins_again():
     m = fresh()
-    m.register(spec(incarnation=1), READY, Load(), 0.0)
+    m.join(spec(incarnation=1), READY, Load(), 0.0)
     m.take_events()
-    m.register(spec(incarnation=2), READY, Load(), 0.1)
+    m.join(spec(incarnation=2), READY, Load(), 0.1)
     left, joined = m.take_events()
     assert isinstance(left, MemberLeft) and left.reason is LeaveReason.REPLACED
     assert left.incarnation == 1
@@ -73,31 +73,31 @@ def test_newer_incarnation_leaves_as_replaced_and_joins_again():
 ])
 def test_heartbeat_incarnation_rules(incarnation, expected):
     m = fresh()
-    m.register(spec(incarnation=1), READY, Load(), 0.0)
-    assert m.heartbeat("p0", incarnation, READY, Load(), 0.5).status is expected
+    m.join(spec(incarnation=1), READY, Load(), 0.0)
+    assert m.beat("p0", incarnation, READY, Load(), 0.5).status is expected
 
 
 def test_heartbeat_from_unknown_member_says_register_again():
-    outcome = fresh().heartbeat("ghost", 1, READY, Load(), 0.0)
+    outcome = fresh().beat("ghost", 1, READY, Load(), 0.0)
     assert outcome.status is ReplyStatus.UNKNOWN
     assert "register again" in outcome.reason
 
 
 def test_draining_is_one_way():
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
-    m.heartbeat("p0", 1, DRAINING, Load(), 0.1)
-    m.heartbeat("p0", 1, READY, Load(), 0.2)
+    m.join(spec(), READY, Load(), 0.0)
+    m.beat("p0", 1, DRAINING, Load(), 0.1)
+    m.beat("p0", 1, READY, Load(), 0.2)
     assert m.get("p0").state is DRAINING
 
 
 def test_admin_drain_sticks_against_member_claims():
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
+    m.join(spec(), READY, Load(), 0.0)
     assert m.drain("p0").status is ReplyStatus.OK
-    m.heartbeat("p0", 1, READY, Load(), 0.1)
+    m.beat("p0", 1, READY, Load(), 0.1)
     assert m.get("p0").state is DRAINING
-    assert m.drain("nobody").status is ReplyStatus.REJECTED
+    assert m.drain("nobody").status is ReplyStatus.UNKNOWN
 
 
 @pytest.mark.parametrize(("reason", "leave"), [
@@ -106,9 +106,9 @@ def test_admin_drain_sticks_against_member_claims():
 ])
 def test_bye_removes_at_once(reason, leave):
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
+    m.join(spec(), READY, Load(), 0.0)
     m.take_events()
-    assert m.bye("p0", 1, reason).status is ReplyStatus.OK
+    assert m.leave("p0", 1, reason).status is ReplyStatus.OK
     (event,) = m.take_events()
     assert isinstance(event, MemberLeft) and event.reason is leave
     assert "p0" not in m
@@ -116,14 +116,14 @@ def test_bye_removes_at_once(reason, leave):
 
 def test_bye_from_an_old_incarnation_is_ignored():
     m = fresh()
-    m.register(spec(incarnation=2), READY, Load(), 0.0)
-    assert m.bye("p0", 1, ByeReason.SHUTDOWN).status is ReplyStatus.STALE
+    m.join(spec(incarnation=2), READY, Load(), 0.0)
+    assert m.leave("p0", 1, ByeReason.SHUTDOWN).status is ReplyStatus.STALE
     assert "p0" in m
 
 
 def test_suspect_then_expire_on_the_timer():
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
+    m.join(spec(), READY, Load(), 0.0)
     ticks(m, 0.0, 2.0)
     assert not m.get("p0").suspect  # age 2.0 is not past 2 intervals
     ticks(m, 2.0, 2.2)
@@ -137,26 +137,27 @@ def test_suspect_then_expire_on_the_timer():
 
 def test_heartbeat_clears_suspicion():
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
+    m.join(spec(), READY, Load(), 0.0)
     ticks(m, 0.0, 2.5)
     assert m.get("p0").suspect
-    m.heartbeat("p0", 1, READY, Load(), 2.5)
+    m.beat("p0", 1, READY, Load(), 2.5)
     assert not m.get("p0").suspect
 
 
 def test_router_report_suspects_until_next_heartbeat():
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
-    assert m.report("p0", 1, 0.1).status is ReplyStatus.OK
+    m.join(spec(), READY, Load(), 0.0)
+    assert m.accuse("p0", 1, 0.1).status is ReplyStatus.OK
     assert m.get("p0").suspect
-    assert m.report("p0", 9, 0.1).status is ReplyStatus.STALE
-    m.heartbeat("p0", 1, READY, Load(), 0.2)
+    outcome = m.accuse("p0", 9, 0.1)  # about another incarnation: nothing to do
+    assert outcome.status is ReplyStatus.OK and outcome.kind == "ignored"
+    m.beat("p0", 1, READY, Load(), 0.2)
     assert not m.get("p0").suspect
 
 
 def test_loop_lag_moves_deadlines():
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
+    m.join(spec(), READY, Load(), 0.0)
     m.tick(0.1)
     m.tick(10.0)  # the registry was stalled for ~10 s
     assert "p0" in m and not m.get("p0").suspect
@@ -166,11 +167,11 @@ def test_loop_lag_moves_deadlines():
 def test_self_preservation_pauses_expiry_when_most_go_silent_at_once():
     m = fresh()
     for i in range(4):
-        m.register(spec(f"p{i}"), READY, Load(), 0.0)
+        m.join(spec(f"p{i}"), READY, Load(), 0.0)
     ticks(m, 0.0, 10.0)  # nobody heard from
     assert len(m) == 4 and m.self_preserving
     for i in range(4):
-        m.heartbeat(f"p{i}", 1, READY, Load(), 10.0)
+        m.beat(f"p{i}", 1, READY, Load(), 10.0)
     m.tick(10.1)
     assert not m.self_preserving
 
@@ -180,31 +181,31 @@ def test_self_preservation_gives_up_after_its_limit():
                             self_preservation_max_s=5.0)
     m = fresh(config)
     for i in range(4):
-        m.register(spec(f"p{i}"), READY, Load(), 0.0)
+        m.join(spec(f"p{i}"), READY, Load(), 0.0)
     ticks(m, 0.0, 8.0)
     assert len(m) == 0 and not m.self_preserving
 
 
 def test_a_lone_death_is_not_self_preservation():
     m = fresh()
-    m.register(spec("dead"), READY, Load(), 0.0)
+    m.join(spec("dead"), READY, Load(), 0.0)
     for i in range(3):
-        m.register(spec(f"alive{i}"), READY, Load(), 0.0)
+        m.join(spec(f"alive{i}"), READY, Load(), 0.0)
     t = 0.0
     while t < 4.0:
         t += 0.1
         for i in range(3):
-            m.heartbeat(f"alive{i}", 1, READY, Load(), t)
+            m.beat(f"alive{i}", 1, READY, Load(), t)
         m.tick(t)
     assert "dead" not in m and len(m) == 3
 
 
 def test_load_changes_are_digested_not_published_as_events():
     m = fresh()
-    m.register(spec(), READY, Load(), 0.0)
+    m.join(spec(), READY, Load(), 0.0)
     m.take_events()
-    m.heartbeat("p0", 1, READY, Load(running=1), 0.1)
-    m.heartbeat("p0", 1, READY, Load(running=3), 0.2)
+    m.beat("p0", 1, READY, Load(running=1), 0.1)
+    m.beat("p0", 1, READY, Load(running=3), 0.2)
     assert m.take_events() == []
     digests = m.take_load_digests(0.3)
     assert [entry.load.running for entry in digests["m"]] == [3]
@@ -215,7 +216,7 @@ def test_interval_grows_with_fleet_size():
     config = DetectorConfig(heartbeat_interval_s=1.0, lease_s=3.0, max_ingest_per_s=10)
     m = fresh(config)
     for i in range(30):
-        m.register(spec(f"p{i}"), READY, Load(), 0.0)
+        m.join(spec(f"p{i}"), READY, Load(), 0.0)
     assert m.timing.heartbeat_interval_s == pytest.approx(3.0)
     assert m.timing.lease_s >= 3 * m.timing.heartbeat_interval_s
 
@@ -294,7 +295,7 @@ def test_without_heartbeats_everyone_is_gone_after_the_lease(sequence, extra, pr
 def test_a_lagging_loop_expires_nobody_early(members, stall):
     m = fresh()
     for member_id in members:
-        m.register(spec(member_id), READY, Load(), 0.0)
+        m.join(spec(member_id), READY, Load(), 0.0)
     m.tick(0.05)
     m.tick(0.05 + stall)  # the loop did not run for `stall` seconds
     assert len(m) == len(members)

@@ -45,13 +45,14 @@ SPEC = MemberSpec(
 RECORD = MemberRecord(spec=SPEC, state=MemberState.READY, load=Load(1, 2, 0.5))
 
 CONTROL = [
-    Register(spec=SPEC, state=MemberState.READY, token="t"),
+    Register(spec=SPEC, nonce=b"n" * 16, state=MemberState.READY, token="t"),
     Heartbeat("x", 1, 7, MemberState.DRAINING, Load(3, 4, 0.25, {"tok_s": 10.0})),
-    Bye("x", 1, ByeReason.CRASHED),
+    Bye("x", 1, 8, ByeReason.CRASHED),
     Sync(models=["a", "b"]),
-    Report("x", 1, "connect refused", "router-1"),
+    Report("router-1", 1, 9, "x", 1, "connect refused"),
 ]
 REPLIES = [Reply(ReplyStatus.UNKNOWN, 5, 1.0, "register again", 7601, 7680),
+           Reply(ReplyStatus.OK, 5, 1.0, session=b"s" * 32),
            Snapshot(5, 9, [RECORD], 1.0, 7601, 7680)]
 EVENTS = [MemberUpdated(5, 10, RECORD), MemberLeft(5, 11, "x", 1, "m", LeaveReason.EXPIRED),
           LoadDigest(5, 11, "m", [LoadEntry("x", 1, Load(1, 0, 0.1), 0.3)], 1.0)]
@@ -87,6 +88,9 @@ def test_heartbeat_is_compact():
     msgspec.msgpack.encode(["Heartbeat", "x", 1, 0, 9, [0, 0, 0.0]]),    # bad state
     msgspec.msgpack.encode(["Heartbeat", "x", 1, 0, 2, [0, 0, 1.5]]),    # kv_usage > 1
     msgspec.msgpack.encode(["Heartbeat", "x" * 500, 1, 0, 2, [0, 0, 0]]),  # id too long
+    msgspec.msgpack.encode(["Heartbeat", "x", 1, 2**63, 2, [0, 0, 0.0]]),  # seq too big
+    msgspec.msgpack.encode(["Bye", "x", 1]),                              # no seq
+    msgspec.msgpack.encode(["Register", msgspec.to_builtins(SPEC), b"short"]),  # nonce
 ])
 def test_malformed_control_messages_are_refused(payload):
     with pytest.raises(msgspec.MsgspecError):
@@ -94,10 +98,34 @@ def test_malformed_control_messages_are_refused(payload):
 
 
 def test_too_many_labels_are_refused():
-    raw = msgspec.to_builtins(Register(spec=SPEC))
+    raw = msgspec.to_builtins(Register(spec=SPEC, nonce=b"n" * 16))
     raw[1]["labels"] = {f"k{i}": "v" for i in range(100)}
     with pytest.raises(msgspec.ValidationError, match="labels"):
         control_decoder().decode(msgspec.msgpack.encode(raw))
+
+
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["kv_usage", "extra", "started_at"])
+def test_every_float_is_finite(bad, where):
+    """NaN or infinity anywhere a member can put a float is refused on decode: it would
+    break the dashboard's JSON and `pdreg status`."""
+    if where == "started_at":
+        raw = msgspec.to_builtins(Register(spec=SPEC, nonce=b"n" * 16))
+        raw[1]["started_at"] = bad
+    else:
+        load = [1, 2, bad, {}] if where == "kv_usage" else [1, 2, 0.5, {"tok_s": bad}]
+        raw = ["Heartbeat", "x", 1, 1, 2, load]
+    with pytest.raises(msgspec.ValidationError):
+        control_decoder().decode(msgspec.msgpack.encode(raw))
+
+
+@pytest.mark.parametrize("member_id", ["a/b", "a\n", "a\nb", " a", "-a", "a b", "a\x00", "é"])
+def test_ids_are_strict(member_id):
+    bad = msgspec.structs.replace(SPEC, id=member_id)
+    assert "id" in (validate_spec(bad) or "")
 
 
 @pytest.mark.parametrize(("change", "problem"), [
@@ -110,6 +138,16 @@ def test_too_many_labels_are_refused():
     ({"id": "bad id!"}, "id"),
     ({"protocol": "Bad Proto"}, "protocol"),
     ({"endpoints": Endpoints(http="http://h:1", kv_host="h;rm -rf")}, "kv_host"),
+    ({"endpoints": Endpoints(http="http://h:1", kv_host="h\n")}, "kv_host"),
+    ({"endpoints": Endpoints(http="http://169.254.169.254:80")}, "link-local"),
+    ({"endpoints": Endpoints(http="http://[fe80::1]:80")}, "link-local"),
+    ({"endpoints": Endpoints(http="http://h:1", kv_host="169.254.1.1")}, "link-local"),
+    ({"endpoints": Endpoints(http="http://user:pw@h:1")}, "credentials"),
+    ({"model": "a\x00b"}, "printable"),
+    ({"model": "line\nbreak"}, "printable"),
+    ({"labels": {"zone": "a\x1b[31m"}}, "printable"),
+    ({"labels": {"": "x"}}, "label"),
+    ({"protocol": "vllm\n"}, "protocol"),
 ])
 def test_semantic_validation(change, problem):
     bad = msgspec.structs.replace(SPEC, **change)

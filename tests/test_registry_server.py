@@ -8,32 +8,23 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 
 import httpx
 import pytest
 import zmq
+from raw_member import RawMember
 
 from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
-    Bye,
     ByeReason,
-    Endpoints,
-    Heartbeat,
     Load,
-    MemberSpec,
     MemberState,
-    Register,
-    Reply,
     ReplyStatus,
-    Role,
-    Snapshot,
     Sync,
     make_encoder,
     reply_decoder,
@@ -47,66 +38,6 @@ LEASE_S = 5.0
 FAST_INTERVAL_S = 0.2
 FAST_LEASE_S = 0.6
 WAIT_S = 10.0  # generous: other test processes share two cores
-
-
-class RawMember:
-    """A member speaking the wire protocol by hand, to test the registry's side of it."""
-
-    def __init__(self, address: str, member_id: str = "prefill-127.0.0.1-9001",
-                 incarnation: int = 1, role: Role = Role.PREFILL, token: str = "") -> None:
-        self.spec = MemberSpec(id=member_id, incarnation=incarnation, role=role, model="tiny",
-                               protocol="reference",
-                               endpoints=Endpoints(http="http://127.0.0.1:9001"))
-        self.token = token
-        self.address = address
-        self.seq = 0
-        self._ctx = zmq.Context()
-        self.sock = self._ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{address}")
-        self._encoder = make_encoder()
-        self._decoder = reply_decoder()
-
-    def ask(self, message: object) -> Reply | Snapshot:
-        self.sock.send(self._encoder.encode(message))
-        return self.receive()
-
-    def receive(self) -> Reply | Snapshot:
-        assert self.sock.poll(WAIT_S * 1e3), "registry did not reply"
-        return self._decoder.decode(self.sock.recv())
-
-    def register(self, state: MemberState = MemberState.READY) -> Reply:
-        return self.ask(Register(spec=self.spec, state=state, token=self.token))
-
-    def heartbeat(self, load: Load | None = None,
-                  state: MemberState = MemberState.READY) -> Reply:
-        self.seq += 1
-        return self.ask(Heartbeat(self.spec.id, self.spec.incarnation, self.seq, state,
-                                  load or Load()))
-
-    @contextmanager
-    def kept_alive(self) -> Iterator[None]:
-        """Heartbeat from a thread of its own (own socket) while slow things run."""
-        stop = threading.Event()
-
-        def beat() -> None:
-            twin = RawMember(self.address, self.spec.id, self.spec.incarnation)
-            try:
-                while not stop.wait(INTERVAL_S / 2):
-                    twin.heartbeat()
-            finally:
-                twin.close()
-
-        thread = threading.Thread(target=beat, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
-    def close(self) -> None:
-        self._ctx.destroy(linger=0)
 
 
 def start_registry(**overrides: object) -> RegistryServer:
@@ -167,7 +98,7 @@ def test_register_is_visible_everywhere(registry, member, view):
     assert one["role"] == "prefill" and one["state"] == "ready" and one["model"] == "tiny"
     assert httpx.get(f"{registry.http_url}/v1/members/nobody").status_code == 404
 
-    with member.kept_alive():  # the CLI starts slowly on a busy machine
+    with member.kept_alive(INTERVAL_S):  # the CLI starts slowly on a busy machine
         status = subprocess.run(
             [sys.executable, "-m", "pdreg", "status", "--registry", registry.control_address,
              "--json"], capture_output=True, text=True, timeout=60, check=True)
@@ -226,7 +157,7 @@ def test_silent_member_is_suspected_then_expired():
 def test_bye_is_gone_at_once(registry, member, view):
     member.register()
     assert view.wait_for(lambda m: member.spec.id in m, WAIT_S)
-    assert member.ask(Bye(member.spec.id, 1, ByeReason.SHUTDOWN)).status is ReplyStatus.OK
+    assert member.bye(ByeReason.SHUTDOWN).status is ReplyStatus.OK
     before = time.monotonic()
     assert view.wait_for(lambda m: member.spec.id not in m, WAIT_S)
     assert time.monotonic() - before < LEASE_S  # not waiting for expiry
@@ -261,7 +192,7 @@ def test_restarted_registry_asks_members_to_register_again(registry, member):
     [os.urandom(512)],
     [make_encoder().encode(["Heartbeat", "x", "not-an-int", 1, 2, [0, 0, 0.0]])],
     [make_encoder().encode({"hello": "world"})],
-    [b"two", b"frames"],
+    [b"three", b"whole", b"frames"],
     [b"\x91" + b"\xa1x" * 10],
     [b"x" * (MAX_MESSAGE_BYTES + 1)],
 ], ids=["bytes", "random", "wrong-type", "map", "multipart", "truncated", "oversized"])
@@ -367,7 +298,7 @@ def test_admin_actions_need_the_admin_token():
 def test_drain_cli(registry, member):
     member.register()
     assert settles(lambda: member.spec.id in registry.members())
-    with member.kept_alive():
+    with member.kept_alive(INTERVAL_S):
         out = subprocess.run([sys.executable, "-m", "pdreg", "drain", member.spec.id,
                               "--registry", registry.control_address], capture_output=True,
                              text=True, timeout=60)

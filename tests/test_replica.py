@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from membership_ops import READY, apply, essence, fresh, ops, spec
+from membership_ops import READY, Fleet, apply, essence, fresh, ops, spec
 
 from registry.membership import Membership
 from registry.protocol import (
@@ -84,10 +84,10 @@ def test_replaying_the_same_events_twice_changes_nothing(sequence):
     assert held(replica) == truth(m)
 
 
-def registered(*ids: str, epoch: int = 7) -> Membership:
-    m = Membership(epoch=epoch)
+def registered(*ids: str, epoch: int = 7) -> Fleet:
+    m = fresh(epoch=epoch)
     for member_id in ids:
-        m.register(spec(member_id), READY, Load(), 0.0)
+        m.join(spec(member_id), READY, Load(), 0.0)
     return m
 
 
@@ -100,7 +100,7 @@ def test_a_restarted_registry_does_not_empty_the_view():
     assert replica.carried == {"b"}
     assert not replica.drop_carried(1.0 + CARRY_OVER_INTERVALS - 0.1)
     # b comes back: it is a member of the new epoch now, no longer carried.
-    restarted.register(spec("b"), READY, Load(), 2.0)
+    restarted.join(spec("b"), READY, Load(), 2.0)
     (joined,) = restarted.take_events()[-1:]
     assert isinstance(joined, MemberJoined)
     assert replica.apply(joined, 2.0) is Applied.CHANGED

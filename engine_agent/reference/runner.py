@@ -33,6 +33,7 @@ from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.server import EngineServer, ServerState
 from engine_agent.reference.tokens import encode
 from registry.protocol import Endpoints, MemberSpec, MemberState, Role, role_name
+from registry.security import ClientCurve
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EngineConfig:
     register: bool = True
     registries: str | None = None
     token: str = ""
+    curve: ClientCurve | None = None  # CURVE keys for the registry link
     threads: int = 1
     sim_prefill_s_per_token: float = 0.0
     sim_decode_s_per_token: float = 0.0
@@ -117,7 +119,7 @@ def _make_agent(config: EngineConfig, spec_for: Callable[[str, int], MemberSpec]
     if not config.register:
         return None, spec
     agent = Agent(spec, registries=config.registries, load=load, token=config.token,
-                  state=MemberState.JOINING)
+                  state=MemberState.JOINING, curve=config.curve)
     return agent.start(), spec
 
 

@@ -1,0 +1,208 @@
+"""One registry as an agent's loop sees it: what to send next, and what a reply means.
+
+A link has at most one request in flight, so a reply always answers the last request sent
+on it; when a reply is late the DEALER is closed and recreated, because a lost peer would
+otherwise leave queued requests whose replies arrive out of step (ZeroMQ Guide ch. 4,
+"Lazy Pirate"). Touched only by the agent's loop thread.
+
+Session: the registry's reply to an accepted Register carries the member's session
+secret. Heartbeats, reports and the bye are proved with it (frame 1) and numbered with a
+`seq` that only grows, so no one else can speak for this member.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+import zmq
+
+from engine_agent.backoff import backoff_delay_s
+from registry import sessions
+from registry.protocol import (
+    MAX_MESSAGE_BYTES,
+    Bye,
+    ByeReason,
+    Heartbeat,
+    Load,
+    MemberSpec,
+    MemberState,
+    Register,
+    Reply,
+    ReplyStatus,
+    Report,
+)
+from registry.security import ClientCurve
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_INTERVAL_S: Final = 1.0  # until the registry's first reply says otherwise
+MIN_HEARTBEAT_INTERVAL_S: Final = 0.01  # guards against a registry dictating a busy loop
+MAX_HEARTBEAT_INTERVAL_S: Final = 60.0
+MIN_REPLY_TIMEOUT_S: Final = 0.5  # a reply later than this means the registry is unreachable
+MAX_REPLY_TIMEOUT_S: Final = 5.0
+REPLY_TIMEOUT_INTERVALS: Final = 2.0  # ... or later than this many heartbeat intervals
+MAX_PENDING_REPORTS: Final = 64  # per registry; the oldest go first when more pile up
+
+PendingReport = tuple[str, int, str]  # (member id, its incarnation, problem)
+
+
+class LinkPhase(enum.Enum):
+    REGISTERING = "registering"  # next request is a Register
+    HEARTBEATING = "heartbeating"  # registered; next request is a Heartbeat (or a Report)
+    GAVE_UP = "gave_up"  # STALE or a refused Register: this registry will not take us
+
+
+class Request(enum.Enum):
+    """What the request in flight was: its reply means different things."""
+
+    REGISTER = "register"
+    HEARTBEAT = "heartbeat"
+    REPORT = "report"
+
+
+@dataclass
+class Link:
+    address: str
+    member_id: str  # for log lines
+    nonce: bytes = field(default_factory=sessions.new_nonce)  # for this process's life
+    socket: zmq.Socket | None = None
+    phase: LinkPhase = LinkPhase.REGISTERING
+    in_flight: Request | None = None
+    in_flight_since: float | None = None  # monotonic send time of the unanswered request
+    in_flight_state: MemberState | None = None  # the state that request announced
+    next_send_at: float = 0.0  # monotonic
+    interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    failures: int = 0  # consecutive unanswered requests
+    registered: bool = False  # the last reply was OK
+    session: bytes = b""
+    seq: int = 0
+    reports: deque[PendingReport] = field(
+        default_factory=lambda: deque(maxlen=MAX_PENDING_REPORTS))
+
+    @property
+    def reply_timeout_s(self) -> float:
+        return min(MAX_REPLY_TIMEOUT_S,
+                   max(MIN_REPLY_TIMEOUT_S, REPLY_TIMEOUT_INTERVALS * self.interval_s))
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight_since is None
+
+    # --- requests ----------------------------------------------------------------------
+
+    def request(self, spec: MemberSpec, token: str, state: MemberState, load: Load,
+                encoder: msgspec.msgpack.Encoder) -> list[bytes]:
+        """The next request's frames: a Register, a queued Report, or a Heartbeat."""
+        if self.phase is LinkPhase.REGISTERING:
+            self.in_flight = Request.REGISTER
+            return [encoder.encode(Register(spec=spec, nonce=self.nonce, state=state,
+                                            load=load, token=token))]
+        self.seq += 1
+        if self.reports:
+            member, incarnation, problem = self.reports.popleft()
+            self.in_flight = Request.REPORT
+            return self._signed(encoder, Report(
+                id=spec.id, incarnation=spec.incarnation, seq=self.seq, member=member,
+                member_incarnation=incarnation, problem=problem))
+        self.in_flight = Request.HEARTBEAT
+        return self._signed(encoder, Heartbeat(id=spec.id, incarnation=spec.incarnation,
+                                               seq=self.seq, state=state, load=load))
+
+    def bye(self, spec: MemberSpec, reason: ByeReason,
+            encoder: msgspec.msgpack.Encoder) -> list[bytes]:
+        self.seq += 1
+        return self._signed(encoder, Bye(id=spec.id, incarnation=spec.incarnation,
+                                         seq=self.seq, reason=reason))
+
+    def _signed(self, encoder: msgspec.msgpack.Encoder, message: object) -> list[bytes]:
+        payload = encoder.encode(message)
+        return [payload, sessions.sign(self.session, payload)]
+
+    # --- replies -----------------------------------------------------------------------
+
+    def on_reply(self, reply: Reply, now: float, rng: random.Random) -> None:
+        sent, sent_state = self.in_flight, self.in_flight_state
+        self.in_flight = None
+        self.in_flight_since = None
+        if self.failures:
+            logger.info("[agent] registry %s answers again after %d unanswered requests",
+                        self.address, self.failures)
+            self.failures = 0
+        self.interval_s = min(MAX_HEARTBEAT_INTERVAL_S,
+                              max(MIN_HEARTBEAT_INTERVAL_S, reply.heartbeat_interval_s))
+        status = reply.status
+        if status is ReplyStatus.OK:
+            if sent is Request.REPORT:
+                return  # accepted (or about a member the registry no longer holds)
+            if sent is Request.REGISTER:
+                self.session = reply.session
+                logger.info("[agent] registered id=%s at %s state=%s interval=%.2fs",
+                            self.member_id, self.address,
+                            sent_state.name.lower() if sent_state else "?", self.interval_s)
+            self.phase = LinkPhase.HEARTBEATING
+            self.registered = True
+            self.next_send_at = now + self.interval_s
+        elif status is ReplyStatus.UNKNOWN:
+            # The registry restarted (or expired us): register again right away.
+            logger.info("[agent] registry %s does not know id=%s; registering again",
+                        self.address, self.member_id)
+            self._register_again(now)
+        elif status is ReplyStatus.STALE or sent is Request.REGISTER:
+            # STALE: a newer incarnation of this id exists, so this process is superseded.
+            # A refused Register (token, spec, ban, cap): retrying would only repeat it.
+            logger.error("[agent] registry %s refused id=%s: %s %s; no more heartbeats to "
+                         "it", self.address, self.member_id, status.name, reply.reason)
+            self.phase = LinkPhase.GAVE_UP
+            self.registered = False
+        elif sent is Request.REPORT:
+            logger.warning("[agent] registry %s refused a report from id=%s: %s",
+                           self.address, self.member_id, reply.reason)
+        else:
+            # A refused heartbeat: our session is not what the registry holds. Take a
+            # session again (the nonce proves the registration is ours), not too fast.
+            self.failures += 1
+            logger.error("[agent] registry %s refused a heartbeat of id=%s: %s; registering "
+                         "again", self.address, self.member_id, reply.reason)
+            self._register_again(now + backoff_delay_s(self.failures, rng))
+
+    def on_no_reply(self, now: float, rng: random.Random) -> None:
+        self.failures += 1
+        delay = backoff_delay_s(self.failures, rng)
+        log = logger.warning if self.failures == 1 else logger.debug
+        log("[agent] no reply from registry %s in %.1fs (attempt %d); retrying in %.2fs",
+            self.address, self.reply_timeout_s, self.failures, delay)
+        # Fresh socket: the old one may hold queued requests for a lost peer.
+        self.close_socket()
+        self.in_flight = None
+        self.in_flight_since = None
+        self.registered = False
+        self.next_send_at = now + delay
+
+    def _register_again(self, at: float) -> None:
+        self.phase = LinkPhase.REGISTERING
+        self.registered = False
+        self.next_send_at = at
+
+    # --- socket ------------------------------------------------------------------------
+
+    def open_socket(self, context: zmq.Context, curve: ClientCurve | None) -> zmq.Socket:
+        if self.socket is None:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            if curve is not None:
+                curve.apply(sock)
+            sock.connect(f"tcp://{self.address}")
+            self.socket = sock
+        return self.socket
+
+    def close_socket(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None

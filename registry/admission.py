@@ -1,0 +1,95 @@
+"""Who may join: bans, member caps and incarnation bounds. Pure; `Membership` consults it.
+
+These are the limits on a registrant that holds the fleet token: it may add members, but
+not without bound, not under an id an operator banned, and not with an incarnation meant
+to outlive every real restart of that id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from registry.outcome import Outcome, refused
+from registry.protocol import MemberSpec
+
+logger = logging.getLogger(__name__)
+
+MAX_MEMBERS = 20_000  # --max-members default: 160k GPUs at TP 8, with room for routers
+# Incarnations are time_ns() at process start: one further ahead of the registry's clock
+# than this could only be meant to outlive every real restart of that id.
+MAX_INCARNATION_AHEAD_S = 60.0
+MAX_BANS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_members: int = MAX_MEMBERS
+    max_members_per_model: int = 0  # 0: only the total cap
+    max_incarnation_ahead_s: float = MAX_INCARNATION_AHEAD_S
+
+    def __post_init__(self) -> None:
+        if self.max_members < 1 or self.max_members_per_model < 0:
+            raise ValueError("member caps must be positive (--max-members, "
+                             "--max-members-per-model)")
+
+
+class Admission:
+    def __init__(self, limits: Limits, wall_offset: float) -> None:
+        self.limits = limits
+        self.wall_offset = wall_offset
+        self.per_model: Counter[str] = Counter()
+        self._bans: dict[str, float] = {}  # id -> monotonic time the ban ends
+
+    def problem(self, spec: MemberSpec, now: float) -> Outcome | None:
+        """Why `spec` may not register now (ban, incarnation), or None."""
+        banned_until = self._bans.get(spec.id)
+        if banned_until is not None:
+            if now < banned_until:
+                return refused(f"id {spec.id!r} is banned for another "
+                               f"{banned_until - now:.0f}s (evicted by an operator)", "banned")
+            del self._bans[spec.id]
+        ahead_s = spec.incarnation / 1e9 - (now + self.wall_offset)
+        limit_s = self.limits.max_incarnation_ahead_s
+        if ahead_s > limit_s:
+            return refused(f"incarnation {spec.incarnation} is {ahead_s:.0f}s ahead of the "
+                           f"registry's clock (at most {limit_s:.0f}s; an incarnation is the "
+                           f"process start time in ns)", "incarnation")
+        return None
+
+    def cap_problem(self, members: int, model: str, replacing: MemberSpec | None
+                    ) -> Outcome | None:
+        """Why one more member of `model` (in place of `replacing`) is over a cap, or None."""
+        limits = self.limits
+        if members - (replacing is not None) >= limits.max_members:
+            return refused(f"member cap reached: {limits.max_members} members "
+                           f"(--max-members)", "cap")
+        if limits.max_members_per_model:
+            same = replacing is not None and replacing.model == model
+            if self.per_model[model] - same >= limits.max_members_per_model:
+                return refused(f"per-model cap reached: {limits.max_members_per_model} "
+                               f"members serve model {model!r} (--max-members-per-model)",
+                               "cap")
+        return None
+
+    def joined(self, model: str) -> None:
+        self.per_model[model] += 1
+
+    def left(self, model: str) -> None:
+        self.per_model[model] -= 1
+        if not self.per_model[model]:
+            del self.per_model[model]
+
+    def ban(self, member_id: str, now: float, ban_s: float) -> Outcome | None:
+        """Refuse `member_id`'s registrations for `ban_s`; why not, or None."""
+        self._bans = {i: end for i, end in self._bans.items() if end > now}
+        if len(self._bans) >= MAX_BANS and member_id not in self._bans:
+            return refused(f"{MAX_BANS} ids are banned already", "bans")
+        self._bans[member_id] = now + ban_s
+        logger.warning("[registry] ban id=%s for %.0fs (admin)", member_id, ban_s)
+        return None
+
+    def banned(self, now: float) -> dict[str, float]:
+        """Ids banned now and the seconds each ban has left."""
+        return {i: end - now for i, end in self._bans.items() if end > now}

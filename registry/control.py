@@ -1,0 +1,179 @@
+"""The control channel: the registry loop's ROUTER side. Loop thread only.
+
+Per message: frames -> decode -> admission (token, version, spec) or session proof ->
+one `Membership` transition -> one reply. A refusal is counted by kind, logged at most
+every REJECT_LOG_EVERY_S, and answered with REJECTED; it never touches a member.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Final
+
+import msgspec
+import zmq
+
+from registry.membership import OK, Membership, Outcome
+from registry.metrics import LoopStats
+from registry.outcome import refused
+from registry.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Bye,
+    ControlMessage,
+    Heartbeat,
+    Register,
+    Reply,
+    ReplyStatus,
+    Report,
+    Snapshot,
+    Sync,
+    make_encoder,
+    validate_spec,
+)
+from registry.ratelimit import SyncLimiter
+
+logger = logging.getLogger(__name__)
+
+BATCH_MAX_MESSAGES: Final = 1024  # control messages handled between two ticks
+REJECT_LOG_EVERY_S: Final = 5.0
+
+
+class ControlChannel:
+    def __init__(self, sock: zmq.Socket, membership: Membership, stats: LoopStats, *,
+                 epoch: int, token: str) -> None:
+        self.sock = sock
+        self.membership = membership
+        self.stats = stats
+        self.epoch = epoch
+        self.token = token.encode()
+        self.events_port = 0  # announced in replies, set once bound
+        self.http_port = 0
+        self._encoder = make_encoder()
+        self._syncs = SyncLimiter()
+        self._ok_reply: tuple[float, bytes] = (0.0, b"")  # (interval, encoded OK reply)
+        self._last_reject_log = 0.0
+        self._rejects_unlogged = 0
+
+    def process(self, now: float, decoder: msgspec.msgpack.Decoder[ControlMessage]) -> None:
+        """Handle what is queued, at most BATCH_MAX_MESSAGES (then the loop ticks)."""
+        for _ in range(BATCH_MAX_MESSAGES):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            # [identity, message] or [identity, message, session proof]
+            if len(frames) == 3:
+                identity, payload, proof = frames
+            elif len(frames) == 2:
+                identity, payload = frames
+                proof = b""
+            else:
+                self._reject(frames[0], "frames",
+                             f"expected 1 or 2 frames, got {len(frames) - 1}")
+                continue
+            if len(payload) > MAX_MESSAGE_BYTES:
+                self._reject(identity, "oversized",
+                             f"message of {len(payload)} bytes; limit {MAX_MESSAGE_BYTES}")
+                continue
+            try:
+                message = decoder.decode(payload)
+            except msgspec.ValidationError as exc:
+                self._reject(identity, "invalid", str(exc))
+                continue
+            except msgspec.DecodeError as exc:
+                self._reject(identity, "malformed", str(exc))
+                continue
+            self._handle(identity, message, payload, proof, now)
+
+    def _handle(self, identity: bytes, message: ControlMessage, payload: bytes, proof: bytes,
+                now: float) -> None:
+        membership = self.membership
+        stats = self.stats
+        if type(message) is Heartbeat:  # the hot path first
+            stats.heartbeats += 1
+            outcome = membership.heartbeat(message, payload, proof, now)
+            if outcome is not OK:
+                stats.count_heartbeat_result(outcome.status)
+        elif type(message) is Register:
+            outcome = self._register(message, now)
+            stats.count_registration(outcome)
+        elif type(message) is Bye:
+            outcome = membership.bye(message, payload, proof)
+        elif type(message) is Report:
+            outcome = membership.report(message, payload, proof, now)
+            stats.count_report(outcome)
+        else:  # Sync
+            self._send_snapshot(identity, message, now)
+            return
+        if outcome.status is ReplyStatus.REJECTED:
+            about = message.spec.id if type(message) is Register else message.id
+            self._reject(identity, outcome.kind or "refused", outcome.reason, about)
+            return
+        self._reply(identity, outcome)
+
+    def _register(self, message: Register, now: float) -> Outcome:
+        if self.token and not hmac.compare_digest(message.token.encode(), self.token):
+            return refused("bad or missing token", "token")
+        if message.protocol_version != PROTOCOL_VERSION:
+            return refused(f"protocol version {message.protocol_version}; this registry "
+                           f"speaks {PROTOCOL_VERSION}", "version")
+        problem = validate_spec(message.spec)
+        if problem is not None:
+            return refused(problem, "invalid")
+        return self.membership.register(message.spec, message.state, message.load, now,
+                                        nonce=message.nonce)
+
+    def _send_snapshot(self, identity: bytes, sync: Sync, now: float) -> None:
+        if sync.protocol_version != PROTOCOL_VERSION:
+            self._reject(identity, "version", f"protocol version {sync.protocol_version}; "
+                         f"this registry speaks {PROTOCOL_VERSION}")
+            return
+        membership = self.membership
+        wait_s = self._syncs.wait_s(identity, membership.count(sync.models), now)
+        if wait_s > 0:
+            self._reject(identity, "rate", f"too many syncs; retry in {wait_s:.2f}s")
+            return
+        snapshot = Snapshot(epoch=self.epoch, version=membership.version,
+                            members=membership.records(sync.models),
+                            heartbeat_interval_s=membership.timing.heartbeat_interval_s,
+                            events_port=self.events_port, http_port=self.http_port)
+        self.stats.syncs += 1
+        self._send(identity, self._encoder.encode(snapshot))
+
+    def _reply(self, identity: bytes, outcome: Outcome) -> None:
+        interval = self.membership.timing.heartbeat_interval_s
+        if outcome is OK and self._ok_reply[0] == interval:
+            # The hot path: nearly every reply is this one, so encode it once.
+            self._send(identity, self._ok_reply[1])
+            return
+        reply = Reply(status=outcome.status, epoch=self.epoch, heartbeat_interval_s=interval,
+                      reason=outcome.reason, events_port=self.events_port,
+                      http_port=self.http_port, session=outcome.session)
+        payload = self._encoder.encode(reply)
+        if outcome is OK:
+            self._ok_reply = (interval, payload)
+        self._send(identity, payload)
+
+    def _reject(self, identity: bytes, reason: str, detail: str, about: str = "") -> None:
+        """Count, log (rate limited) and answer a refusal."""
+        self.stats.count_rejection(reason)
+        now = time.monotonic()
+        if now - self._last_reject_log > REJECT_LOG_EVERY_S:
+            suppressed, self._rejects_unlogged = self._rejects_unlogged, 0
+            self._last_reject_log = now
+            logger.warning("[registry] rejected message reason=%s%s: %s%s", reason,
+                           f" id={about!r}" if about else "", detail[:200],
+                           f" ({suppressed} more since the last such line)" if suppressed
+                           else "")
+        else:
+            self._rejects_unlogged += 1
+        self._reply(identity, Outcome(ReplyStatus.REJECTED, f"{reason}: {detail}"[:500]))
+
+    def _send(self, identity: bytes, payload: bytes) -> None:
+        try:
+            self.sock.send_multipart((identity, payload), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats.replies_dropped += 1  # that peer stopped reading; it will retry

@@ -1,0 +1,184 @@
+"""Sessions, admission and limits on the pure membership: one rule per test, fast.
+
+Over real sockets the same attacks are tried in test_adversary.py.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from membership_ops import READY, ROUTER, fresh, nonce_for, signed, spec
+
+from registry import sessions
+from registry.admission import Limits
+from registry.protocol import (
+    Bye,
+    ByeReason,
+    Heartbeat,
+    LeaveReason,
+    Load,
+    MemberLeft,
+    MemberState,
+    ReplyStatus,
+    Report,
+    Role,
+)
+from registry.ratelimit import SyncLimiter
+
+FORGED = b"\0" * sessions.PROOF_BYTES
+
+
+def test_register_hands_out_a_fresh_secret_per_member():
+    m = fresh()
+    a, b = m.join(spec("a")), m.join(spec("b"))
+    assert len(a.session) * 8 >= 128 and len(b.session) * 8 >= 128
+    assert a.session != b.session
+    # The secret never travels in records, snapshots or events.
+    assert all(a.session not in repr(r).encode() for r in m.records())
+
+
+def test_a_heartbeat_without_the_secret_changes_nothing():
+    m = fresh()
+    m.join(spec(), READY, Load(running=1))
+    before = m.get("p0")
+    beat = Heartbeat("p0", 1, 99, MemberState.DRAINING, Load(running=2**31 - 1))
+    payload, _ = signed(b"x" * 32, beat)
+    for proof in (b"", FORGED, sessions.sign(b"x" * 32, payload)):
+        outcome = m.heartbeat(beat, payload, proof, 1.0)
+        assert outcome.status is ReplyStatus.REJECTED and outcome.kind == "proof"
+    assert m.get("p0") == before
+    assert m.take_load_digests(1.0) == {}
+
+
+def test_a_proof_binds_every_field():
+    m = fresh()
+    m.join(spec())
+    session = m.sessions[("p0", 1)]
+    good = Heartbeat("p0", 1, 5, READY, Load(running=1))
+    _, proof = signed(session, good)
+    altered, _ = signed(session, Heartbeat("p0", 1, 5, MemberState.DRAINING, Load(running=1)))
+    assert m.heartbeat(good, altered, proof, 1.0).kind == "proof"
+    assert m.get("p0").state is READY
+
+
+def test_replays_and_old_seqs_are_refused():
+    m = fresh()
+    m.join(spec())
+    session = m.sessions[("p0", 1)]
+    beat = Heartbeat("p0", 1, 5, READY, Load(running=1))
+    assert m.heartbeat(beat, *signed(session, beat), 1.0).status is ReplyStatus.OK
+    again = m.heartbeat(beat, *signed(session, beat), 1.1)
+    assert again.status is ReplyStatus.REJECTED and again.kind == "replay"
+    older = Heartbeat("p0", 1, 4, MemberState.DRAINING, Load())
+    assert m.heartbeat(older, *signed(session, older), 1.2).kind == "replay"
+    assert m.get("p0").state is READY
+
+
+def test_a_bye_needs_the_secret():
+    m = fresh()
+    m.join(spec())
+    bye = Bye("p0", 1, 7, ByeReason.SHUTDOWN)
+    assert m.bye(bye, *signed(b"y" * 32, bye)).kind == "proof"
+    assert "p0" in m
+    assert m.leave("p0", 1).status is ReplyStatus.OK
+    assert "p0" not in m
+
+
+def test_only_routers_may_report_and_only_with_their_own_secret():
+    m = fresh()
+    m.join(spec("p0"))
+    m.join(spec("d0"))  # a decode: holds a session, but is no router
+    report = Report("d0", 1, 1, "p0", 1, "dislike")
+    outcome = m.report(report, *signed(m.sessions[("d0", 1)], report), 0.1)
+    assert outcome.status is ReplyStatus.REJECTED and outcome.kind == "reporter"
+    m.join(spec(ROUTER, 1, role=Role.API_SERVER))
+    forged = Report(ROUTER, 1, 2, "p0", 1, "forged")
+    assert m.report(forged, *signed(b"z" * 32, forged), 0.1).kind == "proof"
+    assert not m.get("p0").suspect
+    assert m.accuse("p0", 1, 0.2).kind == "accepted"
+    assert m.get("p0").suspect
+
+
+def test_the_same_incarnation_again_needs_the_registrants_nonce():
+    m = fresh()
+    first = m.join(spec())
+    other = msgspec.structs.replace(spec(), model="stolen")
+    takeover = m.register(other, READY, Load(), 0.1, nonce=b"t" * 16)
+    assert takeover.status is ReplyStatus.REJECTED and takeover.kind == "takeover"
+    assert m.get("p0").spec.model == "m"
+    # The real process retrying (its first reply was lost) gets its own session back.
+    retry = m.register(spec(), READY, Load(), 0.2, nonce=nonce_for("p0", 1))
+    assert retry.status is ReplyStatus.OK and retry.session == first.session
+
+
+def test_a_newer_incarnation_still_replaces_at_once_visibly():
+    m = fresh()
+    m.join(spec(incarnation=1))
+    m.take_events()
+    assert m.join(spec(incarnation=2), now=0.1).status is ReplyStatus.OK
+    left = m.take_events()[0]
+    assert isinstance(left, MemberLeft) and left.reason is LeaveReason.REPLACED
+    assert m.beat("p0", 1).status is ReplyStatus.STALE  # the old process is told
+
+
+@pytest.mark.parametrize(("ahead_s", "status"), [
+    (0.0, ReplyStatus.OK),
+    (59.0, ReplyStatus.OK),
+    (61.0, ReplyStatus.REJECTED),
+    (1e9, ReplyStatus.REJECTED),
+])
+def test_incarnations_far_ahead_of_the_registry_clock_are_refused(ahead_s, status):
+    m = fresh()
+    now = 1000.0
+    incarnation = int((now + ahead_s) * 1e9)
+    assert m.join(spec(incarnation=incarnation), now=now).status is status
+
+
+def test_incarnation_2_63_cannot_lock_an_id():
+    m = fresh()
+    outcome = m.join(spec(incarnation=2**63 - 1))
+    assert outcome.kind == "incarnation" and "ahead" in outcome.reason
+
+
+def test_member_caps_name_the_cap():
+    m = fresh(limits=Limits(max_members=3, max_members_per_model=2))
+    assert m.join(spec("a", model="x")).status is ReplyStatus.OK
+    assert m.join(spec("b", model="x")).status is ReplyStatus.OK
+    per_model = m.join(spec("c", model="x"))
+    assert per_model.kind == "cap" and "--max-members-per-model" in per_model.reason
+    assert m.join(spec("c", model="y")).status is ReplyStatus.OK
+    total = m.join(spec("d", model="z"))
+    assert total.kind == "cap" and "--max-members" in total.reason and "3 members" in total.reason
+    # A restart of a member already held is no new member: the caps let it through.
+    assert m.join(spec("a", incarnation=2, model="x"), now=0.1).status is ReplyStatus.OK
+    m.leave("c", 1)
+    assert m.join(spec("d", model="z")).status is ReplyStatus.OK
+
+
+def test_evict_can_ban_an_id_for_a_while():
+    m = fresh()
+    m.join(spec())
+    assert m.evict("p0", 10.0, ban_s=30.0).status is ReplyStatus.OK
+    refused = m.join(spec(incarnation=2), now=20.0)
+    assert refused.kind == "banned" and "another 20s" in refused.reason
+    assert m.admission.banned(20.0) == {"p0": pytest.approx(20.0)}
+    assert m.join(spec(incarnation=2), now=40.1).status is ReplyStatus.OK
+    assert m.admission.banned(40.1) == {}
+
+
+def test_evict_without_a_member_or_ban_is_unknown():
+    m = fresh()
+    assert m.evict("ghost", 0.0).status is ReplyStatus.UNKNOWN
+    assert m.evict("ghost", 0.0, ban_s=5).status is ReplyStatus.OK  # a ban ahead of time
+    assert m.join(spec("ghost"), now=1.0).kind == "banned"
+
+
+def test_sync_limiter_per_peer_and_overall():
+    limiter = SyncLimiter(peer_burst=2, peer_syncs_per_s=1, records_per_s=100,
+                          burst_records=100)
+    assert limiter.wait_s(b"a", 10, 0.0) == 0
+    assert limiter.wait_s(b"a", 10, 0.0) == 0
+    assert limiter.wait_s(b"a", 10, 0.0) == pytest.approx(1.0)  # a's burst is spent
+    assert limiter.wait_s(b"b", 80, 0.0) == 0  # b has its own, but the total is nearly out
+    assert limiter.wait_s(b"c", 10, 0.0) == pytest.approx(0.1)
+    assert limiter.wait_s(b"c", 10, 0.1) == 0  # refilled; c's refusal did not spend c
