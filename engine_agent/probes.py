@@ -8,9 +8,22 @@ Contracts followed (see /work/shared/notes/engines-and-peers.md):
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
   (older name `vllm:gpu_cache_usage_perc`), labels `model_name`, `engine`;
   GET /v1/models -> {"data": [{"id": ...}]}.
-- SGLang: GET /health -> 200 or 503; /metrics gauges `sglang:num_running_reqs`,
-  `sglang:num_queue_reqs`, `sglang:token_usage`; GET /server_info -> JSON with
-  `model_path`, `served_model_name`, `disaggregation_bootstrap_port`, `tp_size`, `dp_size`.
+- SGLang (measured on real 0.5.23, engines-and-peers.md §7):
+  - GET /ready -> 200 once warm-up is done, 503 while starting, paused or shutting down:
+    the readiness signal, and cheap. GET /health is not: it queues a one-token generation
+    and sleeps a full second before answering (longer than a probe should wait), so it
+    is used only where /ready is missing (older engines: 404).
+  - /metrics exists only with `--enable-metrics` (404 otherwise; then GET /v1/loads, a
+    live JSON view of the same counts). Gauges labelled `model_name`, `engine_type`,
+    `tp_rank`, `pp_rank`, ...: `sglang:num_running_reqs`, `sglang:num_queue_reqs`,
+    `sglang:token_usage`, and in P/D the hand-off queues (`..._prefill_bootstrap_queue_
+    reqs`, `..._prefill_inflight_queue_reqs` on a prefill, `..._decode_prealloc_queue_reqs`,
+    `..._decode_transfer_queue_reqs` on a decode) whose requests are in flight but in
+    neither of the first two. The scheduler refreshes these gauges only at batch
+    boundaries, so they lag; `sglang:http_requests_active{method="POST"}` counts open
+    generation requests live, and is what a drain waits on.
+  - GET /server_info -> the server args: `model_path`, `served_model_name`,
+    `disaggregation_mode`, `disaggregation_bootstrap_port`, `tp_size`, `dp_size`, `version`.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import enum
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,7 +47,9 @@ __all__ = [
     "EngineProbe",
     "GaugeNames",
     "Health",
+    "in_flight_from_metrics",
     "load_from_metrics",
+    "load_from_sglang_loads",
     "make_probe",
     "parse_gauges",
 ]
@@ -61,6 +77,8 @@ class GaugeNames:
     running: tuple[str, ...]  # first name present wins (newer first, older after)
     waiting: tuple[str, ...]
     kv_usage: tuple[str, ...]
+    queued: tuple[str, ...] = ()  # more queues counted as waiting: every one present adds
+    http_active: str = ""  # open HTTP requests by `method` label: live in-flight count
 
 
 VLLM_GAUGES = GaugeNames(
@@ -72,6 +90,22 @@ SGLANG_GAUGES = GaugeNames(
     running=("sglang:num_running_reqs",),
     waiting=("sglang:num_queue_reqs",),
     kv_usage=("sglang:token_usage",),
+    queued=(
+        "sglang:num_grammar_queue_reqs",
+        "sglang:num_prefill_bootstrap_queue_reqs",  # prefill: waiting for its decode
+        "sglang:num_prefill_inflight_queue_reqs",  # prefill: KV being sent
+        "sglang:num_decode_prealloc_queue_reqs",  # decode: waiting for KV room
+        "sglang:num_decode_transfer_queue_reqs",  # decode: KV arriving
+        "sglang:num_decode_host_receive_queue_reqs",  # decode: KV arriving in host memory
+        "sglang:num_retracted_reqs",  # decode: pushed out, to resume
+        "sglang:num_paused_reqs",  # generation paused by the operator
+    ),
+    http_active="sglang:http_requests_active",
+)
+# /v1/loads (SGLang without --enable-metrics): per-rank counts and the P/D queues.
+SGLANG_LOADS_QUEUES = (
+    "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs",
+    "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "decode_retracted_queue_reqs",
 )
 
 
@@ -103,22 +137,57 @@ def _pick(samples: dict[str, list[Sample]], names: tuple[str, ...],
           model: str) -> list[float]:
     for name in names:
         if name in samples:
+            # SGLang with priority scheduling adds a per-priority breakdown beside the
+            # total (priority=""): count the total only.
             values = [value for labels, value in samples[name]
-                      if not model or labels.get("model_name", model) == model]
+                      if (not model or labels.get("model_name", model) == model)
+                      and not labels.get("priority")]
             return [v for v in values if v == v]  # drop NaN
     return []
+
+
+def _load(running: float, waiting: float, usage: list[float]) -> Load:
+    kv_usage = sum(usage) / len(usage) if usage else 0.0
+    return Load(running=max(0, round(running)), waiting=max(0, round(waiting)),
+                kv_usage=min(1.0, max(0.0, kv_usage)))
 
 
 def load_from_metrics(text: str, gauges: GaugeNames, model: str = "") -> Load:
     """Load for `model` (all models when empty): counts summed over engines/ranks, cache
     usage averaged (a fraction per engine; a sum would exceed 1 with data parallelism)."""
-    samples = parse_gauges(text, gauges.running + gauges.waiting + gauges.kv_usage)
-    running = _pick(samples, gauges.running, model)
-    waiting = _pick(samples, gauges.waiting, model)
-    usage = _pick(samples, gauges.kv_usage, model)
-    kv_usage = sum(usage) / len(usage) if usage else 0.0
-    return Load(running=max(0, round(sum(running))), waiting=max(0, round(sum(waiting))),
-                kv_usage=min(1.0, max(0.0, kv_usage)))
+    samples = parse_gauges(text, gauges.running + gauges.waiting + gauges.kv_usage
+                           + gauges.queued)
+    running = sum(_pick(samples, gauges.running, model))
+    waiting = sum(_pick(samples, gauges.waiting, model))
+    waiting += sum(sum(_pick(samples, (name,), model)) for name in gauges.queued)
+    return _load(running, waiting, _pick(samples, gauges.kv_usage, model))
+
+
+def in_flight_from_metrics(text: str, gauges: GaugeNames, model: str = "") -> int:
+    """Requests the engine still owes an answer: running + waiting, or the open POST
+    requests where the engine counts them (live, while its scheduler gauges lag), the
+    larger of the two."""
+    load = load_from_metrics(text, gauges, model)
+    counted = load.running + load.waiting
+    if not gauges.http_active:
+        return counted
+    open_posts = sum(value for labels, value in parse_gauges(text, [gauges.http_active]).get(
+        gauges.http_active, []) if labels.get("method") == "POST" and value == value)
+    return max(counted, round(open_posts))
+
+
+def load_from_sglang_loads(body: Any) -> Load:
+    """Load from SGLang's GET /v1/loads JSON: {"loads": [{"num_running_reqs",
+    "num_waiting_reqs", "token_usage", "disaggregation": {queues}}, ...]} per DP rank."""
+    ranks = body["loads"]
+    running = sum(float(rank.get("num_running_reqs") or 0) for rank in ranks)
+    waiting = 0.0
+    for rank in ranks:
+        disaggregation = rank.get("disaggregation") or {}
+        waiting += float(rank.get("num_waiting_reqs") or 0)
+        waiting += sum(float(disaggregation.get(key) or 0) for key in SGLANG_LOADS_QUEUES)
+    usage = [float(rank["token_usage"]) for rank in ranks if rank.get("token_usage") is not None]
+    return _load(running, waiting, usage)
 
 
 class EngineProbe:
@@ -133,32 +202,73 @@ class EngineProbe:
             timeout=httpx.Timeout(PROBE_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
             trust_env=False,  # loopback engines; never route through an HTTP proxy
         )
+        self._gauges = {EngineKind.VLLM: VLLM_GAUGES,
+                        EngineKind.SGLANG: SGLANG_GAUGES}.get(kind)
+        # SGLang: /ready where the engine has it (see the module doc), else /health.
+        self._health_path = "/ready" if kind is EngineKind.SGLANG else "/health"
+        self._metrics_missing = False  # SGLang without --enable-metrics: use /v1/loads
 
     def close(self) -> None:
         self._client.close()
 
     def health(self) -> Health:
         try:
-            response = self._client.get("/health")
+            response = self._client.get(self._health_path)
+            if response.status_code == 404 and self._health_path == "/ready":
+                logger.info("[probe] %s has no /ready; gating on /health", self.base_url)
+                self._health_path = "/health"
+                response = self._client.get(self._health_path)
         except httpx.ConnectError:
             return Health.REFUSED
         except httpx.HTTPError as exc:
-            logger.debug("[probe] %s/health: %s", self.base_url, exc)
+            logger.debug("[probe] %s%s: %s", self.base_url, self._health_path, exc)
             return Health.FAILING
         return Health.OK if response.status_code == 200 else Health.FAILING
 
     def load(self) -> Load | None:
         """The engine's load from /metrics; None for generic engines or on any error."""
-        gauges = {EngineKind.VLLM: VLLM_GAUGES, EngineKind.SGLANG: SGLANG_GAUGES}.get(self.kind)
-        if gauges is None:
+        if self._gauges is None:
             return None
         try:
-            response = self._client.get("/metrics")
-            response.raise_for_status()
-            return load_from_metrics(response.text, gauges, self.model)
-        except (httpx.HTTPError, ValueError) as exc:
-            logger.debug("[probe] %s/metrics: %s", self.base_url, exc)
+            if self._metrics_missing:
+                return self._sglang_loads()
+            text = self._metrics_text()
+            if text is None:
+                return self._sglang_loads()
+            return load_from_metrics(text, self._gauges, self.model)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("[probe] %s load: %s", self.base_url, exc)
             return None
+
+    def in_flight(self) -> int | None:
+        """Requests the engine still holds (see in_flight_from_metrics); None if unknown."""
+        if self._gauges is None:
+            return None
+        try:
+            text = None if self._metrics_missing else self._metrics_text()
+            if text is None:
+                load = self._sglang_loads()
+                return load.running + load.waiting
+            return in_flight_from_metrics(text, self._gauges, self.model)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("[probe] %s in-flight: %s", self.base_url, exc)
+            return None
+
+    def _metrics_text(self) -> str | None:
+        """/metrics, or None when an SGLang engine serves none (no --enable-metrics)."""
+        response = self._client.get("/metrics")
+        if response.status_code == 404 and self.kind is EngineKind.SGLANG:
+            logger.warning("[probe] %s/metrics is 404 (SGLang without --enable-metrics): "
+                           "reading load from /v1/loads", self.base_url)
+            self._metrics_missing = True
+            return None
+        response.raise_for_status()
+        return response.text
+
+    def _sglang_loads(self) -> Load:
+        response = self._client.get("/v1/loads")
+        response.raise_for_status()
+        return load_from_sglang_loads(response.json())
 
     def metadata(self) -> EngineMetadata | None:
         """What the engine reports about itself; None while it does not answer."""

@@ -13,9 +13,13 @@ to an engine already running. Life cycle:
 2. Every tick: READY once /health answers 200; back to JOINING after
    HEALTH_FAILURES_TO_UNREADY failures in a row, or at once when the connection is
    refused. Load comes from /metrics at the heartbeat cadence.
-3. The child exits -> bye CRASHED at once, exit with the child's code.
-4. SIGTERM / SIGINT -> DRAINING, wait until running + waiting reach 0 (or
-   --drain-timeout), SIGTERM the child (SIGKILL after --kill-grace), bye, exit 0.
+3. The child exits -> bye CRASHED at once, end what is left of its process group (an
+   engine's helper processes), exit with the child's code.
+4. SIGTERM / SIGINT -> DRAINING, wait until the engine holds no request (or
+   --drain-timeout), SIGTERM the child's process group (SIGKILL after --kill-grace),
+   bye, exit 0.
+5. The sidecar killed outright (kill -9, OOM) -> its lifeline process (lifeline.py) ends
+   the engine's process group: no engine outlives its sidecar unregistered.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from engine_agent.agent import Agent, default_member_id, new_incarnation, wait_for_idle
+from engine_agent.lifeline import Lifeline, end_group
 from engine_agent.probes import EngineKind, EngineMetadata, EngineProbe, Health
 from registry.protocol import (
     ByeReason,
@@ -119,6 +124,7 @@ class Sidecar:
         self._wake = threading.Event()
         self._shutdown_signal: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
+        self._lifeline: Lifeline | None = None
         self._agent: Agent | None = None
         self._probe = EngineProbe(config.engine, config.engine_url, model=config.model)
         self._load = Load()
@@ -239,18 +245,18 @@ class Sidecar:
         return 0
 
     def _in_flight(self) -> int:
-        """Requests the engine still holds: running + waiting from a fresh /metrics read."""
+        """Requests the engine still holds, from a fresh /metrics read (see
+        probes.in_flight_from_metrics: SGLang's open POSTs count, its gauges lag)."""
         if self._child is not None and self._child.poll() is not None:
             return 0  # nothing left to wait for
         if self.config.engine is EngineKind.GENERIC:
             return 0  # no load signal: announcing DRAINING is all a generic engine gets
-        load = self._probe.load()
-        if load is None:
+        in_flight = self._probe.in_flight()
+        if in_flight is None:
             if self._probe.health() is Health.REFUSED:
                 return 0
-            load = self._load  # metrics hiccup: trust the last reading
-        self._load = load
-        return load.running + load.waiting
+            return self._load.running + self._load.waiting  # metrics hiccup: last reading
+        return in_flight
 
     # --- spec ------------------------------------------------------------------------
 
@@ -292,8 +298,10 @@ class Sidecar:
     def _launch_child(self) -> None:
         logger.info("[sidecar] launching engine: %s", " ".join(self.config.command))
         # Own process group: signals to the sidecar do not reach the engine; the sidecar
-        # decides when the engine stops (after draining).
+        # decides when the engine stops (after draining). The lifeline stops the group if
+        # the sidecar cannot.
         self._child = subprocess.Popen(list(self.config.command), start_new_session=True)
+        self._lifeline = Lifeline(self._child.pid, self.config.kill_grace_s).start()
         threading.Thread(target=self._watch_child, name="sidecar-child-waiter",
                          daemon=True).start()
 
@@ -303,19 +311,20 @@ class Sidecar:
         self._wake.set()
 
     def _kill_child(self) -> None:
-        """SIGTERM the child's process group, SIGKILL after the grace period; safe twice."""
+        """SIGTERM the child's process group (the engine and any helper processes it
+        started, also after the engine itself exited), SIGKILL whatever is left after the
+        grace period, then release the lifeline; safe twice."""
         child = self._child
-        if child is None or child.poll() is not None:
+        if child is None:
             return
-        logger.info("[sidecar] stopping engine pid=%d", child.pid)
-        _signal_group(child.pid, signal.SIGTERM)
-        try:
-            child.wait(self.config.kill_grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("[sidecar] engine pid=%d ignored SIGTERM for %.0fs; SIGKILL",
-                           child.pid, self.config.kill_grace_s)
-            _signal_group(child.pid, signal.SIGKILL)
-            child.wait()
+        if child.poll() is None:
+            logger.info("[sidecar] stopping engine pid=%d", child.pid)
+        if end_group(child.pid, self.config.kill_grace_s):
+            logger.warning("[sidecar] engine process group %d ignored SIGTERM for %.0fs; "
+                           "SIGKILL", child.pid, self.config.kill_grace_s)
+        child.wait()
+        if self._lifeline is not None:
+            self._lifeline.release()
 
     # --- signals & timing ------------------------------------------------------------
 
@@ -332,15 +341,6 @@ class Sidecar:
         if self._agent is not None:
             period = min(period, self._agent.heartbeat_interval_s)  # load at heartbeat cadence
         return period
-
-
-def _signal_group(pid: int, signum: int) -> None:
-    try:
-        os.killpg(pid, signum)
-    except ProcessLookupError:
-        pass  # already gone
-    except PermissionError:
-        os.kill(pid, signum)
 
 
 def _int_env(name: str, default: int) -> int:

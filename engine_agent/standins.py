@@ -1,18 +1,24 @@
 """Stand-ins for vLLM and SGLang servers: only the HTTP surface a sidecar reads.
 
-They follow the engines' documented contracts exactly (engines-and-peers.md §1-2):
+They follow the engines' contracts as measured on the real servers (engines-and-peers.md
+§1, §7; vLLM 0.32, SGLang 0.5.23):
 - vLLM: GET /health -> 200 with an empty body, 503 when the engine is dead;
   GET /v1/models -> {"object": "list", "data": [{"id", "object": "model", "max_model_len",
   ...}]}; GET /metrics -> Prometheus text with gauges `vllm:num_requests_running`,
   `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` labelled `engine`, `model_name`.
-- SGLang: GET /health -> 200 or 503; GET /server_info (and the older /get_server_info)
-  -> server args incl. `model_path`, `served_model_name`, `disaggregation_mode`,
-  `disaggregation_bootstrap_port`, `tp_size`, `dp_size`; GET /metrics -> gauges
-  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage` labelled
-  `model_name`.
+- SGLang: GET /ready -> 200, or 503 while warming up (and when unhealthy); GET /health
+  likewise, but only after a one-second wait (the real one generates a token and sleeps
+  a second before it looks); GET /server_info (and /get_server_info) -> server args incl.
+  `model_path`, `served_model_name`, `disaggregation_mode`,
+  `disaggregation_bootstrap_port`, `tp_size`, `dp_size`, `version`; GET /v1/models;
+  GET /v1/loads -> live counts per DP rank; GET /metrics -> 404 unless started with
+  metrics (`--enable-metrics` on the real server), else gauges `sglang:num_running_reqs`,
+  `sglang:num_queue_reqs`, `sglang:token_usage`, the P/D hand-off queues, labelled
+  `model_name`, `engine_type`, `tp_rank`, `pp_rank`, `moe_ep_rank`, and
+  `sglang:http_requests_active{endpoint, method}`.
 
-Tests steer them through `POST /standin/state` (JSON: healthy, running, waiting,
-kv_usage) and `POST /standin/exit` (JSON: code) — paths no real engine serves.
+Tests steer them through `POST /standin/state` (JSON: healthy, running, waiting, queued,
+http_active, kv_usage) and `POST /standin/exit` (JSON: code) — paths no real engine serves.
 
     python -m engine_agent.standins --kind vllm --port 8100 --model tiny
 """
@@ -26,6 +32,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -35,13 +42,18 @@ __all__ = ["StandinServer", "StandinState", "main"]
 logger = logging.getLogger(__name__)
 
 KINDS = ("vllm", "sglang")
+SGLANG_VERSION = "0.5.23"  # the release whose surface the SGLang stand-in copies
+SGLANG_HEALTH_WAIT_S = 1.0  # the real /health sleeps this long before it answers
+DISAGGREGATION_ENGINE_TYPES = {"prefill": "prefill", "decode": "decode"}  # else "unified"
 
 
 @dataclass
 class StandinState:
-    healthy: bool = True
+    healthy: bool = True  # False: warming up (SGLang) or dead (vLLM) -> 503
     running: int = 0
     waiting: int = 0
+    queued: int = 0  # SGLang P/D hand-off queues (bootstrap, KV in flight), summed
+    http_active: int = 0  # SGLang: open generation POSTs besides those counted above
     kv_usage: float = 0.0
 
 
@@ -50,13 +62,15 @@ class StandinServer:
 
     def __init__(self, kind: str, *, host: str = "127.0.0.1", port: int = 0,
                  model: str = "tiny", bootstrap_port: int = 0,
-                 disaggregation_mode: str = "null") -> None:
+                 disaggregation_mode: str = "null", metrics: bool = True) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
         self.kind = kind
         self.model = model
         self.bootstrap_port = bootstrap_port
         self.disaggregation_mode = disaggregation_mode
+        self.metrics = metrics  # SGLang serves /metrics only with --enable-metrics
+        self.hits: Counter[str] = Counter()  # GET path -> requests served
         self.state = StandinState()
         self.exit_code: int | None = None  # set by POST /standin/exit
         self.exit_requested = threading.Event()
@@ -107,34 +121,70 @@ class StandinServer:
                  "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
             ]
         else:
-            labels = f'model_name="{self.model}"'
+            engine_type = DISAGGREGATION_ENGINE_TYPES.get(self.disaggregation_mode, "unified")
+            labels = (f'engine_type="{engine_type}",model_name="{self.model}",'
+                      'moe_ep_rank="0",pp_rank="0",tp_rank="0"')
+            bootstrap = s.queued if engine_type == "prefill" else 0
+            prealloc = s.queued if engine_type == "decode" else 0
             gauges = [
                 ("sglang:num_running_reqs", "The number of running requests.", s.running),
                 ("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
                  s.waiting),
                 ("sglang:token_usage", "The token usage.", s.kv_usage),
+                ("sglang:num_prefill_bootstrap_queue_reqs",
+                 "The number of requests in the prefill bootstrap queue.", bootstrap),
+                ("sglang:num_prefill_inflight_queue_reqs",
+                 "The number of requests in the prefill inflight queue.", 0),
+                ("sglang:num_decode_prealloc_queue_reqs",
+                 "The number of requests in the decode prealloc queue.", prealloc),
+                ("sglang:num_decode_transfer_queue_reqs",
+                 "The number of requests in the decode transfer queue.", 0),
             ]
         lines = []
         for name, help_text, value in gauges:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
                       f"{name}{{{labels}}} {float(value)}"]
+        if self.kind == "sglang":
+            name = "sglang:http_requests_active"
+            open_posts = s.running + s.waiting + s.queued + s.http_active
+            lines += [f"# HELP {name} Number of currently active HTTP requests",
+                      f"# TYPE {name} gauge",
+                      f'{name}{{endpoint="/v1/completions",method="POST"}} {float(open_posts)}',
+                      f'{name}{{endpoint="/metrics",method="GET"}} 1.0']
         return "\n".join(lines) + "\n"
 
+    def loads_body(self) -> dict[str, Any]:
+        """SGLang's GET /v1/loads: live counts, one entry per DP rank."""
+        s = self.state
+        mode = self.disaggregation_mode
+        return {"version": SGLANG_VERSION, "loads": [{
+            "dp_rank": 0, "num_running_reqs": s.running, "num_waiting_reqs": s.waiting,
+            "token_usage": s.kv_usage, "max_total_num_tokens": 4096,
+            "disaggregation": {
+                "mode": mode,
+                "prefill_bootstrap_queue_reqs": s.queued if mode == "prefill" else 0,
+                "prefill_inflight_queue_reqs": 0,
+                "decode_prealloc_queue_reqs": s.queued if mode == "decode" else 0,
+                "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0}}]}
+
     def models_body(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{
+        model: dict[str, Any] = {
             "id": self.model, "object": "model", "created": int(time.time()),
-            "owned_by": "vllm", "root": self.model, "parent": None, "max_model_len": 512,
-            "permission": [],
-        }]}
+            "owned_by": self.kind, "root": self.model, "parent": None, "max_model_len": 512}
+        if self.kind == "vllm":
+            model["permission"] = []
+        return {"object": "list", "data": [model]}
 
     def server_info_body(self) -> dict[str, Any]:
+        # A few of the real server's ~550 fields: those a sidecar or a router reads.
         return {
-            "model_path": self.model, "served_model_name": self.model,
-            "tokenizer_path": self.model, "host": self._httpd.server_address[0],
-            "port": self.port, "tp_size": 1, "dp_size": 1,
+            "model_path": f"/models/{self.model}", "served_model_name": self.model,
+            "tokenizer_path": f"/models/{self.model}", "host": self._httpd.server_address[0],
+            "port": self.port, "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "disaggregation_mode": self.disaggregation_mode,
             "disaggregation_bootstrap_port": self.bootstrap_port or 8998,
-            "version": "standin",
+            "disaggregation_transfer_backend": "mooncake", "enable_metrics": self.metrics,
+            "max_total_num_tokens": 4096, "version": SGLANG_VERSION,
         }
 
 
@@ -147,15 +197,24 @@ def _handler_for(server: StandinServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
+            server.hits[path] += 1
+            sglang = server.kind == "sglang"
+            status = 200 if server.state.healthy else 503
             if path == "/health":
-                self._send(200 if server.state.healthy else 503, b"", "text/plain")
-            elif path == "/metrics":
+                if sglang:
+                    time.sleep(SGLANG_HEALTH_WAIT_S)
+                self._send(status, b"", "text/plain")
+            elif path == "/ready" and sglang:
+                self._send(status, b"", "text/plain")
+            elif path == "/metrics" and (server.metrics or not sglang):
                 self._send(200, server.metrics_text().encode(),
                            "text/plain; version=0.0.4; charset=utf-8")
-            elif path == "/v1/models" and server.kind == "vllm":
+            elif path == "/v1/models":
                 self._json(200, server.models_body())
-            elif path in ("/server_info", "/get_server_info") and server.kind == "sglang":
+            elif path in ("/server_info", "/get_server_info") and sglang:
                 self._json(200, server.server_info_body())
+            elif path == "/v1/loads" and sglang:
+                self._json(200, server.loads_body())
             else:
                 self._json(404, {"detail": "Not Found"})
 
@@ -199,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--bootstrap-port", type=int, default=0)
-    parser.add_argument("--unhealthy", action="store_true", help="start with /health 503")
+    parser.add_argument("--unhealthy", action="store_true",
+                        help="start with /health 503 (warming up)")
+    parser.add_argument("--disaggregation-mode", default="null",
+                        choices=("null", "prefill", "decode"))
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="SGLang: no /metrics (as without --enable-metrics)")
     parser.add_argument("--startup-delay", type=float, default=0.0,
                         help="seconds before binding, like an engine loading weights")
     args = parser.parse_args(argv)
@@ -211,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     if stop.wait(args.startup_delay):
         return 0
     server = StandinServer(args.kind, host=args.host, port=args.port, model=args.model,
-                           bootstrap_port=args.bootstrap_port)
+                           bootstrap_port=args.bootstrap_port,
+                           disaggregation_mode=args.disaggregation_mode,
+                           metrics=not args.no_metrics)
     server.state.healthy = not args.unhealthy
     server.start()
     logger.info("%s stand-in on %s (pid %d)", args.kind, server.url, os.getpid())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import random
 import signal
 import socket
@@ -70,3 +72,33 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def marked_pids(env_name: str, marker: str) -> list[int]:
+    """Every live process (zombies aside) whose environment has `env_name=marker`.
+
+    Give a process tree a marker in its environment and this finds all of it, whatever
+    sessions or parents its members moved to: an engine, its workers, a sidecar's helpers.
+    """
+    needle = f"{env_name}={marker}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                if stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                if needle in environ.read().split(b"\0"):
+                    pids.append(int(entry))
+        except (OSError, IndexError):
+            continue  # gone, or not ours to read
+    return pids
+
+
+def kill_marked(env_name: str, marker: str) -> None:
+    """SIGKILL every process marked_pids() finds: the last word of a test's cleanup."""
+    for pid in marked_pids(env_name, marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -5,23 +5,35 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from engine_agent.standins import StandinServer
-from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
+from pdreg.testing import (
+    die_with_parent,
+    free_low_port,
+    kill_marked,
+    marked_pids,
+    stop_process,
+    wait_until,
+)
 from registry.protocol import MemberRecord, MemberState
 from registry.server import RegistryConfig, RegistryServer
 
 INTERVAL_S = 0.2
 TIMEOUT_S = 15.0  # generous: subprocess start on a loaded 2-core machine
 EXIT_TIMEOUT_S = 15.0
+KILL_GRACE_S = 3.0  # the sidecars' --kill-grace here
+MARKER_ENV = "PDREG_TEST_SIDECAR_MARKER"  # finds a sidecar's whole process tree
 
 
 @pytest.fixture
@@ -42,14 +54,20 @@ class Sidecar:
                  args: list[str], command: list[str] | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.engine_port = engine_port
+        self.marker = uuid.uuid4().hex
         argv = [sys.executable, "-m", "pdreg", "agent", "--engine", engine,
                 "--engine-url", f"http://127.0.0.1:{engine_port}",
                 "--registry", registry.control_address, "--health-interval", "0.1",
-                "--kill-grace", "3", *args]
+                "--kill-grace", str(KILL_GRACE_S), *args]
         if command:
             argv += ["--", *command]
-        self.process = subprocess.Popen(argv, env={**os.environ, **(env or {})},
-                                        preexec_fn=die_with_parent)
+        self.process = subprocess.Popen(
+            argv, env={**os.environ, **(env or {}), MARKER_ENV: self.marker},
+            preexec_fn=die_with_parent)
+
+    def tree(self) -> set[int]:
+        """The sidecar's processes besides itself: engine, its children, the lifeline."""
+        return set(marked_pids(MARKER_ENV, self.marker)) - {self.process.pid}
 
     def control(self, path: str, body: dict[str, object]) -> None:
         """Steer the stand-in engine (POST /standin/...)."""
@@ -58,8 +76,7 @@ class Sidecar:
 
     def close(self) -> None:
         stop_process(self.process, EXIT_TIMEOUT_S)  # drains, stops the engine, says bye
-        with contextlib.suppress(httpx.HTTPError):  # a child left by a killed sidecar
-            self.control("exit", {"code": 0})
+        kill_marked(MARKER_ENV, self.marker)  # anything a failed test left behind
 
 
 @pytest.fixture
@@ -75,6 +92,21 @@ def sidecars() -> Iterator[list[Sidecar]]:
 def standin_command(kind: str, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "engine_agent.standins", "--kind", kind,
             "--port", str(port), "--model", "tiny", *extra]
+
+
+def with_stubborn_helper(command: list[str]) -> list[str]:
+    """The engine plus a helper process of its own that ignores SIGTERM (as an engine's
+    worker might): `sleep` with SIGTERM ignored, then the engine exec'd in the shell."""
+    return ["bash", "-c", "(trap '' TERM; exec sleep 600) & exec "
+            + " ".join(shlex.quote(part) for part in command)]
+
+
+def command_names(pids: set[int]) -> set[str]:
+    names = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            names.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode())
+    return {os.path.basename(name) for name in names}
 
 
 def member(registry: RegistryServer, member_id: str) -> MemberRecord | None:
@@ -141,7 +173,7 @@ def test_child_crash_says_bye_at_once_and_exits_with_its_code(
         registry: RegistryServer, sidecars: list[Sidecar]) -> None:
     port = free_low_port()
     sidecar = Sidecar(registry, "sglang", port, ["--role", "decode"],
-                      command=standin_command("sglang", port))
+                      command=with_stubborn_helper(standin_command("sglang", port)))
     sidecars.append(sidecar)
     member_id = f"decode-127.0.0.1-{port}"
     assert wait_until(lambda: (m := member(registry, member_id)) is not None
@@ -156,6 +188,32 @@ def test_child_crash_says_bye_at_once_and_exits_with_its_code(
     gone_after_s = time.monotonic() - crashed_at
     assert gone_after_s < 1.0, gone_after_s  # bye CRASHED, not lease expiry (1.5 s)
     assert sidecar.process.wait(EXIT_TIMEOUT_S) == 3
+    # The engine's own helper (it ignores SIGTERM) did not outlive the engine: the
+    # sidecar ended what was left of its process group before exiting.
+    assert sidecar.tree() == set()
+
+
+def test_kill_9_of_the_sidecar_ends_the_engine_and_its_children(
+        registry: RegistryServer, sidecars: list[Sidecar]) -> None:
+    port = free_low_port()
+    sidecar = Sidecar(registry, "sglang", port, ["--role", "decode"],
+                      command=with_stubborn_helper(standin_command("sglang", port)))
+    sidecars.append(sidecar)
+    member_id = f"decode-127.0.0.1-{port}"
+    assert wait_until(lambda: (m := member(registry, member_id)) is not None
+                      and m.state is MemberState.READY, TIMEOUT_S)
+    tree = sidecar.tree()
+    assert {"sleep", os.path.basename(sys.executable)} <= command_names(tree), tree
+    assert len(tree) == 3, command_names(tree)  # engine, its helper, the lifeline
+
+    sidecar.process.kill()  # no drain, no bye: the sidecar just vanishes
+    sidecar.process.wait()
+    # The engine hears of it at once; its SIGTERM-proof helper after the kill grace.
+    assert wait_until(lambda: not sidecar.tree(), KILL_GRACE_S + TIMEOUT_S), (
+        command_names(sidecar.tree()))
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    assert wait_until(lambda: member(registry, member_id) is None, TIMEOUT_S)  # expired
 
 
 def test_attach_to_running_sglang_prefill_reads_server_info(
@@ -178,10 +236,16 @@ def test_attach_to_running_sglang_prefill_reads_server_info(
         assert record.spec.endpoints.bootstrap_port == engine.bootstrap_port
         assert record.spec.endpoints.kv_host == "localhost"
 
-        # SIGINT drains like SIGTERM; an attached engine is left running.
-        engine.state.running = 0
+        # SIGINT drains like SIGTERM. The scheduler's gauges say idle, but one request is
+        # still open on the HTTP side (on real SGLang the gauges lag): the drain waits.
+        engine.state.running, engine.state.http_active = 0, 1
         sidecar.process.send_signal(signal.SIGINT)
+        assert wait_until(lambda: member(registry, member_id).state is MemberState.DRAINING,
+                          TIMEOUT_S)
+        assert not wait_until(lambda: member(registry, member_id) is None, 1.5)
+        engine.state.http_active = 0
         assert wait_until(lambda: member(registry, member_id) is None, TIMEOUT_S)
+        # An attached engine is left running.
         assert sidecar.process.wait(EXIT_TIMEOUT_S) == 0
         assert httpx.get(f"{engine.url}/health", timeout=2).status_code == 200
 
