@@ -328,6 +328,10 @@ def test_engine_pod_wires_sidecar_to_engine(overlay: str, role: str) -> None:
     assert hook[2] == f"http://127.0.0.1:{engine_url.port}/metrics"
     assert args.drain_timeout < wait_s < pod["terminationGracePeriodSeconds"]
     assert "lifecycle" not in sidecar, "the sidecar drains on SIGTERM itself"
-    # ...on the same gauges the sidecar drains on.
+    # ...on the same condition the sidecar drains on: running, waiting, every hand-off
+    # queue, and (where the engine counts them) open POST requests.
     gauges = {"vllm": VLLM_GAUGES, "sglang": SGLANG_GAUGES}[overlay]
-    assert hook[5:] == [gauges.running[0], gauges.waiting[0]]
+    wanted = [gauges.running[0], gauges.waiting[0], *gauges.queued]
+    if gauges.http_active:
+        wanted.append(f'{gauges.http_active}{{method="POST"}}')
+    assert hook[5:] == wanted

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
 import socket
 import subprocess
@@ -349,3 +350,17 @@ def test_engine_prestop_hook_returns_when_engine_is_gone(tmp_path: Path) -> None
                     str(WAIT_S), "0", "vllm:num_requests_running"],
                    check=True, timeout=WAIT_S + 10)
     assert time.monotonic() - started < WAIT_S / 2
+
+
+def test_engine_prestop_hook_matches_labels(tmp_path: Path) -> None:
+    """SGLang counts open HTTP requests by method: only POSTs are work (the hook's own
+    GET of /metrics is one too)."""
+    script = runpy.run_path(str(_wait_idle_script(tmp_path)), run_name="wait_idle_module")
+    text = ('# TYPE sglang:http_requests_active gauge\n'
+            'sglang:http_requests_active{method="GET",model_name="m"} 1.0\n'
+            'sglang:http_requests_active{method="POST",model_name="m"} 2.0\n'
+            'sglang:num_running_reqs{model_name="m"} 0.0\n')
+    selectors = [script["selector"](s) for s in
+                 ['sglang:http_requests_active{method="POST"}', "sglang:num_running_reqs"]]
+    assert script["busy"](text, selectors) == 2.0
+    assert script["busy"](text.replace("2.0", "0.0"), selectors) == 0.0
