@@ -135,7 +135,13 @@ def _get(url: str, **params: Any) -> Any:
 class ComposeCluster:
     loopback: Loopback
     prometheus: str  # http://127.0.0.1:PORT
-    pids: dict[str, int]  # Compose service -> its pdreg process
+    processes: Processes
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Compose service -> its pdreg process."""
+        return {name: proc.pid for name, proc in self.processes.running.items()
+                if name != "prometheus"}
 
     @property
     def router(self) -> str:
@@ -155,23 +161,21 @@ class ComposeCluster:
         return float(result[0]["value"][1]) if result else math.nan
 
 
-def _start_compose_services(processes: Processes, loopback: Loopback) -> dict[str, int]:
+def _start_compose_services(processes: Processes, loopback: Loopback) -> None:
     """Registry first (the others wait for it, as depends_on says), then the rest."""
     services = compose()["services"]
     pdreg = compose_processes()
     names = set(services)
     order = ["registry", *sorted(set(pdreg) - {"registry"})]
-    pids = {}
     for name in order:
         argv = loopback.argv(name, compose_command(services[name]))
         env = {key: loopback.value(str(value), names)
                for key, value in services[name]["environment"].items()}
         processes.start(name, argv, env)
-        pids[name] = processes.running[name].pid
         if name == "registry":
             healthz = f"http://{loopback.address('registry', 7680)}/healthz"
-            assert wait_until(lambda url=healthz: _answers(url), WAIT_S), "registry not up"
-    return pids
+            assert wait_until(lambda url=healthz: processes.check_alive() or _answers(url),
+                              WAIT_S), "registry not up"
 
 
 def _answers(url: str) -> bool:
@@ -200,7 +204,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeCluster
     names = set(compose()["services"])
     prometheus_port = free_low_port()
     try:
-        pids = _start_compose_services(processes, loopback)
+        _start_compose_services(processes, loopback)
         config = work / "prometheus.yml"
         _prometheus_config(loopback, names, config)
         log = (work / "prometheus.log").open("wb")
@@ -212,18 +216,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeCluster
         processes.running["prometheus"] = prometheus
         url = f"http://127.0.0.1:{prometheus_port}"
         assert wait_until(lambda: _answers(f"{url}/-/ready"), WAIT_S), "prometheus not ready"
-        yield ComposeCluster(loopback, url, pids)
+        yield ComposeCluster(loopback, url, processes)
     finally:
         processes.stop()
 
 
 def _all_targets_up(cluster: ComposeCluster) -> bool:
+    cluster.processes.check_alive()
     targets = _get(f"{cluster.prometheus}/api/v1/targets")["data"]["activeTargets"]
     return len(targets) == len(compose_processes()) and all(
         t["health"] == "up" for t in targets)
 
 
 def _members_ready(cluster: ComposeCluster) -> bool:
+    cluster.processes.check_alive()
     members = _get(f"{cluster.registry_http}/v1/members")
     return sum(m["state"] == "ready" for m in members) == len(compose_processes()) - 1
 
@@ -300,6 +306,7 @@ def test_every_panel_query_runs_and_the_panels_people_read_have_data(
 
 
 def test_image_healthcheck_passes_for_every_compose_process(cluster: ComposeCluster) -> None:
+    assert wait_until(lambda: _members_ready(cluster), WAIT_S, poll_s=0.5)
     for name, pid in cluster.pids.items():
         result = subprocess.run([sys.executable, str(HEALTHCHECK), str(pid)],
                                 capture_output=True, text=True, timeout=30)
@@ -384,7 +391,8 @@ def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
             processes.start(name, argv, env)
             if name == "pdreg-registry":
                 healthz = f"http://{loopback.address(name, 7680)}/healthz"
-                assert wait_until(lambda url=healthz: _answers(url), WAIT_S), "registry"
+                assert wait_until(lambda url=healthz: processes.check_alive() or _answers(url),
+                                  WAIT_S), "registry"
         # Reference engines with the sidecar's credentials (a real vLLM cannot run here).
         pod, sidecar = _pdreg_container("vllm", "vllm-decode")
         mapping = _local_paths(pod, sidecar, files, tmp_path / "engines")
