@@ -42,6 +42,7 @@ from engine_agent.probes import EngineKind, EngineMetadata, EngineProbe, Health
 from registry.protocol import (
     ByeReason,
     Endpoints,
+    Handshake,
     Load,
     MemberSpec,
     MemberState,
@@ -64,7 +65,7 @@ NIXL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
-_DEFAULT_PROTOCOLS = {EngineKind.VLLM: "vllm-nixl", EngineKind.SGLANG: "sglang"}
+_DEFAULT_PROTOCOLS = {EngineKind.VLLM: Handshake.VLLM_NIXL, EngineKind.SGLANG: Handshake.SGLANG}
 
 
 def default_protocol(engine: EngineKind) -> str:
@@ -269,7 +270,7 @@ class Sidecar:
             advertise_host = socket.getfqdn()
         kv_host, kv_port = cfg.kv_host, cfg.kv_port
         protocol = cfg.protocol or default_protocol(cfg.engine)
-        if cfg.engine is EngineKind.VLLM and protocol == "vllm-nixl":
+        if cfg.engine is EngineKind.VLLM and protocol == Handshake.VLLM_NIXL:
             # The NIXL side channel: what the child's environment tells vLLM, else its default.
             env_host = os.environ.get(NIXL_HOST_ENV, "")
             kv_host = kv_host or ("" if env_host in WILDCARD_HOSTS else env_host)

@@ -14,7 +14,7 @@ from pdreg.args import (
     labels_of,
     secret_of,
 )
-from registry.protocol import parse_role
+from registry.protocol import Handshake, parse_role
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("torch", "sim"), default="torch")
     p.add_argument("--model", default="tiny",
                    help="served model name; torch weights are derived from it")
-    p.add_argument("--protocol", choices=("vllm-nixl", "sglang"), default="vllm-nixl",
+    p.add_argument("--protocol", choices=(Handshake.VLLM_NIXL, Handshake.SGLANG),
+                   default=Handshake.VLLM_NIXL,
                    help="the P/D handshake it registers (it answers both)")
     p.add_argument("--max-running", type=int, default=8,
                    help="requests computed concurrently; more wait in a queue")

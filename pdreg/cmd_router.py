@@ -1,4 +1,10 @@
-"""`pdreg router`: the OpenAI-compatible P/D router, fed by the registry, until SIGTERM."""
+"""`pdreg router`: the OpenAI-compatible P/D router, fed by the registry, until SIGTERM.
+
+On SIGTERM (or SIGINT) it drains: the registry shows it `draining` and /ready answers
+503 at once, it keeps serving for --drain-delay so load balancers take it out, then it
+stops accepting and gives in-flight requests (streams included) up to --drain-timeout,
+then it says bye and exits. A second signal skips the rest of the delay.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +29,12 @@ from pdreg.args import (
 )
 from registry.client import MembershipView
 from registry.protocol import Endpoints, MemberSpec, MemberState, Role
-from router.app import MAX_ATTEMPTS
+from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS
+from router.guard import DEFAULT_DENY, UpstreamPolicy, parse_networks
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
-from router.service import RouterConfig, RouterServer
+from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer
+from router.upstream import CONNECT_TIMEOUT_S, FIRST_BYTE_TIMEOUT_S, IDLE_READ_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="prefer P->D pairs with the same value of this member label (e.g. zone)")
     p.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS,
                    help="pairs tried per request before answering 502")
+    p.add_argument("--max-migrations", type=int, default=MAX_MIGRATIONS, metavar="N",
+                   help="times one stream may continue on a new pair after its decode "
+                        "fails mid-answer (0: end it with an SSE error event instead)")
+    p.add_argument("--stream-idle-timeout", type=float, default=IDLE_READ_TIMEOUT_S,
+                   metavar="S", help="an engine answer with no data for this long has "
+                                     "failed (a stream then migrates)")
+    p.add_argument("--upstream-connect-timeout", type=float, default=CONNECT_TIMEOUT_S,
+                   metavar="S", help="connecting to an engine")
+    p.add_argument("--upstream-first-byte-timeout", type=float, default=FIRST_BYTE_TIMEOUT_S,
+                   metavar="S", help="request sent to status line; a non-streaming answer "
+                                     "comes whole, so this bounds a non-streaming generation")
+    p.add_argument("--allow-upstream", default="", type=_networks, metavar="CIDR[,CIDR]",
+                   help="the only networks the router sends traffic to (checked on the "
+                        "resolved address of every engine connection). Default: every "
+                        f"address except {', '.join(DEFAULT_DENY)} (link-local, cloud "
+                        "metadata, multicast); a more specific entry here overrides those")
+    p.add_argument("--drain-delay", type=float, default=DRAIN_DELAY_S, metavar="S",
+                   help="after SIGTERM, keep serving this long while /ready fails")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
+                   help="then, how long in-flight requests may take to finish")
     p.add_argument("--quarantine", type=float, default=QUARANTINE_S, metavar="S",
                    help="how long a member that failed a request is skipped")
     p.add_argument("--stale-load", type=float, default=DEFAULT_STALE_LOAD_S, metavar="S",
@@ -62,6 +90,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _networks(text: str) -> str:
+    try:
+        parse_networks(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     api_key, token, curve = secret_of(args, API_KEY), secret_of(args, TOKEN), client_curve_of(args)
     refusal = insecure_refusal("router", args.host, secured=bool(api_key or token or curve),
@@ -70,8 +106,13 @@ def run(args: argparse.Namespace) -> int:
         print(refusal, file=sys.stderr)
         return 2
     stop = threading.Event()
+    hurry = threading.Event()  # a second signal: skip the rest of the drain delay
+
+    def on_signal(*_: object) -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
     view = MembershipView(args.registry, curve=curve).start()
     server: RouterServer | None = None
     agent: Agent | None = None
@@ -79,7 +120,15 @@ def run(args: argparse.Namespace) -> int:
         server = RouterServer(RouterConfig(
             host=args.host, port=args.port, policy=args.policy, api_key=api_key,
             locality_label=args.locality_label, max_attempts=args.max_attempts,
-            quarantine_s=args.quarantine, stale_load_s=args.stale_load), view).start()
+            quarantine_s=args.quarantine, stale_load_s=args.stale_load,
+            max_migrations=args.max_migrations,
+            connect_timeout_s=args.upstream_connect_timeout,
+            first_byte_timeout_s=args.upstream_first_byte_timeout,
+            stream_idle_timeout_s=args.stream_idle_timeout,
+            allow_upstream=args.allow_upstream, drain_delay_s=args.drain_delay,
+            drain_timeout_s=args.drain_timeout), view).start()
+        logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
+                    .describe())
         advertise = args.advertise_host or args.host
         member_id = default_member_id(Role.API_SERVER, advertise, server.port)
         if not args.no_register:
@@ -94,6 +143,12 @@ def run(args: argparse.Namespace) -> int:
             view.reporter = agent.report
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)
         stop.wait()
+        logger.info("[shutdown] router: draining for %.1fs, then up to %.1fs for in-flight "
+                    "requests", args.drain_delay, args.drain_timeout)
+        server.drain()
+        if agent is not None:
+            agent.set_state(MemberState.DRAINING)
+        hurry.wait(args.drain_delay)
     finally:
         if agent is not None:
             agent.stop()  # bye first: no one should send us work while we close

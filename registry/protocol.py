@@ -430,3 +430,18 @@ def validate_spec(spec: MemberSpec) -> str | None:
     if spec.endpoints.kv_host and not _HOST_OK.match(spec.endpoints.kv_host):
         return f"endpoints.kv_host {spec.endpoints.kv_host!r} is not a host name"
     return None
+
+
+# --- P/D handshakes (appended by the router's owner; one definition for every part) ------
+
+
+class Handshake(enum.StrEnum):
+    """The P/D handshake a member speaks: the value of `MemberSpec.protocol` for engines.
+
+    Routers drive a (prefill, decode) pair only when both speak the same one; see
+    router/adapters.py for what each means on the wire.
+    """
+
+    VLLM_NIXL = "vllm-nixl"  # P: max_tokens=1 + kv_transfer_params; D: P's params verbatim
+    SGLANG = "sglang"  # the same body to P and D at once, plus bootstrap_host/port/room
+    VLLM_P2P = "vllm-p2p"  # the pair encoded in X-Request-Id; P first, then D

@@ -1,9 +1,10 @@
 """P/D handshakes, one per registered `protocol`: how a pair is driven for one request.
 
 Each adapter turns (pair, path, body) into an `Exchange`: the decode worker's response
-with its status and headers received, ready to be relayed to the client. Failures that a
-retry on another pair can fix raise `LegFailure` naming the member at fault; a 4xx from
-a prefill (the client's own mistake) raises `UpstreamRejected` to be relayed as is.
+with its status and headers received, ready to be relayed to the client, and when the
+prefill's part ended. Failures that a retry on another pair can fix raise `LegFailure`
+naming the member at fault; a 4xx from a prefill (the client's own mistake) raises
+`UpstreamRejected` to be relayed as is.
 
 Contracts (see /work/shared/notes/engines-and-peers.md):
 - vllm-nixl: P gets the body with max_tokens=1, stream=false and the request-side
@@ -19,28 +20,35 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
 
+from registry.protocol import Handshake
 from router.policies import Candidate, Pair
-from router.upstream import UpstreamPool, UpstreamResponse
+from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = [
-    "ADAPTERS",
     "Adapter",
+    "Adapters",
     "Exchange",
     "LegFailure",
     "UpstreamRejected",
     "adapter_for",
+    "default_adapters",
+    "leg_failure",
 ]
 
 logger = logging.getLogger(__name__)
 
 ERROR_BODY_CHARS: Final = 300  # how much of an upstream error body a log line keeps
+ERROR_BODY_BYTES: Final = 64 * 1024  # how much of an upstream error body is read at all
+REJECTION_BODY_BYTES: Final = 1024 * 1024  # a prefill's 4xx answer, relayed to the client
 SGLANG_ROOM_LIMIT: Final = 2**63  # bootstrap_room is a random integer below this
 
 # What vLLM's NixlConnector expects on the prefill request (request side of the handshake).
@@ -60,18 +68,35 @@ _decode = msgspec.json.decode
 class LegFailure(Exception):
     """One leg failed in a way another pair may not: connection error, 5xx, bad reply.
 
-    `quarantine`: whether the member itself is to blame (a decode's 5xx may be the
-    prefill's fault, e.g. KV that could not be pulled, so it is retried, not quarantined).
+    `kind`: "connect" (never reached the engine), "status" (it answered 5xx), "reply"
+    (an answer the handshake cannot use), or an `UpstreamError` kind (reset, eof,
+    first_byte_timeout, idle_timeout, too_large, forbidden...). `reason` is for logs
+    only: it may hold engine text and addresses, which never go back to the client
+    (`public` is what may). `quarantine`: whether the member itself is to blame (a
+    decode's 5xx may be the prefill's fault, e.g. KV that could not be pulled, so it is
+    retried, not quarantined).
     """
 
-    def __init__(self, member: Candidate, role: str, reason: str, *, status: int = 0,
-                 quarantine: bool = True) -> None:
+    def __init__(self, member: Candidate, role: str, reason: str, *, kind: str,
+                 status: int = 0, quarantine: bool = True) -> None:
         super().__init__(f"{role} {member.id}: {reason}")
         self.member = member
         self.role = role
         self.reason = reason
+        self.kind = kind
         self.status = status
         self.quarantine = quarantine
+
+    @property
+    def public(self) -> str:
+        what = f"HTTP {self.status}" if self.status else self.kind.replace("_", " ")
+        return f"the {self.role} failed ({what})"
+
+
+def leg_failure(member: Candidate, role: str, exc: OSError, stage: str) -> LegFailure:
+    """A LegFailure for an OSError met while connecting to or reading from `member`."""
+    kind = str(exc.kind) if isinstance(exc, UpstreamError) else "connect"
+    return LegFailure(member, role, f"{stage}: {type(exc).__name__}: {exc}", kind=kind)
 
 
 class UpstreamRejected(Exception):
@@ -86,10 +111,18 @@ class UpstreamRejected(Exception):
 
 @dataclass(slots=True)
 class Exchange:
-    """D's response (headers in) plus any leg still running beside it (SGLang's P)."""
+    """D's response (headers in) plus any leg still running beside it (SGLang's P).
+
+    `prefill_s`: how long the prefill's part took (None: a mixed member, or SGLang's P
+    still running); set by the adapter, read for latency-aware pairing and TTFT.
+    `prefill_started`, `decode_started`: when each leg's request went out (monotonic).
+    """
 
     response: UpstreamResponse
     companion: asyncio.Task[None] | None = None
+    prefill_s: float | None = None
+    prefill_started: float = 0.0
+    decode_started: float = 0.0
     _closed: bool = field(default=False, repr=False)
 
     def companion_failure(self) -> LegFailure | None:
@@ -127,6 +160,9 @@ class Adapter(Protocol):
                    body: dict[str, Any], request_id: str) -> Exchange: ...
 
 
+Adapters = Mapping[str, Adapter]
+
+
 # --- shared leg helpers -----------------------------------------------------------------
 
 
@@ -137,37 +173,37 @@ async def _post(session: UpstreamPool, member: Candidate, role: str, path: str,
     try:  # OSError covers refused, dropped (UpstreamError) and connect timeouts
         response = await session.post(member.http, path, payload, request_id)
     except OSError as exc:
-        raise LegFailure(member, role, f"connect: {type(exc).__name__}: {exc}") from None
+        raise leg_failure(member, role, exc, "post") from None
     if response.status >= 500:
         text = await _read_quietly(response)
         raise LegFailure(member, role, f"HTTP {response.status}: {text[:ERROR_BODY_CHARS]}",
-                         status=response.status, quarantine=quarantine_on_5xx)
+                         kind="status", status=response.status, quarantine=quarantine_on_5xx)
     return response
 
 
 async def _read_quietly(response: UpstreamResponse) -> str:
     try:
-        return (await response.read()).decode(errors="replace")
+        return (await response.read(ERROR_BODY_BYTES)).decode(errors="replace")
     except OSError:
         return ""
     finally:
         response.release()
 
 
-async def _read_all(response: UpstreamResponse, member: Candidate, role: str) -> bytes:
+async def _read_all(response: UpstreamResponse, member: Candidate, role: str,
+                    max_bytes: int | None = None) -> bytes:
     try:
-        return await response.read()
+        return await response.read(max_bytes)
     except OSError as exc:
-        raise LegFailure(member, role, f"read: {type(exc).__name__}: {exc}") from None
+        raise leg_failure(member, role, exc, "read") from None
     finally:
         response.release()
 
 
 async def _reject_4xx(response: UpstreamResponse, member: Candidate, role: str) -> None:
     if response.status >= 400:
-        body = await _read_all(response, member, role)
-        raise UpstreamRejected(response.status, body,
-                               response.content_type)
+        body = await _read_all(response, member, role, REJECTION_BODY_BYTES)
+        raise UpstreamRejected(response.status, body, response.content_type)
 
 
 async def _prefill_json(session: UpstreamPool, member: Candidate, path: str,
@@ -178,7 +214,7 @@ async def _prefill_json(session: UpstreamPool, member: Candidate, path: str,
     try:
         return _decode(raw)
     except msgspec.DecodeError:
-        raise LegFailure(member, "prefill", "response is not JSON") from None
+        raise LegFailure(member, "prefill", "response is not JSON", kind="reply") from None
 
 
 def _kv_address(member: Candidate) -> str:
@@ -202,12 +238,13 @@ class DirectAdapter:
 
     async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
+        started = time.monotonic()
         return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
-                                    request_id))
+                                    request_id), decode_started=started)
 
 
 class VllmNixlAdapter:
-    name = "vllm-nixl"
+    name = Handshake.VLLM_NIXL
 
     async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
@@ -218,22 +255,26 @@ class VllmNixlAdapter:
         prefill_body["stream"] = False
         prefill_body.pop("stream_options", None)  # vLLM refuses it when stream is false
         prefill_body["kv_transfer_params"] = NIXL_PREFILL_PARAMS
+        started = time.monotonic()
         reply = await _prefill_json(session, pair.prefill, path, _encode(prefill_body),
                                     request_id)
+        prefill_s = time.monotonic() - started
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
         if not isinstance(params, dict):
             raise LegFailure(pair.prefill, "prefill",
                              "response has no kv_transfer_params (is a kv_producer "
-                             "connector configured?)")
+                             "connector configured?)", kind="reply")
         decode_body = dict(body)
         decode_body["kv_transfer_params"] = params  # verbatim: the decode pulls with these
         # The decode's 5xx may be the prefill's fault (KV gone): retry, quarantine neither.
+        decode_started = time.monotonic()
         return Exchange(await _post(session, pair.decode, "decode", path, _encode(decode_body),
-                                    request_id, quarantine_on_5xx=False))
+                                    request_id, quarantine_on_5xx=False), prefill_s=prefill_s,
+                        prefill_started=started, decode_started=decode_started)
 
 
 class SglangAdapter:
-    name = "sglang"
+    name = Handshake.SGLANG
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.SystemRandom()
@@ -249,6 +290,7 @@ class SglangAdapter:
         both_body["bootstrap_port"] = bootstrap_port or None  # None: the engine's default
         both_body["bootstrap_room"] = self._rng.randrange(SGLANG_ROOM_LIMIT)
         payload = _encode(both_body)
+        started = time.monotonic()
         prefill = asyncio.ensure_future(_drain_leg(session, pair.prefill, path, payload,
                                                    request_id))
         decode = asyncio.ensure_future(_post(session, pair.decode, "decode", path, payload,
@@ -266,10 +308,20 @@ class SglangAdapter:
             if decode.done() and not decode.cancelled() and decode.exception() is None:
                 decode.result().close()
             raise
-        exchange = Exchange(response, companion=prefill)
-        # A prefill that dies while D streams: abort D, so the client hears of it at once.
-        prefill.add_done_callback(
-            lambda t: response.close() if not t.cancelled() and t.exception() else None)
+        exchange = Exchange(response, companion=prefill, prefill_started=started,
+                            decode_started=started)
+
+        def prefill_done(task: asyncio.Task[None]) -> None:
+            if task.cancelled():
+                return
+            if task.exception() is not None:
+                response.close()  # abort D's answer, so the client hears of it at once
+            else:
+                exchange.prefill_s = time.monotonic() - started
+        if prefill.done():
+            prefill_done(prefill)
+        else:
+            prefill.add_done_callback(prefill_done)
         return exchange
 
 
@@ -281,7 +333,7 @@ async def _drain_leg(session: UpstreamPool, member: Candidate, path: str,
 
 
 class VllmP2pAdapter:
-    name = "vllm-p2p"
+    name = Handshake.VLLM_P2P
 
     async def open(self, session: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
@@ -291,26 +343,33 @@ class VllmP2pAdapter:
         prefill_body["max_tokens"] = 1
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
+        started = time.monotonic()
         response = await _post(session, pair.prefill, "prefill", path, _encode(prefill_body),
                                pair_id)
         await _reject_4xx(response, pair.prefill, "prefill")
         await _read_all(response, pair.prefill, "prefill")
+        decode_started = time.monotonic()
+        prefill_s = decode_started - started
         return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
-                                    pair_id, quarantine_on_5xx=False))
+                                    pair_id, quarantine_on_5xx=False), prefill_s=prefill_s,
+                        prefill_started=started, decode_started=decode_started)
 
 
-ADAPTERS: Final[dict[str, Adapter]] = {
-    a.name: a for a in (VllmNixlAdapter(), SglangAdapter(), VllmP2pAdapter())
-}
 DIRECT: Final = DirectAdapter()
 
 
-def adapter_for(pair: Pair) -> Adapter:
+def default_adapters(rng: random.Random | None = None) -> dict[str, Adapter]:
+    """One adapter per handshake this router speaks. `rng` seeds SGLang's bootstrap_room
+    (tests pass a seeded one; by default the system's randomness)."""
+    return {a.name: a for a in (VllmNixlAdapter(), SglangAdapter(rng), VllmP2pAdapter())}
+
+
+def adapter_for(adapters: Adapters, pair: Pair) -> Adapter:
     """The handshake for a pair: direct for one mixed member, else the pair's protocol."""
     if pair.direct:
         return DIRECT
-    adapter = ADAPTERS.get(pair.prefill.protocol)
+    adapter = adapters.get(pair.prefill.protocol)
     if adapter is None:  # the pairing table leaves such members out; this is a guard
         raise LegFailure(pair.prefill, "prefill", f"no adapter for protocol "
-                         f"{pair.prefill.protocol!r}", quarantine=False)
+                         f"{pair.prefill.protocol!r}", kind="reply", quarantine=False)
     return adapter

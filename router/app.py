@@ -1,16 +1,19 @@
-"""The OpenAI-compatible HTTP front: admission, pairing, the handshake, relaying, retries.
+"""The OpenAI-compatible HTTP front: admission, then a `Proxy` per request.
 
-One request: read and decode the body once; pick (P, D) from the pairing table (rebuilt
-only when the view hands out a new membership mapping); drive the pair's adapter; relay
-D's answer. A prefill failure quarantines that prefill and retries on a new pair; a
-decode failure before the client has seen a byte retries too; a failure after that ends
-the stream with an SSE error event. A client that leaves cancels the handler, which
-closes both upstream legs.
+Admission reads and decodes the body once, strips the fields the router owns, and
+refuses what it cannot serve: 401 (API key), 400 (not JSON, no model), 404
+`model_not_found` (no member serves or has served the model), 503 `no_capacity` (a known
+model, no routable pair now), 508 (a request from a router: a loop). `Proxy`
+(router/proxy.py) does the rest: pairing, retries, relaying and migration.
+
+`Router` holds what requests share: the view and its pairing table, the policy, the
+router's own in-flight counts, local quarantine, per-member latency and the metrics.
+It lives on one event loop; nothing here is shared across threads except `view`, whose
+`members()` is a reference swap and whose `report()` only queues (it never blocks).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import itertools
 import logging
@@ -18,39 +21,41 @@ import os
 import random
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import msgspec
 from aiohttp import web
 
 from registry.client import LiveMember
-from router.adapters import ADAPTERS, Exchange, LegFailure, UpstreamRejected, adapter_for
+from registry.protocol import Role
+from router.adapters import Adapters, LegFailure, UpstreamRejected, default_adapters
+from router.continuation import why_not_migratable
+from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
+from router.inflight import Hold, InFlight
+from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import (
+    DECODE_ROLE,
     DEFAULT_POLICY,
     DEFAULT_STALE_LOAD_S,
-    Candidate,
-    Pair,
-    PairingTable,
+    PREFILL_ROLE,
     make_pairer,
-    prefix_key,
-    session_key,
 )
+from router.proxy import Call, Proxy
 from router.quarantine import QUARANTINE_S, Quarantine
-from router.upstream import UpstreamPool
+from router.table import Candidate, Pair, PairingTable
+from router.upstream import Timeouts, UpstreamPool
 
-__all__ = ["MAX_ATTEMPTS", "MembershipSource", "Router"]
+__all__ = ["MAX_ATTEMPTS", "MAX_MIGRATIONS", "MembershipSource", "Router"]
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER: Final = "X-Session-Id"  # the `session` policy keeps a session on one pair
 UNKNOWN_MODEL_LABEL: Final = "unknown"  # metrics label for models no member serves
 MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
-COMPANION_WAIT_S: Final = 5.0  # after D is done, how long SGLang's P leg may still take
-_SSE_EVENT_END: Final = b"\n\n"
-_SSE_DONE: Final = b"data: [DONE]\n\n"
-_SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_READ_ERRORS: Final = OSError  # dropped (UpstreamError), reset, timed out
+MAX_MIGRATIONS: Final = 3  # times one stream may continue on a new pair
+MAX_KNOWN_MODELS: Final = 10_000  # models remembered for 404-vs-503 (registry-bounded)
+MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a client's request body
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -58,6 +63,10 @@ _encode = msgspec.json.encode
 
 class MembershipSource(Protocol):
     """What the router needs of `registry.client.MembershipView`."""
+
+    @property
+    def synced(self) -> bool:
+        """A registry has given a snapshot at least once (the view knows something)."""
 
     def members(self) -> Mapping[str, LiveMember]: ...
     def report(self, member_id: str, incarnation: int, problem: str) -> None:
@@ -72,61 +81,79 @@ def openai_error(status: int, message: str, kind: str, code: str | None = None,
 
 
 class Router:
-    """Request handling state: the view, the pairer, in-flight counts, quarantine, metrics.
-
-    Lives on one event loop; nothing here is shared across threads except `view`, whose
-    `members()` is a reference swap and whose `report()` only queues (it never blocks).
-    """
-
     def __init__(self, view: MembershipSource, *, policy: str = DEFAULT_POLICY,
                  locality_label: str = "", api_key: str = "",
-                 max_attempts: int = MAX_ATTEMPTS, quarantine_s: float = QUARANTINE_S,
+                 max_attempts: int = MAX_ATTEMPTS, max_migrations: int = MAX_MIGRATIONS,
+                 quarantine_s: float = QUARANTINE_S,
                  stale_load_s: float = DEFAULT_STALE_LOAD_S, member_id: str = "router",
-                 rng: random.Random | None = None,
+                 timeouts: Timeouts | None = None,
+                 upstream_policy: UpstreamPolicy | None = None,
+                 adapters: Adapters | None = None, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view = view
         self.policy = policy
-        self.pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s)
+        self.latency = LatencyTracker()
+        self.pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s,
+                                  latency=self.latency)
         self.locality_label = locality_label
         self.max_attempts = max(1, max_attempts)
+        self.max_migrations = max(0, max_migrations)
         self.quarantine = Quarantine(quarantine_s)
         self.metrics = RouterMetrics()
+        self.in_flight = InFlight(self.metrics.in_flight_of)
+        self.adapters: Adapters = adapters if adapters is not None else default_adapters()
         self.member_id = member_id
+        self.timeouts = timeouts or Timeouts()
+        self.upstream_policy = upstream_policy or UpstreamPolicy.build()
+        self.draining = False
         self._api_key = f"Bearer {api_key}".encode() if api_key else b""
         self._clock = clock
-        self._in_flight: dict[str, int] = {}
         self._seen: Mapping[str, LiveMember] | None = None
         self._table = PairingTable({})
+        self._known_models: set[str] = set()
         self._request_ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
-        self.session: UpstreamPool | None = None
+        self._pool: UpstreamPool | None = None
 
     # --- wiring -------------------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
-        app.on_startup.append(self._open_session)
-        app.on_cleanup.append(self._close_session)
+        app.on_startup.append(self._open_pool)
+        app.on_cleanup.append(self._close_pool)
         return app
 
-    async def _open_session(self, app: web.Application) -> None:
-        self.session = UpstreamPool()
+    async def _open_pool(self, app: web.Application) -> None:
+        self._pool = UpstreamPool(timeouts=self.timeouts, policy=self.upstream_policy)
 
-    async def _close_session(self, app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
+    async def _close_pool(self, app: web.Application) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+
+    def upstream(self) -> UpstreamPool:
+        assert self._pool is not None, "the app has not started"
+        return self._pool
+
+    @property
+    def session(self) -> UpstreamPool | None:  # tests look at the pool
+        return self._pool
 
     def table(self) -> PairingTable:
         """The pairing table for the current membership; rebuilt only when it changed."""
         members = self.view.members()
         if members is not self._seen:
-            self._table = PairingTable.build(members, self.locality_label, ADAPTERS)
+            self._table = PairingTable.build(members, self.locality_label, self.adapters)
             self._seen = members
+            if len(self._known_models) < MAX_KNOWN_MODELS:
+                self._known_models.update(m.record.spec.model for m in members.values()
+                                          if m.record.spec.role is not Role.API_SERVER)
+            self.latency.retain(members.keys())
         return self._table
 
     # --- small handlers -----------------------------------------------------------------
@@ -147,7 +174,20 @@ class Router:
                             content_type="application/json")
 
     async def handle_health(self, request: web.Request) -> web.Response:
+        """Liveness: the process and its event loop answer."""
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        """Readiness: 503 while draining or before the view has ever synced. A registry
+        that goes away later does not make the router unready: it serves from its last
+        view, which is the point of keeping one."""
+        if self.draining:
+            return web.Response(status=503, body=b'{"status":"draining"}',
+                                content_type="application/json")
+        if not self.view.synced:
+            return web.Response(status=503, body=b'{"status":"no membership yet"}',
+                                content_type="application/json")
+        return web.Response(body=b'{"status":"ready"}', content_type="application/json")
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
@@ -156,9 +196,14 @@ class Router:
     # --- the request path ---------------------------------------------------------------
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
-        started = self._clock()
+        started = time.monotonic()
         if not self._authorized(request):
             return _unauthorized()
+        if HOP_HEADER in request.headers:
+            # Sent by a router: some member's URL leads back to a router. Refuse, so the
+            # request cannot circle; the sender quarantines that member.
+            return openai_error(508, "request loop: this router was reached through a "
+                                "router", "invalid_request_error", "loop_detected")
         try:
             body = _decode(await request.read())
         except msgspec.DecodeError as exc:
@@ -166,189 +211,92 @@ class Router:
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model:
             return openai_error(400, "'model' is required", "invalid_request_error")
-        stream = body.get("stream") is True
-        key = self._affinity_key(request, body)
-        request_id = f"pdreg-{self._id_prefix}-{next(self._request_ids)}"
-        tried: list[str] = []
-        last_failure = ""
-        for _attempt in range(self.max_attempts):
-            now = self._clock()
-            pair = self.pairer.choose(self.table(), model, now=now, in_flight=self._in_flight,
-                                      quarantined=self.quarantine.active(now), key=key,
-                                      exclude=tried)
-            if pair is None:
-                break
-            self._pick(pair)
-            prefill_held = not pair.direct
-            try:
-                exchange = await adapter_for(pair).open(
-                    self.session, pair, request.path, body, request_id)  # type: ignore[arg-type]
-                if prefill_held:  # the prefill's part is done once D has answered
-                    self._release(pair.prefill)
-                    prefill_held = False
-                try:
-                    return await self._relay(request, exchange, pair, model, stream, started)
-                finally:
-                    exchange.close()
-            except LegFailure as failure:
-                self._on_failure(failure)
-                tried.extend((pair.prefill.id, pair.decode.id))
-                last_failure = str(failure)
-                self.metrics.retries.labels(f"{failure.role}_failed").inc()
-            except UpstreamRejected as rejected:
-                self._count(model, "client_error")
-                return web.Response(status=rejected.status, body=rejected.body,
-                                    headers={"Content-Type": rejected.content_type})
-            except (asyncio.CancelledError, ConnectionResetError):
-                self._count(model, "cancelled")
-                raise
-            finally:
-                if prefill_held:
-                    self._release(pair.prefill)
-                self._release(pair.decode)
-        if not tried:
-            self._count(model, "no_capacity")
-            return openai_error(503, f"no routable prefill and decode for model {model!r}",
-                                "service_unavailable", "no_capacity", {"Retry-After": "1"})
-        self._count(model, "upstream_error")
-        return openai_error(502, f"every pair tried failed; last: {last_failure}",
-                            "upstream_error", "upstream_failed")
-
-    async def _relay(self, request: web.Request, exchange: Exchange, pair: Pair, model: str,
-                     stream: bool, started: float) -> web.StreamResponse:
-        """Relay D's answer. Raises LegFailure only before the client saw anything."""
-        upstream = exchange.response
-        decode = pair.decode
-        if not (stream and upstream.status == 200):
-            try:
-                data = await upstream.read()
-            except _READ_ERRORS as exc:
-                raise LegFailure(decode, "decode", f"read: {type(exc).__name__}") from None
-            await self._check_companion(exchange)
-            self._count(model, "ok" if upstream.status < 400 else "client_error")
-            self.metrics.e2e_of(model).observe(self._clock() - started)
-            return web.Response(status=upstream.status, body=data,
-                                headers={"Content-Type": upstream.content_type})
+        stripped = strip_internal_fields(body)
+        if stripped:
+            logger.debug("[router] stripped client fields %s", stripped)
+        stream_options = body.get("stream_options")
+        call = Call(
+            path=request.path, body=body, model=model, stream=body.get("stream") is True,
+            key=self.pairer.affinity_key(request.headers.get(SESSION_HEADER, ""), body),
+            request_id=f"pdreg-{self._id_prefix}-{next(self._request_ids)}",
+            started=started, wants_ids=body.get("return_token_ids") is True,
+            include_usage=isinstance(stream_options, dict)
+            and stream_options.get("include_usage") is True,
+            migratable=why_not_migratable(request.path, body))
+        proxy = Proxy(self, call)
         try:
-            first = await upstream.readany()
-        except _READ_ERRORS as exc:
-            raise LegFailure(decode, "decode", f"stream: {type(exc).__name__}") from None
-        if not first:
-            raise LegFailure(decode, "decode", "stream ended before any data",
-                             quarantine=False)
-        self.metrics.ttft_of(model).observe(self._clock() - started)
-        out = web.StreamResponse(headers=_SSE_HEADERS)
-        try:
-            return await self._stream(request, out, exchange, decode, model, first, started)
-        except ConnectionError:
-            # A write to the client's closing socket: the client hung up (often right
-            # after [DONE], before the stream's end). A cancel, not an upstream failure.
-            logger.debug("[router] client left mid-response model=%s", model)
-            self._count(model, "cancelled")
-            return out
+            response = await (proxy.stream(request) if call.stream else proxy.whole())
+        except UpstreamRejected as rejected:
+            self.count(model, "client_error")
+            return web.Response(status=rejected.status, body=rejected.body,
+                                headers={"Content-Type": rejected.content_type})
+        except BaseException:  # the client left (cancel, reset) while we waited upstream
+            self.count(model, "cancelled")
+            raise
+        if self.draining:
+            # Answer, then close the connection: a keep-alive client reconnects through
+            # its load balancer, to a router that is not draining.
+            response.force_close()
+        return response
 
-    async def _stream(self, request: web.Request, out: web.StreamResponse,
-                      exchange: Exchange, decode: Candidate, model: str, first: bytes,
-                      started: float) -> web.StreamResponse:
-        """Forward D's SSE stream. Writes to a departed client raise ConnectionError."""
-        await out.prepare(request)
-        upstream = exchange.response
-        # Forward whole SSE events only, so an error event never lands inside a cut one.
-        pending = first
-        while True:
-            cut = pending.rfind(_SSE_EVENT_END)
-            if cut >= 0:
-                await out.write(pending[:cut + 2])
-                pending = pending[cut + 2:]
-            try:
-                chunk = await upstream.readany()
-            except _READ_ERRORS as exc:
-                failure = exchange.companion_failure() or LegFailure(
-                    decode, "decode", f"mid-stream: {type(exc).__name__}")
-                self._on_failure(failure)
-                self._count(model, "failed_midstream")
-                await self._write_stream_error(out, str(failure))
-                return out
-            if not chunk:
-                break
-            pending += chunk
-        if pending:
-            await out.write(pending)
-        await self._check_companion(exchange)
-        await out.write_eof()
-        self._count(model, "ok")
-        self.metrics.e2e_of(model).observe(self._clock() - started)
-        return out
+    # --- what a Proxy uses --------------------------------------------------------------
 
-    async def _check_companion(self, exchange: Exchange) -> None:
-        if exchange.companion is not None:
-            failure = await exchange.finish(COMPANION_WAIT_S)
-            if failure is not None:  # D answered anyway; still keep that P out for a while
-                self._on_failure(failure)
+    def choose(self, model: str, key: int, tried: list[str]) -> Pair | None:
+        now = self._clock()
+        return self.pairer.choose(self.table(), model, now=now,
+                                  in_flight=self.in_flight.counts,
+                                  quarantined=self.quarantine.active(now), key=key,
+                                  exclude=tried)
 
-    @staticmethod
-    async def _write_stream_error(out: web.StreamResponse, message: str) -> None:
-        event = {"error": {"message": message, "type": "upstream_error",
-                           "code": "upstream_failed"}}
-        try:
-            await out.write(b"data: " + _encode(event) + b"\n\n" + _SSE_DONE)
-            await out.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass  # the client is gone too
-
-    # --- bookkeeping --------------------------------------------------------------------
-
-    def _affinity_key(self, request: web.Request, body: dict[str, Any]) -> int:
-        """What affinity policies hash: the session (header, else OpenAI's `user`) or the
-        prompt's prefix; 0 for the policies that hash nothing."""
-        if self.policy == "session":
-            session = request.headers.get(SESSION_HEADER) or body.get("user")
-            if isinstance(session, str) and session:
-                return session_key(session)
-        elif self.policy != "prefix":
-            return 0
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return prefix_key(prompt.encode())
-        source = prompt if prompt is not None else body.get("messages")
-        return prefix_key(_encode(source))
-
-    def _pick(self, pair: Pair) -> None:
-        """Count the pick and hold an in-flight slot per distinct member of the pair."""
+    def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
+        """Count the pick; an in-flight slot on D, and on P unless it is D itself."""
         picks = self.metrics.picks_of
         picks(pair.decode.id, "decode").inc()
-        self._acquire(pair.decode)
-        if not pair.direct:
-            picks(pair.prefill.id, "prefill").inc()
-            self._acquire(pair.prefill)
+        decode = self.in_flight.hold(pair.decode.id)
+        if pair.direct:
+            return decode, None
+        picks(pair.prefill.id, "prefill").inc()
+        return decode, self.in_flight.hold(pair.prefill.id)
 
-    def _acquire(self, member: Candidate) -> None:
-        self._in_flight[member.id] = self._in_flight.get(member.id, 0) + 1
-        self.metrics.in_flight_of(member.id).inc()
+    def observe_prefill(self, member: Candidate, seconds: float) -> None:
+        self.latency.observe(PREFILL_ROLE, member.id, member.incarnation, seconds,
+                             self._clock())
 
-    def _release(self, member: Candidate) -> None:
-        count = self._in_flight.get(member.id, 0) - 1
-        if count > 0:
-            self._in_flight[member.id] = count
-        else:
-            self._in_flight.pop(member.id, None)
-        self.metrics.in_flight_of(member.id).dec()
+    def observe_decode(self, member: Candidate, seconds_per_token: float) -> None:
+        self.latency.observe(DECODE_ROLE, member.id, member.incarnation, seconds_per_token,
+                             self._clock())
 
-    def _count(self, model: str, outcome: str) -> None:
+    def no_capacity(self, model: str) -> web.Response:
+        """404 for a model no member serves or has served; 503 for one that has none
+        routable right now (clients retry a 503, not a 404)."""
+        self.table()
+        if model not in self._known_models:
+            self.count(model, "model_not_found")
+            return openai_error(404, f"the model {model!r} does not exist",
+                                "invalid_request_error", "model_not_found")
+        self.count(model, "no_capacity")
+        return openai_error(503, f"no routable prefill and decode for model {model!r}",
+                            "service_unavailable", "no_capacity", {"Retry-After": "1"})
+
+    @staticmethod
+    def error(status: int, message: str, kind: str, code: str) -> web.Response:
+        return openai_error(status, message, kind, code)
+
+    def count(self, model: str, outcome: str) -> None:
         # Clients name the model: only models the fleet serves get a series of their own,
         # so a typo or a scan cannot grow the metrics without bound.
         label = model if model in self._table.pools else UNKNOWN_MODEL_LABEL
         self.metrics.requests_of(label, outcome).inc()
 
-    def _on_failure(self, failure: LegFailure) -> None:
+    def on_failure(self, failure: LegFailure) -> None:
         member = failure.member
-        logger.warning("[router] leg failed role=%s id=%s: %s", failure.role, member.id,
-                       failure.reason)
+        logger.warning("[router] leg failed role=%s id=%s kind=%s: %s", failure.role,
+                       member.id, failure.kind, failure.reason)
         if not failure.quarantine:
             return
         if self.quarantine.add(member.id, member.incarnation, self._clock()):
             self.metrics.quarantines.labels(member.id).inc()
-            problem = f"{failure.role}: {failure.reason}"[:200]
+            problem = f"{failure.role}: {failure.kind}"[:200]
             try:
                 self.view.report(member.id, member.incarnation, problem)
             except Exception:  # a registry that is away must not break request handling

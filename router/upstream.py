@@ -13,29 +13,52 @@ stop generating.
 Engines answer HTTP/1.1 with Content-Length or chunked bodies (uvicorn, aiohttp); an
 answer delimited only by the connection closing counts as dropped.
 
-Errors are `OSError`s: `UpstreamError` (a `ConnectionError`) for a dropped connection or
-a malformed answer, `TimeoutError` for a connect that takes too long, and whatever the
-socket raises (e.g. `ConnectionRefusedError`).
+Errors are `OSError`s: `UpstreamError` (a `ConnectionError`) for a dropped connection, a
+malformed or oversized answer, an engine that stops answering (first-byte and idle-read
+timeouts) or an address the `UpstreamPolicy` forbids; `kind` says which. A connect that
+takes too long raises `TimeoutError`, a refused one whatever the socket raises (e.g.
+`ConnectionRefusedError`).
+
+Every request carries the router's hop header (see router/guard.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import ipaddress
 import logging
 import socket
 import time
 from collections import deque
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final
 from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["CONNECT_TIMEOUT_S", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+from router.guard import HOP_HEADER, UpstreamPolicy
+
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "FailureKind",
+    "Timeouts",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+]
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S: Final = 3.0  # an engine that cannot accept in this long is treated as down
+# From the request sent to the status line. A non-streaming answer arrives whole when the
+# generation is done, so this bounds a whole non-streaming generation too.
+FIRST_BYTE_TIMEOUT_S: Final = 300.0
+# Between two reads of an answer's body: a stream with no token for this long is stalled.
+IDLE_READ_TIMEOUT_S: Final = 15.0
+# A buffered (non-streamed) answer larger than this is refused: no engine answer is.
+MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 # Idle pooled connections live this long: under the 5 s keep-alive of uvicorn (vLLM's and
 # SGLang's servers), so the router never sends on a connection the engine is closing.
 KEEPALIVE_S: Final = 4.0
@@ -44,8 +67,42 @@ KEEPALIVE_S: Final = 4.0
 READ_HIGH_WATER_BYTES: Final = 2 * 1024 * 1024
 
 
+class FailureKind(enum.StrEnum):
+    RESET = "reset"  # the connection broke (RST, error) before the answer was complete
+    EOF = "eof"  # the engine closed the connection cleanly before the answer was complete
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    MALFORMED = "malformed"  # not HTTP/1.1
+    TOO_LARGE = "too_large"
+    FORBIDDEN = "forbidden"  # the address is outside --allow-upstream
+
+
 class UpstreamError(ConnectionError):
-    """The connection dropped before the answer was complete, or the answer is not HTTP."""
+    """The answer cannot be had: the connection dropped, the engine stopped answering,
+    the answer is not HTTP or too large, or the address is not allowed."""
+
+    def __init__(self, message: str, kind: FailureKind = FailureKind.RESET) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = CONNECT_TIMEOUT_S
+    first_byte_s: float = FIRST_BYTE_TIMEOUT_S
+    idle_read_s: float = IDLE_READ_TIMEOUT_S
+
+
+_HOP: Final = HOP_HEADER.encode()
+
+
+@lru_cache(maxsize=1024)
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=1024)
@@ -53,7 +110,8 @@ def _address(base_url: str) -> tuple[str, int, bytes]:
     """(host, port, Host header value) of an engine's base URL, e.g. http://10.0.0.5:8000."""
     parts = urlsplit(base_url)
     if parts.scheme != "http" or not parts.hostname:
-        raise UpstreamError(f"only http://host:port upstreams are supported, got {base_url!r}")
+        raise UpstreamError(f"only http://host:port upstreams are supported, got {base_url!r}",
+                            FailureKind.MALFORMED)
     port = parts.port or 80
     return parts.hostname, port, parts.netloc.encode()
 
@@ -92,7 +150,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"malformed HTTP answer: {exc}"))
+            self._fail(UpstreamError(f"malformed HTTP answer: {exc}", FailureKind.MALFORMED))
             self.close()
 
     def eof_received(self) -> bool:
@@ -100,8 +158,11 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self._fail(UpstreamError(f"connection lost: {exc}" if exc else "connection closed "
-                                 "by the engine before the answer was complete"))
+        if exc is not None:
+            self._fail(UpstreamError(f"connection lost: {exc}", FailureKind.RESET))
+        else:
+            self._fail(UpstreamError("connection closed by the engine before the answer "
+                                     "was complete", FailureKind.EOF))
 
     # --- httptools callbacks ------------------------------------------------------------
 
@@ -157,6 +218,7 @@ class UpstreamResponse:
     the body through `read()` or `readany()`. Always `release()` or `close()` it."""
 
     def __init__(self, pool: UpstreamPool, connection: _Connection) -> None:
+        self.idle_timeout_s = pool.timeouts.idle_read_s  # 0 = wait for ever
         self.status = 0
         self.headers: dict[str, str] = {}
         self._pool = pool
@@ -175,10 +237,19 @@ class UpstreamResponse:
 
     # --- reading ------------------------------------------------------------------------
 
-    async def read(self) -> bytes:
-        """The whole (rest of the) body."""
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole (rest of the) body; UpstreamError (too_large) beyond `max_bytes`
+        (default: the pool's `max_body_bytes`)."""
+        if max_bytes is None:
+            max_bytes = self._pool.max_body_bytes
         parts = []
+        size = 0
         while chunk := await self.readany():
+            size += len(chunk)
+            if size > max_bytes:
+                self.close()
+                raise UpstreamError(f"answer larger than {max_bytes} bytes",
+                                    FailureKind.TOO_LARGE)
             parts.append(chunk)
         return b"".join(parts)
 
@@ -190,7 +261,7 @@ class UpstreamResponse:
                 raise self._error
             if self._complete:
                 return b""
-            await self._wait()
+            await self._wait(self.idle_timeout_s, FailureKind.IDLE_TIMEOUT)
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
@@ -200,12 +271,24 @@ class UpstreamResponse:
                 self._connection.resume_reading()
         return data
 
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+    async def _wait(self, timeout_s: float, kind: FailureKind) -> None:
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, self._time_out, waiter, timeout_s, kind) \
+            if timeout_s > 0 else None
         try:
-            await self._waiter
+            await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _time_out(self, waiter: asyncio.Future[None], timeout_s: float,
+                  kind: FailureKind) -> None:
+        if not waiter.done():
+            what = "status line" if kind is FailureKind.FIRST_BYTE_TIMEOUT else "data"
+            self._set_error(UpstreamError(f"no {what} from the engine for {timeout_s:g} s",
+                                          kind))
 
     # --- fed by the connection ----------------------------------------------------------
 
@@ -254,14 +337,21 @@ class UpstreamResponse:
             self._set_error(UpstreamError("closed by the router"))
         connection.close()
 
+    @property
+    def broken(self) -> UpstreamError | None:
+        """Why the answer cannot be read to its end (None while it can)."""
+        return self._error
+
 
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections per engine address. Use on one event loop."""
 
-    def __init__(self, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 keepalive_s: float = KEEPALIVE_S) -> None:
-        self.connect_timeout_s = connect_timeout_s
+    def __init__(self, *, timeouts: Timeouts | None = None, keepalive_s: float = KEEPALIVE_S,
+                 policy: UpstreamPolicy | None = None) -> None:
+        self.timeouts = timeouts or Timeouts()
         self.keepalive_s = keepalive_s
+        self.policy = policy or UpstreamPolicy.build()
+        self.max_body_bytes = MAX_BODY_BYTES
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 
@@ -270,8 +360,8 @@ class UpstreamPool:
         """POST JSON `body` to `base_url + path`; returns once status and headers are in."""
         host, port, host_header = _address(base_url)
         head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n"
-                % (path.encode(), host_header, request_id.encode(), len(body)))
+                b"X-Request-Id: %s\r\n%s: 1\r\nContent-Length: %d\r\n\r\n"
+                % (path.encode(), host_header, request_id.encode(), _HOP, len(body)))
         connection = await self._get((host, port))
         response = UpstreamResponse(self, connection)
         connection.response = response
@@ -281,7 +371,8 @@ class UpstreamPool:
             while response.status == 0:
                 if response._error is not None:
                     raise response._error
-                await response._wait()
+                await response._wait(self.timeouts.first_byte_s,
+                                     FailureKind.FIRST_BYTE_TIMEOUT)
         except BaseException:  # dropped, or the caller cancelled: the connection is spent
             response.close()
             raise
@@ -297,10 +388,33 @@ class UpstreamPool:
                     return connection
                 connection.close()
         loop = asyncio.get_running_loop()
-        _, connection = await asyncio.wait_for(
-            loop.create_connection(lambda: _Connection(key), key[0], key[1]),
-            self.connect_timeout_s)
+        _, connection = await asyncio.wait_for(self._connect(loop, key),
+                                               self.timeouts.connect_s)
         return connection
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int]
+                       ) -> tuple[asyncio.BaseTransport, _Connection]:
+        """Resolve, keep only addresses the policy allows, connect to the first that
+        accepts. Connecting to the checked address itself leaves no second lookup for a
+        DNS answer to change."""
+        host, port = key
+        if _is_ip(host):
+            addresses = [host]
+        else:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        allowed = [a for a in addresses if self.policy.allows(a)]
+        if not allowed:
+            raise UpstreamError(f"{host} resolves to {', '.join(addresses) or 'nothing'}, "
+                                "outside --allow-upstream", FailureKind.FORBIDDEN)
+        error: OSError | None = None
+        for address in allowed:
+            try:
+                return await loop.create_connection(lambda: _Connection(key), address, port)
+            except OSError as exc:
+                error = exc
+        assert error is not None
+        raise error
 
     def _put(self, connection: _Connection) -> None:
         if self._closed or not connection.usable:

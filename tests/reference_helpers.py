@@ -177,7 +177,7 @@ def collect(response: httpx.Response, stream: bool) -> tuple[list[int], str]:
     text = ""
     for chunk in read_sse(response):
         for choice in chunk["choices"]:
-            ids += choice.get("token_ids", [])
+            ids += choice.get("token_ids") or []
             text += choice["delta"].get("content", "") if "delta" in choice else choice["text"]
     return ids, text
 

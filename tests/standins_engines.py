@@ -5,14 +5,29 @@ exactly as the engine's contract states them (see /work/shared/notes/engines-and
 and answers 400 to anything else. KV "transfer" goes through a `KvHub` shared by the
 stand-ins of one test: a prefill stores the prompt it processed; the decode takes it and
 refuses (500, as vLLM does with kv_load_failure_policy=fail) when it is missing or is not
-the prompt of its own request. Output is a deterministic function of the prompt, so a
-disaggregated answer can be compared with a mixed engine's.
+the prompt of its own request.
+
+Output follows vLLM's token-id contract (notes §6), which request migration relies on:
+- a prompt is token ids: the UTF-8 bytes of the text (chat: the contents joined by
+  newlines, a stand-in's chat template), or `"prompt": [ids]` as given;
+- each next token is a function of every id before it (`next_token`), so continuing from
+  prompt + the ids generated so far gives exactly the rest of the answer;
+- `"return_token_ids": true` adds `prompt_token_ids` (completions: in the first choice,
+  chat: top level of the first chunk) and `token_ids` per chunk; otherwise both are null,
+  as vLLM writes them;
+- the response id is `cmpl-` (chat: `chatcmpl-`) + the X-Request-Id header, else the
+  body's `request_id`, else a random one; streams end with finish_reason on the last
+  token's chunk, a usage chunk if asked, then `data: [DONE]`;
+- `max_tokens` absent means 16 on /v1/completions; null (and absent on chat) means up to
+  the context length (`max_model_len`).
+SGLang stand-ins differ where real SGLang 0.5.23 does (/work/plan/sglang-token-ids.md):
+a streamed chat with `return_token_ids` is refused (400), the response id is the body's
+`rid` (X-Request-Id is ignored), and every chunk carries `"usage": null`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 import threading
 import time
@@ -36,6 +51,8 @@ NIXL_REQUEST_PARAMS = {
 P2P_ID = re.compile(r"^___prefill_addr_(?P<p>[^_]+:\d+)___decode_addr_(?P<d>[^_]+:\d+)_"
                     r"(?P<uid>[0-9a-f]{32})$")
 KV_WAIT_S = 5.0  # how long a decode waits for its prefill's KV (SGLang, P2P: concurrent)
+MAX_MODEL_LEN = 65536  # engines' default context length (StandinEngine.max_model_len)
+VOCAB = 997
 
 
 # --- running servers on a private loop -------------------------------------------------------
@@ -53,15 +70,15 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, app: web.Application) -> str:
+    def serve(self, app: web.Application, host: str = "127.0.0.1") -> str:
         async def start() -> str:
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = web.TCPSite(runner, host, 0)
             await site.start()
             self._runners.append(runner)
             port = runner.addresses[0][1]
-            return f"http://127.0.0.1:{port}"
+            return f"http://{host}:{port}"
         return self.run(start())
 
     def close(self) -> None:
@@ -76,30 +93,63 @@ class LoopThread:
             self.loop.close()
 
 
-# --- output: a deterministic function of the prompt ------------------------------------------
+# --- output: each token a function of every token before it -----------------------------------
 
-def prompt_text(path: str, body: dict[str, Any]) -> str:
+def prompt_ids(path: str, body: dict[str, Any]) -> tuple[int, ...]:
     if path.endswith("/chat/completions"):
-        return "\n".join(str(m.get("content", "")) for m in body["messages"])
+        text = "\n".join(str(m.get("content", "")) for m in body["messages"])
+        return tuple(text.encode())
     prompt = body["prompt"]
-    return prompt if isinstance(prompt, str) else msgspec.json.encode(prompt).decode()
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tuple(prompt.encode())
+    if not all(type(t) is int and 0 <= t < VOCAB for t in prompt):
+        raise Rejected("prompt token ids must be integers in the vocabulary")
+    return tuple(prompt)
+
+
+def _state_after(ids: tuple[int, ...] | list[int]) -> int:
+    state = 17
+    for token in ids:
+        state = _step(state, token)
+    return state
+
+
+def _step(state: int, token: int) -> int:
+    return (state * 1_000_003 + token + 1) % (1 << 61)
+
+
+def generate_ids(prompt: tuple[int, ...] | list[int], n: int) -> list[int]:
+    """The n tokens after `prompt`: each one from a rolling hash of all before it."""
+    state = _state_after(prompt)
+    out = []
+    for _ in range(n):
+        token = (state >> 13) % VOCAB
+        out.append(token)
+        state = _step(state, token)
+    return out
+
+
+def token_text(token: int) -> str:
+    return f" t{token}"
 
 
 def tokens_for(prompt: str, n: int) -> list[str]:
-    seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=4).digest(), "big")
-    return [f" t{(seed + 7 * i) % 997}" for i in range(n)]
+    """The texts of the first n tokens after a text prompt (what tests expect)."""
+    return [token_text(t) for t in generate_ids(tuple(prompt.encode()), n)]
 
 
 # --- the KV hub -----------------------------------------------------------------------------
 
 @dataclass
 class KvHub:
-    entries: dict[Any, str] = field(default_factory=dict)
+    entries: dict[Any, tuple[int, ...]] = field(default_factory=dict)
 
-    def put(self, key: Any, prompt: str) -> None:
+    def put(self, key: Any, prompt: tuple[int, ...]) -> None:
         self.entries[key] = prompt
 
-    async def take(self, key: Any, timeout_s: float) -> str | None:
+    async def take(self, key: Any, timeout_s: float) -> tuple[int, ...] | None:
         """Wait (polling: a stand-in, not a KV engine) for a prefill to fill `key`."""
         deadline = time.monotonic() + timeout_s
         while key not in self.entries:
@@ -118,6 +168,9 @@ class Faults:
     status: int = 0  # answer this status instead of serving
     drop: bool = False  # close the connection without an answer
     cut_after_chunks: int = -1  # stream this many chunks, then drop the connection
+    error_after_chunks: int = -1  # stream this many chunks, then an error event + [DONE]
+    stall_after_chunks: int = -1  # stream this many chunks, then go silent for stall_s
+    stall_s: float = 3600.0
     delay_s: float = 0.0  # before answering
     token_delay_s: float = 0.0  # between streamed chunks
     answer_delay_s: float = 0.0  # after the handshake (KV handed over), before answering
@@ -148,6 +201,7 @@ class StandinEngine:
         self.kv_port = kv_port
         self.bootstrap_port = bootstrap_port
         self.engine_id = uuid.uuid4().hex
+        self.max_model_len = MAX_MODEL_LEN
         self.faults = Faults()
         self.requests: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.rejections: list[str] = []
@@ -179,7 +233,7 @@ class StandinEngine:
         if f.status:
             return web.json_response({"error": {"message": "injected"}}, status=f.status)
         try:
-            prompt = prompt_text(request.path, body)
+            prompt = prompt_ids(request.path, body)
             check = getattr(self, f"_check_{self.protocol.replace('-', '_')}")
             if self.role is Role.MIXED:
                 self._check_plain(body)
@@ -203,7 +257,7 @@ class StandinEngine:
                 raise Rejected(f"a mixed engine got handshake field {key}")
 
     async def _check_vllm_nixl(self, request: web.Request, body: dict[str, Any],
-                               prompt: str) -> str | None:
+                               prompt: tuple[int, ...]) -> str | None:
         params = body.get("kv_transfer_params")
         if self.role is Role.PREFILL:
             if params != NIXL_REQUEST_PARAMS:
@@ -236,7 +290,7 @@ class StandinEngine:
         return None
 
     async def _check_sglang(self, request: web.Request, body: dict[str, Any],
-                            prompt: str) -> str | None:
+                            prompt: tuple[int, ...]) -> str | None:
         host, port, room = (body.get("bootstrap_host"), body.get("bootstrap_port"),
                             body.get("bootstrap_room"))
         if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
@@ -254,7 +308,7 @@ class StandinEngine:
         return None
 
     async def _check_vllm_p2p(self, request: web.Request, body: dict[str, Any],
-                              prompt: str) -> str | None:
+                              prompt: tuple[int, ...]) -> str | None:
         match = P2P_ID.match(request.headers.get("X-Request-Id", ""))
         if match is None:
             raise Rejected("X-Request-Id must encode ___prefill_addr_..___decode_addr_.._uuid")
@@ -271,48 +325,92 @@ class StandinEngine:
     # Generation.
 
     async def _generate(self, request: web.Request, body: dict[str, Any],
-                        prompt: str) -> web.StreamResponse:
+                        prompt: tuple[int, ...]) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
-        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-        tokens = tokens_for(prompt, n)
+        limit = body.get("max_completion_tokens") if chat else None
+        if limit is None:
+            limit = body.get("max_tokens", None if chat else 16)
+        n = self.max_model_len - len(prompt) if limit is None else int(limit)
+        if n < 1 or len(prompt) + n > self.max_model_len:
+            return web.json_response({"error": {"message": "too long"}}, status=400)
+        ids = generate_ids(prompt, n)
+        with_ids = body.get("return_token_ids") is True
+        sglang = self.protocol == "sglang"
+        if sglang and chat and with_ids and body.get("stream"):
+            return web.json_response({"object": "error", "message": "return_token_ids is "
+                                      "not supported with streaming on /v1/chat/completions",
+                                      "type": "BadRequest", "code": 400}, status=400)
         created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if sglang:
+            rid = str(body.get("rid") or uuid.uuid4().hex)
+        else:
+            rid = (("chatcmpl-" if chat else "cmpl-") + (
+                request.headers.get("X-Request-Id") or str(body.get("request_id") or "")
+                or uuid.uuid4().hex))
+        model = body.get("model", self.model)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n,
+                 "total_tokens": len(prompt) + n}
         if not body.get("stream"):
-            text = "".join(tokens)
+            text = "".join(token_text(t) for t in ids)
             choice: dict[str, Any] = (
                 {"index": 0, "message": {"role": "assistant", "content": text},
-                 "finish_reason": "length"} if chat else
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+                 "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                 "token_ids": ids if with_ids else None} if chat else
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                 "stop_reason": None, "prompt_token_ids": list(prompt) if with_ids else None,
+                 "token_ids": ids if with_ids else None})
             reply: dict[str, Any] = {
                 "id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": body.get("model", self.model),
-                "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
-                          "total_tokens": len(prompt.split()) + n}}
+                "created": created, "model": model, "choices": [choice], "usage": usage}
+            if chat:
+                reply["prompt_token_ids"] = list(prompt) if with_ids else None
             if KV_REPLY in request:
                 reply["kv_transfer_params"] = request[KV_REPLY]
             return web.json_response(reply)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            chunk = {"id": rid, "object": obj, "created": created, "model": model,
+                     "choices": choices, **({"usage": None} if sglang else {}), **extra}
+            return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+        f = self.faults
         try:
-            for i, token in enumerate(tokens):
-                if i == self.faults.cut_after_chunks:
+            if chat:
+                await response.write(event(
+                    [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}],
+                    **({"prompt_token_ids": list(prompt)} if with_ids else {})))
+            for i, token in enumerate(ids):
+                if i == f.cut_after_chunks:
                     assert request.transport is not None
                     request.transport.close()
                     return response
-                last = i == n - 1
-                chunk_choice: dict[str, Any] = (
-                    {"index": 0, "delta": {"content": token},
-                     "finish_reason": "length" if last else None} if chat else
-                    {"index": 0, "text": token, "logprobs": None,
-                     "finish_reason": "length" if last else None})
-                chunk = {"id": rid,
-                         "object": "chat.completion.chunk" if chat else "text_completion",
-                         "created": created, "model": body.get("model", self.model),
-                         "choices": [chunk_choice]}
-                await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-                if self.faults.token_delay_s:
-                    await asyncio.sleep(self.faults.token_delay_s)
+                if i == f.error_after_chunks:
+                    await response.write(b'data: {"error": {"message": "injected", '
+                                         b'"type": "InternalServerError", "code": 500}}\n\n'
+                                         b"data: [DONE]\n\n")
+                    return response
+                if i == f.stall_after_chunks:
+                    await asyncio.sleep(f.stall_s)
+                finish = "length" if i == n - 1 else None
+                token_ids = [token] if with_ids else None
+                if chat:
+                    choice = {"index": 0, "delta": {"content": token_text(token)},
+                              "logprobs": None, "finish_reason": finish,
+                              "token_ids": token_ids}
+                else:
+                    choice = {"index": 0, "text": token_text(token), "logprobs": None,
+                              "finish_reason": finish, "stop_reason": None,
+                              "prompt_token_ids": list(prompt) if with_ids and i == 0
+                              else None, "token_ids": token_ids}
+                await response.write(event([choice]))
+                if f.token_delay_s:
+                    await asyncio.sleep(f.token_delay_s)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await response.write(event([], usage=usage))
             await response.write(b"data: [DONE]\n\n")
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled += 1
@@ -341,6 +439,8 @@ def live_member(member_id: str, role: Role, url: str, *, model: str = "m",
 class StaticView:
     """What the router needs of a MembershipView: members() and report(), for unit tests."""
 
+    synced = True
+
     def __init__(self, members: dict[str, LiveMember] | None = None) -> None:
         self._members: dict[str, LiveMember] = dict(members or {})
         self.reports: list[tuple[str, int, str]] = []
@@ -366,17 +466,18 @@ class Fleet:
     view: StaticView = field(default_factory=StaticView)
     _next_port: int = 20000
 
-    def add(self, member_id: str, role: Role, *, model: str = "m", **member_kw: Any
-            ) -> StandinEngine:
+    def add(self, member_id: str, role: Role, *, model: str = "m", host: str = "127.0.0.1",
+            url: str = "", **member_kw: Any) -> StandinEngine:
+        """`url`: what the member advertises, if not where it serves (e.g. a host name)."""
         # KV/bootstrap ports are labels here (nothing binds them): any distinct numbers.
         self._next_port += 1
         engine = StandinEngine(role, self.protocol, self.hub, model=model,
                                kv_port=self._next_port, bootstrap_port=self._next_port + 500)
-        engine.url = self.loop.serve(engine.app)
+        engine.url = self.loop.serve(engine.app, host)
         self.engines[member_id] = engine
         members = dict(self.view.members())
         members[member_id] = live_member(
-            member_id, role, engine.url, model=model, protocol=self.protocol,
+            member_id, role, url or engine.url, model=model, protocol=self.protocol,
             kv_port=engine.kv_port, bootstrap_port=engine.bootstrap_port, **member_kw)
         self.view.set(members)
         return engine

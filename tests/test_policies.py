@@ -11,21 +11,17 @@ from hypothesis import strategies as st
 
 from registry.client import LiveMember
 from registry.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
-from router.policies import (
-    KV_FULL_PENALTY_REQS,
-    POLICY_NAMES,
+from router.choosers import (
     SATURATED_SCORE,
-    Candidate,
     LeastLoaded,
-    PairingTable,
     PowerOfTwo,
     PrefixAffinity,
     RoundRobin,
-    make_pairer,
     prefix_key,
-    score,
     session_key,
 )
+from router.policies import KV_FULL_PENALTY_REQS, POLICY_NAMES, make_pairer, score
+from router.table import Candidate, PairingTable
 
 NOW = 1000.0
 

@@ -12,6 +12,7 @@ from reference_helpers import (
     EngineHandle,
     collect,
     metrics,
+    read_sse,
     sglang_pd,
     start_engines,
     stop_all,
@@ -139,3 +140,28 @@ def test_decode_refuses_kv_it_cannot_trust(engines: dict[str, EngineHandle],
     assert response.status_code == 502
     assert "another prompt" in response.json()["error"]["message"]
     assert metrics(prefill.url)["pdreg:kv_held_entries"] == 0
+
+
+# --- the migration contract (vLLM's, notes §6): continue from ids, exactly ---------------
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_generation_continued_from_its_ids_is_the_same_generation(
+        engines: dict[str, EngineHandle], client: httpx.Client, path: str) -> None:
+    mixed = engines["mixed"].url
+    for prompt in PROMPTS:
+        whole = client.post(mixed + path, json=_body(prompt, path, True), timeout=60)
+        want_ids, want_text = collect(whole, True)
+        events = read_sse(whole)
+        prompt_ids = (events[0]["prompt_token_ids"] if path.endswith("chat/completions")
+                      else events[0]["choices"][0]["prompt_token_ids"])
+        # The text each token's chunk carried (a chat stream opens with a role chunk).
+        pieces = [c["delta"]["content"] if "delta" in c else c["text"]
+                  for e in events for c in e["choices"] if c.get("token_ids")]
+        for k in (1, 5, MAX_TOKENS - 1):
+            rest = {"model": "tiny", "prompt": prompt_ids + want_ids[:k], "ignore_eos": True,
+                    "max_tokens": MAX_TOKENS - k, "return_token_ids": True, "stream": True}
+            ids, text = collect(client.post(mixed + "/v1/completions", json=rest,
+                                            timeout=60), True)
+            assert ids == want_ids[k:], (prompt, k)
+            # Text too, even when a character is split across the seam.
+            assert "".join(pieces[:k]) + text == want_text, (prompt, k)

@@ -218,10 +218,10 @@ def test_probes_peer_routers_make(engines: dict[str, EngineHandle],
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", 'model_name="tiny"'):
         assert name in text
-    # vllm-router's X-Request-Id names the request.
+    # vllm-router's X-Request-Id names the request, as in vLLM: cmpl-<id>.
     response = client.post(engines["mixed"].url + "/v1/completions", json=BODY,
                            headers={"X-Request-Id": "___prefill_addr_a___decode_addr_b_1f"})
-    assert response.json()["id"] == "___prefill_addr_a___decode_addr_b_1f"
+    assert response.json()["id"] == "cmpl-___prefill_addr_a___decode_addr_b_1f"
 
 
 @pytest.mark.parametrize(("body", "fragment"), [

@@ -159,7 +159,7 @@ def test_sim_refuses_a_payload_of_the_wrong_size() -> None:
     backend = SimBackend(kv_bytes_per_token=8)
     prefilled = asyncio.run(backend.prefill([1, 2, 3]))
     metas, buffers = backend.pack(prefilled)
-    assert [m.name for m in metas] == ["kv", "first_token"] and len(buffers[0]) == 24
+    assert [m.name for m in metas] == ["kv", "crc"] and len(buffers[0]) == 24
     views = [memoryview(b) for b in buffers]
     assert backend.unpack(3, metas, views).logits == prefilled.logits
     with pytest.raises(ValueError, match="sim-kv-bytes-per-token"):

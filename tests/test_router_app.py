@@ -147,7 +147,7 @@ def test_models_health_metrics(fleet: Fleet, router: RouterFixture) -> None:
 
 @pytest.mark.parametrize(("body", "status"), [
     (b"{not json", 400), (b'{"prompt": "x"}', 400), (b"[1, 2]", 400),
-    (b'{"model": "unknown", "prompt": "x"}', 503),
+    (b'{"model": "unknown", "prompt": "x"}', 404),
 ])
 def test_bad_requests_get_clear_errors(nixl: Fleet, router: RouterFixture, body: bytes,
                                        status: int) -> None:
@@ -256,7 +256,7 @@ def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixtur
             if line.startswith("data: "):
                 break  # one event, then hang up
     assert wait_until(lambda: d.cancelled == 1, 10)
-    assert wait_until(lambda: server.router._in_flight == {}, 10)
+    assert wait_until(lambda: server.router.in_flight.counts == {}, 10)
     assert fleet.view.reports == []  # the client left; no engine is to blame
     assert server.router.quarantine.active(time.monotonic()) == {}
 
@@ -308,7 +308,7 @@ def test_client_leaving_after_done_is_a_quiet_cancel(
                 break  # hang up before the chunked stream's end
     metrics_text = lambda: httpx.get(server.url + "/metrics").text  # noqa: E731
     assert wait_until(lambda: 'outcome="cancelled"} 1.0' in metrics_text(), 10)
-    assert wait_until(lambda: server.router._in_flight == {}, 10)
+    assert wait_until(lambda: server.router.in_flight.counts == {}, 10)
     assert 'outcome="ok"' not in metrics_text()
     assert [rec for rec in caplog.records if rec.levelno >= logging.ERROR] == []
     assert fleet.view.reports == []  # nobody is to blame
@@ -401,9 +401,9 @@ def test_models_nobody_serves_share_one_metrics_label(fleet: Fleet,
     server = router(fleet)
     for name in ("typo-1", "typo-2", "scan-3"):
         r = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": "x"})
-        assert r.status_code == 503
+        assert r.status_code == 404
     text = httpx.get(server.url + "/metrics").text
-    assert 'pdreg_router_requests_total{model="unknown",outcome="no_capacity"} 3.0' in text
+    assert 'pdreg_router_requests_total{model="unknown",outcome="model_not_found"} 3.0' in text
     assert "typo-1" not in text
 
 

@@ -233,7 +233,7 @@ def test_cli_router_registers_itself_and_serves(registry: RegistryServer,
     engines.start({"role": "prefill"}, {"role": "decode"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "router", "--registry", registry.control_address,
-         "--port", "0", "--policy", "least_loaded"],
+         "--port", "0", "--policy", "least_loaded", "--drain-delay", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     try:
@@ -252,3 +252,57 @@ def test_cli_router_registers_itself_and_serves(registry: RegistryServer,
     finally:
         assert stop_process(proc, 20) == 0
     assert wait_until(lambda: info["id"] not in registry.members(), VIEW_TIMEOUT_S)
+
+
+def test_sigterm_drains_the_router_before_it_stops(registry: RegistryServer,
+                                                  engines: Engines) -> None:
+    """Draining, not ready, still serving for --drain-delay; in-flight streams finish;
+    then bye and exit 0."""
+    engines.start({"role": "prefill"},
+                  {"role": "decode", "extra_args": ["--sim-decode-delay", "0.05"]})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdreg", "router", "--registry", registry.control_address,
+         "--port", "0", "--drain-delay", "1.5", "--drain-timeout", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent)
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        url = info["url"]
+        assert wait_until(lambda: httpx.get(url + "/ready").status_code == 200,
+                          VIEW_TIMEOUT_S)
+        body = {"model": "tiny", "prompt": "long", "max_tokens": 60, "ignore_eos": True,
+                "stream": True}
+        assert wait_until(lambda: httpx.post(url + "/v1/completions",
+                                             json={**body, "stream": False,
+                                                   "max_tokens": 1}).status_code == 200,
+                          VIEW_TIMEOUT_S)
+        result: dict[str, httpx.Response] = {}
+        streaming = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(url + "/v1/completions", json=body, timeout=60)))
+        streaming.start()  # 60 tokens at 50 ms: about 3 s, past the drain delay
+        assert wait_until(lambda: _in_flight(url) > 0, 10)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(url + "/ready").status_code == 503, 5)
+        assert httpx.get(url + "/health").status_code == 200  # alive
+        assert wait_until(lambda: registry.members()[info["id"]].state is
+                          MemberState.DRAINING, 5)
+        # Still serving while load balancers notice.
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False,
+                                                      "max_tokens": 1})
+        assert r.status_code == 200
+        assert proc.wait(30) == 0
+        streaming.join(30)
+        assert result["r"].status_code == 200 and result["r"].text.endswith(
+            "data: [DONE]\n\n")
+        assert info["id"] not in registry.members()  # said bye
+    finally:
+        stop_process(proc, 20)
+
+
+def _in_flight(url: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("pdreg_router_in_flight{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

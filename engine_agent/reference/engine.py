@@ -70,7 +70,12 @@ class GenerationRequest:
 
 
 class Generation:
-    """A started request: iterate `tokens()`, then read `finish_reason`; always close()."""
+    """A started request: iterate `tokens()`; always close().
+
+    Like vLLM, the token that ends a generation is part of it: an EOS comes out with
+    finish reason "stop" (and counts as a completion token), the last of `max_tokens`
+    with "length".
+    """
 
     def __init__(self, engine: Engine, request: GenerationRequest, stack: contextlib.AsyncExitStack,
                  first_logits: Any, sequence: Any,
@@ -90,7 +95,8 @@ class Generation:
         self._engine.scheduler.free_kv(self._decoded_kv_tokens)
         self._decoded_kv_tokens = 0
 
-    async def tokens(self) -> AsyncIterator[int]:
+    async def tokens(self) -> AsyncIterator[tuple[int, str | None]]:
+        """(token, finish reason): None until the last token."""
         backend = self._engine.backend
         params = self._request.params
         sampler = backend.make_sampler(params)
@@ -103,11 +109,12 @@ class Generation:
                 self._engine.scheduler.add_kv(1)
                 self._decoded_kv_tokens += 1
             token = backend.sample(logits, params, sampler)
+            self.completion_tokens += 1
             if token == EOS_ID and not params.ignore_eos:
                 self.finish_reason = "stop"
+                yield token, "stop"
                 return
-            self.completion_tokens += 1
-            yield token
+            yield token, "length" if index == limit - 1 else None
         self.finish_reason = "length"
 
     async def close(self) -> None:

@@ -1,9 +1,18 @@
 """OpenAI-compatible request parsing and response shapes, with vLLM's and SGLang's extras.
 
 Extras understood: `ignore_eos`, `return_token_ids` (vLLM: `prompt_token_ids` and
-`token_ids`), `seed`, `kv_transfer_params` (vLLM P/D), `bootstrap_host`/`bootstrap_port`/
-`bootstrap_room` (SGLang P/D). Unknown fields are ignored, as vLLM does by default.
-Unlike OpenAI, the default temperature is 0 (greedy), so tests and demos are repeatable.
+`token_ids`), `request_id` (vLLM: sets the response id), `seed`, `kv_transfer_params`
+(vLLM P/D), `bootstrap_host`/`bootstrap_port`/`bootstrap_room` (SGLang P/D). Unknown
+fields are ignored, as vLLM does by default. Unlike OpenAI, the default temperature is 0
+(greedy), so tests and demos are repeatable.
+
+What a router needs to continue a generation elsewhere is vLLM's exactly (notes §6):
+`"prompt": [ids]` is accepted, `return_token_ids` gives the ids out, and `max_tokens`
+means what vLLM makes of it: absent on /v1/completions = 16, null (and absent on chat) =
+up to the context length. Response shapes follow vLLM's too: `token_ids` and
+`prompt_token_ids` are written as null when not asked for; a chat stream opens with a
+role chunk that carries `prompt_token_ids`; the last token's chunk carries the finish
+reason.
 """
 
 from __future__ import annotations
@@ -12,12 +21,13 @@ import time
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from engine_agent.reference import tokens
 from engine_agent.reference.backend import SamplingParams
 from engine_agent.reference.engine import EngineError, FetchKv, GenerationRequest, HoldKv
 
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 
 
 class ChatMessage(msgspec.Struct):
@@ -27,7 +37,7 @@ class ChatMessage(msgspec.Struct):
 
 class _Common(msgspec.Struct, kw_only=True):
     model: str = ""
-    max_tokens: int | None = None
+    max_tokens: int | UnsetType | None = UNSET
     temperature: float | None = None
     seed: int | None = None
     stream: bool = False
@@ -39,6 +49,7 @@ class _Common(msgspec.Struct, kw_only=True):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    request_id: str | None = None
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -70,10 +81,11 @@ def _message_text(message: ChatMessage) -> str:
                    if part.get("type") == "text")
 
 
-def _sampling(body: _Common, max_tokens: int | None) -> SamplingParams:
+def _sampling(body: _Common, max_tokens: int | None, room: int) -> SamplingParams:
+    """`max_tokens` None: up to the context length, which leaves `room` tokens."""
     if body.n != 1:
         raise EngineError("n must be 1")
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    max_tokens = room if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise EngineError("max_tokens must be at least 1")
     temperature = 0.0 if body.temperature is None else body.temperature
@@ -123,24 +135,29 @@ def _handshake(body: _Common, role: str, new_handle: str) -> tuple[
     return None, None
 
 
-def completion_request(body: CompletionBody, *, role: str,
-                       new_handle: str) -> GenerationRequest:
-    """`role` is the engine's: "prefill", "decode" or "mixed"."""
+def _request(body: _Common, prompt: list[int], max_tokens: int | None, *, role: str,
+             new_handle: str, max_model_len: int) -> GenerationRequest:
     hold, fetch = _handshake(body, role, new_handle)
-    return GenerationRequest(prompt=_prompt_ids(body.prompt),
-                             params=_sampling(body, body.max_tokens), hold=hold, fetch=fetch)
+    params = _sampling(body, max_tokens, max_model_len - len(prompt))
+    return GenerationRequest(prompt=prompt, params=params, hold=hold, fetch=fetch)
 
 
-def chat_request(body: ChatBody, *, role: str, new_handle: str) -> GenerationRequest:
+def completion_request(body: CompletionBody, *, role: str, new_handle: str,
+                       max_model_len: int) -> GenerationRequest:
+    """`role` is the engine's: "prefill", "decode" or "mixed"."""
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is UNSET else body.max_tokens
+    return _request(body, _prompt_ids(body.prompt), max_tokens, role=role,
+                    new_handle=new_handle, max_model_len=max_model_len)
+
+
+def chat_request(body: ChatBody, *, role: str, new_handle: str,
+                 max_model_len: int) -> GenerationRequest:
     text = tokens.chat_prompt([(m.role, _message_text(m)) for m in body.messages])
-    as_completion = CompletionBody(prompt=text, **{
-        f: getattr(body, f) for f in _Common.__struct_fields__})
-    request = completion_request(as_completion, role=role, new_handle=new_handle)
-    if body.max_completion_tokens is not None and body.max_tokens is None:
-        params = _sampling(body, body.max_completion_tokens)
-        request = GenerationRequest(prompt=request.prompt, params=params, hold=request.hold,
-                                    fetch=request.fetch)
-    return request
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None and body.max_tokens is not UNSET:
+        max_tokens = body.max_tokens
+    return _request(body, tokens.encode(text), max_tokens, role=role, new_handle=new_handle,
+                    max_model_len=max_model_len)
 
 
 # --- Responses ---------------------------------------------------------------------------
@@ -157,7 +174,8 @@ def error_body(message: str, status: int) -> dict[str, Any]:
 
 
 class ResponseShape:
-    """Builds one request's response objects (completion or chat, streamed or not)."""
+    """Builds one request's response objects (completion or chat, streamed or not), with
+    the fields vLLM writes: token ids as null unless asked for."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, prompt: list[int],
                  return_token_ids: bool) -> None:
@@ -168,50 +186,57 @@ class ResponseShape:
         self.return_token_ids = return_token_ids
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = f"{self.object}.chunk" if chat else self.object
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.model, "choices": choices}
+
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        return ids if self.return_token_ids else None
 
     def full(self, text: str, token_ids: list[int], finish_reason: str,
              kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                       "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish_reason}
+                                      "finish_reason": finish_reason, "stop_reason": None,
+                                      "token_ids": self._ids(token_ids)}
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": finish_reason}
+                      "finish_reason": finish_reason, "stop_reason": None,
+                      "prompt_token_ids": self._ids(self.prompt),
+                      "token_ids": self._ids(token_ids)}
         response = self._envelope(self.object, [choice])
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-            if self.chat:
-                response["prompt_token_ids"] = self.prompt
-            else:
-                choice["prompt_token_ids"] = self.prompt
+        if self.chat:
+            response["prompt_token_ids"] = self._ids(self.prompt)
         response["usage"] = usage(len(self.prompt), len(token_ids))
         if kv_transfer_params is not None:
             response["kv_transfer_params"] = kv_transfer_params
         return response
 
+    def role_chunk(self) -> dict[str, Any]:
+        """A chat stream's first chunk: the role, and the prompt's ids if asked."""
+        chunk = self._envelope(self.chunk_object, [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}])
+        chunk["prompt_token_ids"] = self._ids(self.prompt)
+        return chunk
+
     def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
               first: bool) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish_reason}
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text},
+                                      "logprobs": None, "finish_reason": finish_reason,
+                                      "token_ids": self._ids(token_ids)}
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-            if first:
-                choice["prompt_token_ids"] = self.prompt
-        return self._envelope(f"{self.object}.chunk" if self.chat else self.object, [choice])
+                      "finish_reason": finish_reason, "stop_reason": None,
+                      "prompt_token_ids": self._ids(self.prompt) if first else None,
+                      "token_ids": self._ids(token_ids)}
+        return self._envelope(self.chunk_object, [choice])
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        response = self._envelope(f"{self.object}.chunk" if self.chat else self.object, [])
+        response = self._envelope(self.chunk_object, [])
         response["usage"] = usage(len(self.prompt), completion_tokens)
         return response

@@ -32,7 +32,7 @@ from engine_agent.reference.kv_transfer import KvClient, KvServer
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.server import EngineServer, ServerState
 from engine_agent.reference.tokens import encode
-from registry.protocol import Endpoints, MemberSpec, MemberState, Role, role_name
+from registry.protocol import Endpoints, Handshake, MemberSpec, MemberState, Role, role_name
 from registry.security import ClientCurve
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class EngineConfig:
     kv_port: int = 0
     bootstrap_port: int = 0
     backend: str = "torch"  # "torch" | "sim"
-    protocol: str = "vllm-nixl"
+    protocol: str = Handshake.VLLM_NIXL
     max_running: int = 8
     kv_capacity_tokens: int = 65536
     kv_lease_s: float = 30.0

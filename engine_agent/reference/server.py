@@ -92,21 +92,26 @@ class EngineServer:
         if engine is None:
             return _error("the engine is still loading its model", 503)
         raw = await request.read()
+        max_model_len = engine.backend.max_model_len
         try:
             handle = new_handle()
             if chat:
                 body: CompletionBody | ChatBody = self._chat_decoder.decode(raw)
-                gen_request = chat_request(body, role=self.state.role, new_handle=handle)
+                gen_request = chat_request(body, role=self.state.role, new_handle=handle,
+                                           max_model_len=max_model_len)
             else:
                 body = self._completion_decoder.decode(raw)
                 gen_request = completion_request(body, role=self.state.role,
-                                                 new_handle=handle)
+                                                 new_handle=handle,
+                                                 max_model_len=max_model_len)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return _error(f"invalid request body: {exc}", 400)
         except EngineError as exc:
             return _error(str(exc), exc.status)
+        # vLLM's response id: the header, else the body's request_id, else its own.
         prefix = "chatcmpl" if chat else "cmpl"
-        request_id = request.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{handle}"
+        request_id = (f"{prefix}-"
+                      f"{request.headers.get(REQUEST_ID_HEADER) or body.request_id or handle}")
         try:
             generation = await engine.start(gen_request)
         except EngineError as exc:
@@ -124,8 +129,8 @@ class EngineServer:
             await generation.close()
 
     async def _complete(self, generation: Generation, shape: ResponseShape) -> web.Response:
-        token_ids = [token async for token in generation.tokens()]
-        detok = Detokenizer()
+        token_ids = [token async for token, _ in generation.tokens()]
+        detok = Detokenizer.after(shape.prompt)
         text = "".join(detok.push(t) for t in token_ids) + detok.flush()
         return _json(shape.full(text, token_ids, generation.finish_reason,
                                 generation.kv_transfer_params))
@@ -135,15 +140,17 @@ class EngineServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
-        detok = Detokenizer()
+        if shape.chat:
+            await response.write(_sse(shape.role_chunk()))
+        detok = Detokenizer.after(shape.prompt)
         first = True
-        async for token in generation.tokens():
-            await response.write(_sse(shape.chunk(detok.push(token), [token], None, first)))
+        async for token, finish in generation.tokens():
+            text = detok.push(token) + (detok.flush() if finish else "")
+            chunk = shape.chunk(text, [token], finish, first)
+            if finish and generation.kv_transfer_params is not None:
+                chunk["kv_transfer_params"] = generation.kv_transfer_params
+            await response.write(_sse(chunk))
             first = False
-        last = shape.chunk(detok.flush(), [], generation.finish_reason, first)
-        if generation.kv_transfer_params is not None:
-            last["kv_transfer_params"] = generation.kv_transfer_params
-        await response.write(_sse(last))
         if include_usage:
             await response.write(_sse(shape.usage_chunk(generation.completion_tokens)))
         await response.write(b"data: [DONE]\n\n")

@@ -1,9 +1,12 @@
 """The sim backend: the same protocols with compute replaced by delays and a KV payload.
 
-Cheap enough to run dozens of engines on two cores. Tokens are a deterministic function
-of the prompt and position (lower-case letters), so prefill+decode output is identical
-to a mixed engine's; sampling parameters are accepted and ignored. The KV payload has
-`kv_bytes_per_token` bytes per prompt token and really travels between engines.
+Cheap enough to run dozens of engines on two cores. Each token (a lower-case letter) is
+a function of every token before it, through a CRC-32 of the whole sequence carried as
+the sequence's state: prefill+decode output is identical to a mixed engine's, and a
+generation continued from prompt + the tokens so far is identical to one that was not
+interrupted (what request migration needs). Sampling parameters are accepted and
+ignored. The KV payload has `kv_bytes_per_token` bytes per prompt token and really
+travels between engines, with the CRC state beside it.
 """
 
 from __future__ import annotations
@@ -23,20 +26,16 @@ _LETTERS = 26
 @dataclass(slots=True)
 class SimSequence:
     length: int
+    crc: int  # CRC-32 of every token so far: the "logits" of the next one
 
 
-def _first_token(prompt: list[int]) -> int:
-    data = b"".join(t.to_bytes(2, "little") for t in prompt)
-    return _FIRST_LETTER + zlib.crc32(data) % _LETTERS
-
-
-def _next_token(token: int, position: int) -> int:
-    return _FIRST_LETTER + (token * 31 + position * 7) % _LETTERS
+def _crc(tokens: Sequence[int], crc: int = 0) -> int:
+    return zlib.crc32(b"".join(t.to_bytes(2, "little") for t in tokens), crc)
 
 
 class SimBackend:
     name = "sim"
-    max_model_len = 1 << 20
+    max_model_len = 1 << 16
 
     def __init__(self, *, prefill_s_per_token: float = 0.0, decode_s_per_token: float = 0.0,
                  kv_bytes_per_token: int = 128) -> None:
@@ -48,42 +47,42 @@ class SimBackend:
         if self.prefill_s_per_token > 0:
             await asyncio.sleep(self.prefill_s_per_token * len(prompt))
         payload = bytes(self.kv_bytes_per_token * len(prompt))
-        return Prefilled(num_tokens=len(prompt), kv=payload, logits=_first_token(prompt))
+        return Prefilled(num_tokens=len(prompt), kv=payload, logits=_crc(prompt))
 
     def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> SimSequence:
-        return SimSequence(length=prefilled.num_tokens)
+        return SimSequence(length=prefilled.num_tokens, crc=int(prefilled.logits))
 
     async def step(self, seq: SimSequence, token: int) -> int:
         if self.decode_s_per_token > 0:
             await asyncio.sleep(self.decode_s_per_token)
-        next_token = _next_token(token, seq.length)
+        seq.crc = _crc((token,), seq.crc)
         seq.length += 1
-        return next_token
+        return seq.crc
 
     def make_sampler(self, params: SamplingParams) -> None:
         return None
 
     def sample(self, logits: Any, params: SamplingParams, sampler: Any) -> int:
-        return int(logits)
+        return _FIRST_LETTER + int(logits) % _LETTERS
 
     def pack(self, prefilled: Prefilled) -> tuple[list[TensorMeta], list[Any]]:
-        first = int(prefilled.logits).to_bytes(4, "little")
+        first = int(prefilled.logits).to_bytes(4, "little")  # the CRC state
         return ([TensorMeta("kv", "bytes", [len(prefilled.kv)]),
-                 TensorMeta("first_token", "bytes", [4])],
+                 TensorMeta("crc", "bytes", [4])],
                 [prefilled.kv, first])
 
     def unpack(self, num_tokens: int, metas: Sequence[TensorMeta],
                buffers: Sequence[memoryview]) -> Prefilled:
-        if [m.name for m in metas] != ["kv", "first_token"] or len(buffers) != 2:
-            raise ValueError(f"expected sim tensors [kv, first_token], got "
+        if [m.name for m in metas] != ["kv", "crc"] or len(buffers) != 2:
+            raise ValueError(f"expected sim tensors [kv, crc], got "
                              f"{[m.name for m in metas]}")
         expected = self.kv_bytes_per_token * num_tokens
         if buffers[0].nbytes != expected:
             raise ValueError(f"sim KV is {buffers[0].nbytes} bytes, expected {expected} "
                              f"({num_tokens} tokens x {self.kv_bytes_per_token}; "
                              "engines disagree on --sim-kv-bytes-per-token?)")
-        first = int.from_bytes(bytes(buffers[1]), "little")
-        return Prefilled(num_tokens=num_tokens, kv=buffers[0], logits=first)
+        crc = int.from_bytes(bytes(buffers[1]), "little")
+        return Prefilled(num_tokens=num_tokens, kv=buffers[0], logits=crc)
 
     def close(self) -> None:
         pass

@@ -9,6 +9,7 @@ from typing import Final
 BOS_ID: Final = 256
 EOS_ID: Final = 257
 VOCAB_SIZE: Final = 258
+MAX_UTF8_BYTES: Final = 4  # the longest UTF-8 sequence: a pending one is shorter
 
 
 class PromptError(ValueError):
@@ -45,6 +46,18 @@ class Detokenizer:
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @classmethod
+    def after(cls, prompt: Sequence[int]) -> Detokenizer:
+        """A detokenizer that has read the prompt's last bytes (their text discarded), so
+        a character begun in the prompt ends in the output whole: a generation continued
+        from prompt + the ids generated so far writes the same text as one that was not
+        interrupted (vLLM's detokenizer, too, starts from the prompt's last tokens)."""
+        detok = cls()
+        tail = [t for t in prompt[-MAX_UTF8_BYTES:] if t < 256]
+        for token in tail:
+            detok.push(token)
+        return detok
 
     def push(self, token: int) -> str:
         if token >= 256:  # specials have no text

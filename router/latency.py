@@ -1,0 +1,113 @@
+"""What each member's service time has been, as the router saw it: peak-EWMA.
+
+Every leg the router runs times its member: a prefill's leg (request to KV ready), a
+decode's time per output token. `PeakEwma` keeps one estimate per member and role, the
+way Finagle's and Linkerd's peak-EWMA balancers do: a sample above the estimate replaces
+it at once (a member that slows down is avoided at once), a sample below pulls it down by
+an exponentially time-weighted average (a member must stay fast for a while to be trusted
+again). Pairing multiplies the estimate by the member's outstanding work, so a member
+twice as slow takes about half as much.
+
+Two rules keep the estimates honest:
+- A member with no samples yet is costed at the fleet's typical value (an EWMA of every
+  sample of that role), so a new member gets traffic at once and is measured.
+- An estimate not refreshed for a while drifts back towards that typical value, so a
+  member that was slow and has since been avoided gets an occasional request: if it has
+  recovered, it wins its traffic back; if not, the peak puts it back at once.
+
+Pure: the clock is a parameter; the router's loop is the only user (no locks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["DECAY_S", "IDLE_DECAY_S", "LatencyTracker", "PeakEwma"]
+
+# How fast an estimate forgets: the weight of the old estimate after t seconds is
+# exp(-t / DECAY_S). Finagle and Linkerd use 10 s.
+DECAY_S: Final = 10.0
+# An estimate not refreshed for t seconds is pulled towards the typical value with weight
+# 1 - exp(-t / IDLE_DECAY_S): after about this long an avoided member gets a probe.
+IDLE_DECAY_S: Final = 30.0
+
+
+@dataclass(slots=True)
+class PeakEwma:
+    """One estimate (seconds) and when it was last refreshed."""
+
+    cost: float
+    stamp: float
+
+    def observe(self, sample: float, now: float, decay_s: float) -> None:
+        if sample > self.cost:
+            self.cost = sample  # the peak: a slowdown shows at once
+        else:
+            weight = math.exp(-max(0.0, now - self.stamp) / decay_s)
+            self.cost = self.cost * weight + sample * (1.0 - weight)
+        self.stamp = now
+
+    def value(self, now: float, typical: float, idle_decay_s: float) -> float:
+        idle = now - self.stamp
+        if idle <= 0.0 or typical <= 0.0:
+            return self.cost
+        weight = math.exp(-idle / idle_decay_s)
+        return self.cost * weight + typical * (1.0 - weight)
+
+
+class LatencyTracker:
+    """Estimates per (role, member id), reset when the member's incarnation changes."""
+
+    def __init__(self, *, decay_s: float = DECAY_S, idle_decay_s: float = IDLE_DECAY_S
+                 ) -> None:
+        if decay_s <= 0 or idle_decay_s <= 0:
+            raise ValueError("decay times must be positive")
+        self.decay_s = decay_s
+        self.idle_decay_s = idle_decay_s
+        self._members: dict[tuple[str, str], tuple[int, PeakEwma]] = {}
+        self._typical: dict[str, PeakEwma] = {}
+
+    def observe(self, role: str, member_id: str, incarnation: int, sample_s: float,
+                now: float) -> None:
+        """Record one service time. Negative or non-finite samples are ignored."""
+        if not (sample_s >= 0.0 and math.isfinite(sample_s)):
+            return
+        key = (role, member_id)
+        held = self._members.get(key)
+        if held is None or held[0] != incarnation:
+            self._members[key] = (incarnation, PeakEwma(sample_s, now))
+        else:
+            held[1].observe(sample_s, now, self.decay_s)
+        typical = self._typical.get(role)
+        if typical is None:
+            self._typical[role] = PeakEwma(sample_s, now)
+        else:  # a plain EWMA: one slow member must not make the fleet's typical value
+            weight = math.exp(-max(0.0, now - typical.stamp) / self.decay_s)
+            typical.cost = typical.cost * weight + sample_s * (1.0 - weight)
+            typical.stamp = now
+
+    def typical(self, role: str) -> float:
+        """The fleet's typical service time for `role` (0 before any sample)."""
+        held = self._typical.get(role)
+        return held.cost if held is not None else 0.0
+
+    def cost(self, role: str, member_id: str, incarnation: int, now: float) -> float:
+        """The estimate for one member: its own, or the typical value if it has none."""
+        typical = self.typical(role)
+        held = self._members.get((role, member_id))
+        if held is None or held[0] != incarnation:
+            return typical
+        return held[1].value(now, typical, self.idle_decay_s)
+
+    def retain(self, member_ids: Collection[str]) -> None:
+        """Forget members that are gone (called when the membership changes)."""
+        for key in [k for k in self._members if k[1] not in member_ids]:
+            del self._members[key]
+
+    def estimates(self, now: float) -> dict[tuple[str, str], float]:
+        """(role, member id) -> current estimate, for metrics and tests."""
+        return {key: held.value(now, self.typical(key[0]), self.idle_decay_s)
+                for key, (_, held) in self._members.items()}

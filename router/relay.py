@@ -1,0 +1,149 @@
+"""Relaying one decode's SSE answer into the client's stream, and how the leg ended.
+
+A client stream may be fed by several legs (a decode failed and the request migrated);
+`ClientStream` is the client's side of it, prepared once, on the first event any leg
+forwards. `relay_leg` forwards whole SSE events only (an error event never lands inside
+a cut one), through the `TokenTap`, and returns a `LegEnd`: done, or the failure and its
+reason. Writes to a departed client raise `ConnectionError` to the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+from aiohttp import web
+
+from router.adapters import Exchange, LegFailure, leg_failure
+from router.continuation import DONE_EVENT, EVENT_END, Reshaper, TokenTap
+from router.table import Candidate
+
+__all__ = ["ClientStream", "LegEnd", "relay_leg"]
+
+# One SSE event larger than this (no blank line in sight) is not an engine's token.
+MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
+# After data: [DONE], the answer's end (its last chunk) is read for this long, so the
+# connection can be pooled; a silent engine past it just costs the connection.
+TRAILER_WAIT_S: Final = 1.0
+_SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_encode = msgspec.json.encode
+
+
+class ClientStream:
+    """The client's SSE response: prepared on the first write, ended once."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def write(self, data: bytes) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(headers=_SSE_HEADERS)
+            await self.response.prepare(self.request)
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        if self.response is not None:
+            await self.response.write_eof()
+
+    async def fail(self, message: str) -> None:
+        """An SSE error event, [DONE], and the end (today's answer to an unmigratable
+        failure). The client may be gone too: then nothing happens."""
+        event = {"error": {"message": message, "type": "upstream_error",
+                           "code": "upstream_failed"}}
+        try:
+            await self.write(b"data: " + _encode(event) + EVENT_END + DONE_EVENT)
+            await self.end()
+        except (ConnectionError, RuntimeError):
+            pass
+
+
+@dataclass(slots=True)
+class LegEnd:
+    """How one decode leg ended. `failure` None = the stream is complete."""
+
+    failure: LegFailure | None = None
+    forwarded: bool = False  # this leg put at least one event into the client's stream
+    first_read_at: float = 0.0
+    last_read_at: float = 0.0
+    reads: int = 0
+
+    def per_read_s(self) -> float | None:
+        """Mean gap between reads: the decode's time per token, as the router saw it."""
+        if self.reads < 2:
+            return None
+        return (self.last_read_at - self.first_read_at) / (self.reads - 1)
+
+
+async def relay_leg(exchange: Exchange, decode: Candidate, client: ClientStream,
+                    tap: TokenTap, reshaper: Reshaper | None,
+                    observe_gap: Callable[[float], Any],
+                    on_first_read: Callable[[float], Any]) -> LegEnd:
+    """Forward one decode's stream until it ends or fails."""
+    upstream = exchange.response
+    end = LegEnd()
+    pending = b""
+    while True:
+        try:
+            chunk = await upstream.readany()
+        except OSError as exc:
+            end.failure = exchange.companion_failure() or leg_failure(
+                decode, "decode", exc, "stream")
+            return end
+        now = time.monotonic()
+        if not chunk:
+            if tap.finished:  # finished, only [DONE] missing: the stream is whole
+                await client.write(DONE_EVENT)
+                end.forwarded = True
+                return end
+            end.failure = LegFailure(decode, "decode", "the answer ended before data: "
+                                     "[DONE]", kind="eof", quarantine=False)
+            return end
+        if end.reads:
+            observe_gap(now - end.last_read_at)
+        else:
+            end.first_read_at = now
+            on_first_read(now)
+        end.reads += 1
+        end.last_read_at = now
+        pending += chunk
+        cut = pending.rfind(EVENT_END)
+        if cut < 0:
+            if len(pending) > MAX_EVENT_BYTES:
+                end.failure = LegFailure(decode, "decode", f"an SSE event over "
+                                         f"{MAX_EVENT_BYTES} bytes", kind="too_large")
+                return end
+            continue
+        fed = tap.feed(pending[:cut + 2])
+        pending = pending[cut + 2:]
+        data = fed.forward if reshaper is None else reshaper.reshape(fed.forward)
+        if data:
+            await client.write(data)
+            end.forwarded = True
+        if fed.error:
+            # The engine failed this request (vLLM: an error event, then [DONE]). Not
+            # necessarily the engine's fault: retried elsewhere, not quarantined.
+            end.failure = LegFailure(decode, "decode", "error event mid-stream",
+                                     kind="error_event", quarantine=False)
+            return end
+        if fed.done:
+            await _read_trailer(exchange)
+            return end
+
+
+async def _read_trailer(exchange: Exchange) -> None:
+    """Read the answer to its end after [DONE] (bounded), so its connection is pooled."""
+    response = exchange.response
+    response.idle_timeout_s = TRAILER_WAIT_S
+    try:
+        while await response.readany():
+            pass
+    except OSError:
+        pass  # the connection is closed instead of pooled; the client has its answer

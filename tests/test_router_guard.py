@@ -1,0 +1,335 @@
+"""A router that cannot be turned against its network: every attack, over real sockets.
+
+Who can attack: a client (any body, any header) and a registrant (any URL in its record).
+What they must not get: traffic sent where --allow-upstream forbids (cloud metadata, by
+default), handshake fields of their choosing on engine requests, a request loop, a
+router stuck on an engine that never answers or answers without end, or an engine's
+internal error text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from standins_engines import NIXL_REQUEST_PARAMS, Fleet, LoopThread, live_member
+
+from registry.protocol import Handshake, Role
+from router import relay
+from router.guard import UpstreamPolicy, strip_internal_fields
+from router.service import RouterConfig, RouterServer
+
+P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    try:
+        yield lt
+    finally:
+        lt.close()
+
+
+@pytest.fixture
+def routers() -> Iterator[list[RouterServer]]:
+    servers: list[RouterServer] = []
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+def start_router(servers: list[RouterServer], fleet: Fleet, **config: Any) -> RouterServer:
+    server = RouterServer(RouterConfig(port=0, **config), fleet.view).start()
+    servers.append(server)
+    return server
+
+
+def metrics(server: RouterServer) -> str:
+    return httpx.get(server.url + "/metrics").text
+
+
+# --- engines that misbehave at the socket level ------------------------------------------
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawEngine:
+    """A TCP server on the test's loop that answers with whatever `handler` writes."""
+
+    def __init__(self, loop_thread: LoopThread, handler: Handler) -> None:
+        self.loop_thread = loop_thread
+        self.tasks: set[asyncio.Task[None]] = set()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self.tasks.add(task)
+            try:
+                await _read_request(reader)
+                await handler(reader, writer)
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+                self.tasks.discard(task)
+
+        async def start() -> asyncio.Server:
+            return await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.server = loop_thread.run(start())
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.server.close()
+            for task in list(self.tasks):
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.loop_thread.run(stop())
+
+
+@pytest.fixture
+def raw_engine(loop_thread: LoopThread) -> Iterator[Callable[[Handler], RawEngine]]:
+    engines: list[RawEngine] = []
+
+    def start(handler: Handler) -> RawEngine:
+        engines.append(RawEngine(loop_thread, handler))
+        return engines[-1]
+    try:
+        yield start
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+
+
+def mixed_fleet(loop_thread: LoopThread, *urls: str) -> Fleet:
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    fleet.view.set({f"x{i}": live_member(f"x{i}", X, url) for i, url in enumerate(urls)})
+    return fleet
+
+
+# --- where traffic may go ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("allow", "address", "allowed"), [
+    ("", "10.1.2.3", True),
+    ("", "8.8.8.8", True),
+    ("", "169.254.169.254", False),  # cloud metadata
+    ("", "::ffff:169.254.169.254", False),  # the same, IPv4-mapped
+    ("", "fe80::1", False),
+    ("", "fd00:ec2::254", False),
+    ("", "0.0.0.0", False),  # reaches the local host
+    ("", "224.0.0.1", False),
+    ("10.0.0.0/8", "10.9.9.9", True),
+    ("10.0.0.0/8", "192.168.1.1", False),
+    ("10.0.0.0/8", "169.254.169.254", False),
+    ("169.254.10.0/24", "169.254.10.7", True),  # more specific than the default deny
+    ("169.254.10.0/24", "169.254.169.254", False),
+    ("0.0.0.0/0", "169.254.169.254", False),  # less specific: the deny holds
+    ("", "not an address", False),
+])
+def test_upstream_policy(allow: str, address: str, allowed: bool) -> None:
+    assert UpstreamPolicy.build(allow).allows(address) is allowed
+
+
+def test_a_bad_cidr_is_refused_with_its_name() -> None:
+    with pytest.raises(ValueError, match=r"10\.0\.0\.0/99"):
+        UpstreamPolicy.build("10.0.0.0/8,10.0.0.0/99")
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254:80",
+                                 "http://[::ffff:169.254.169.254]:80"])
+def test_a_member_pointing_at_cloud_metadata_gets_nothing(
+        loop_thread: LoopThread, routers: list[RouterServer], url: str) -> None:
+    fleet = mixed_fleet(loop_thread, url)
+    server = start_router(routers, fleet)
+    started = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json=BODY)
+    # Refused before any connect (a connect there would take the 3 s timeout here).
+    assert time.monotonic() - started < 1.0
+    assert r.status_code == 502 and "169.254" not in r.text
+    assert 'pdreg_router_quarantines_total{member="x0"} 1.0' in metrics(server)
+    assert fleet.view.reports and fleet.view.reports[0][2] == "decode: forbidden"
+
+
+def test_allow_upstream_is_checked_on_the_resolved_address(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    allowed = fleet.add("x1", X, host="127.0.0.2")
+    named = fleet.add("x2", X)  # serves on 127.0.0.1, advertised as "localhost"
+    members = dict(fleet.view.members())
+    members["x2"] = live_member("x2", X, named.url.replace("127.0.0.1", "localhost"))
+    fleet.view.set(members)
+    server = start_router(routers, fleet, allow_upstream="127.0.0.2/32",
+                          policy="round_robin")
+    for _ in range(4):
+        assert httpx.post(server.url + "/v1/completions", json=BODY).status_code == 200
+    assert len(allowed.requests) == 4 and named.requests == []  # localhost is 127.0.0.1
+    assert 'pdreg_router_quarantines_total{member="x2"} 1.0' in metrics(server)
+
+
+# --- what a client may set -----------------------------------------------------------------
+
+SMUGGLED = {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.6.6.6",
+                                   "remote_port": 1, "remote_engine_id": "evil",
+                                   "remote_request_id": "x", "remote_block_ids": [0]},
+            "bootstrap_host": "10.6.6.6", "bootstrap_port": 1, "bootstrap_room": 7,
+            "bootstrap_pair_key": "x", "request_id": "victim-id", "rid": "victim-id"}
+
+
+@pytest.mark.parametrize("protocol", [Handshake.VLLM_NIXL, Handshake.SGLANG])
+def test_handshake_fields_from_a_client_never_reach_an_engine(
+        loop_thread: LoopThread, routers: list[RouterServer], protocol: str) -> None:
+    fleet = Fleet(loop_thread, protocol)
+    p, d = fleet.add("p1", P), fleet.add("d1", D)
+    server = start_router(routers, fleet)
+    r = httpx.post(server.url + "/v1/completions", json={**BODY, **SMUGGLED})
+    assert r.status_code == 200, r.text
+    assert not p.rejections and not d.rejections
+    (_, p_body, _), (_, d_body, _) = p.requests[0], d.requests[0]
+    for body in (p_body, d_body):
+        assert "request_id" not in body and "rid" not in body
+        assert "bootstrap_pair_key" not in body
+        assert body.get("bootstrap_host") != "10.6.6.6"
+        assert body.get("bootstrap_room") != 7
+    if protocol == Handshake.VLLM_NIXL:
+        assert p_body["kv_transfer_params"] == NIXL_REQUEST_PARAMS
+        assert d_body["kv_transfer_params"]["remote_engine_id"] != "evil"
+
+
+def test_strip_internal_fields() -> None:
+    body = {"model": "m", **SMUGGLED, "return_token_ids": True, "bootstrapper": 1}
+    removed = strip_internal_fields(body)
+    assert body == {"model": "m", "return_token_ids": True, "bootstrapper": 1}
+    assert sorted(removed) == sorted(SMUGGLED)
+
+
+# --- loops --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", [D, P])
+def test_a_member_whose_url_is_the_router_makes_no_loop(
+        loop_thread: LoopThread, routers: list[RouterServer], role: Role) -> None:
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    fleet.add("p1", P)
+    fleet.add("d1", D)
+    server = start_router(routers, fleet)
+    members = dict(fleet.view.members())
+    member_id = "p1" if role is P else "d1"
+    members[member_id] = live_member(member_id, role, server.url, kv_port=9)
+    fleet.view.set(members)
+    started = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json=BODY)
+    assert time.monotonic() - started < 5.0
+    assert r.status_code == 502
+    text = metrics(server)
+    # Each looped request was refused at once, not forwarded again.
+    assert 'outcome="ok"' not in text
+    refused = httpx.post(server.url + "/v1/completions", json=BODY,
+                         headers={"X-Pdreg-Hop": "1"})
+    assert refused.status_code == 508
+    assert refused.json()["error"]["code"] == "loop_detected"
+
+
+# --- engines that hang or flood -------------------------------------------------------------
+
+def test_an_engine_that_never_answers_is_given_up_on(
+        loop_thread: LoopThread, routers: list[RouterServer],
+        raw_engine: Callable[[Handler], RawEngine]) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3600)
+    engine = raw_engine(silent)
+    server = start_router(routers, mixed_fleet(loop_thread, engine.url),
+                          first_byte_timeout_s=0.3)
+    started = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json=BODY, timeout=30)
+    assert r.status_code == 502 and time.monotonic() - started < 3.0
+    assert "first byte timeout" in r.json()["error"]["message"]
+
+
+def test_an_endless_answer_is_cut_at_the_byte_cap(
+        loop_thread: LoopThread, routers: list[RouterServer],
+        raw_engine: Callable[[Handler], RawEngine]) -> None:
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000000\r\n\r\n")
+        while True:
+            writer.write(b"x" * 65536)
+            await writer.drain()
+    engine = raw_engine(flood)
+    server = start_router(routers, mixed_fleet(loop_thread, engine.url))
+    pool = server.router.session
+    assert pool is not None
+    pool.max_body_bytes = 1024 * 1024
+    r = httpx.post(server.url + "/v1/completions", json=BODY, timeout=30)
+    assert r.status_code == 502 and "too large" in r.json()["error"]["message"]
+
+
+def test_an_endless_sse_event_is_cut_at_the_event_cap(
+        loop_thread: LoopThread, routers: list[RouterServer],
+        monkeypatch: pytest.MonkeyPatch,
+        raw_engine: Callable[[Handler], RawEngine]) -> None:
+    monkeypatch.setattr(relay, "MAX_EVENT_BYTES", 256 * 1024)
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        while True:  # one "data:" line that never ends
+            writer.write(b"10000\r\n" + b"y" * 65536 + b"\r\n")
+            await writer.drain()
+    engine = raw_engine(flood)
+    server = start_router(routers, mixed_fleet(loop_thread, engine.url))
+    r = httpx.post(server.url + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
+    assert r.status_code == 502 and "too large" in r.json()["error"]["message"]
+
+
+# --- what a client learns of an engine's errors ---------------------------------------------
+
+SECRET = "Traceback at /srv/secret/engine.py, peer 10.7.7.7:5600"
+
+
+def test_a_502_never_echoes_upstream_error_text(loop_thread: LoopThread,
+                                                routers: list[RouterServer],
+        raw_engine: Callable[[Handler], RawEngine]) -> None:
+    async def crash(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = msgspec.json.encode({"error": {"message": SECRET}})
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+    engine = raw_engine(crash)
+    server = start_router(routers, mixed_fleet(loop_thread, engine.url))
+    r = httpx.post(server.url + "/v1/completions", json=BODY)
+    assert r.status_code == 502
+    assert "secret" not in r.text.lower() and "10.7.7.7" not in r.text
+    assert r.json()["error"]["message"].endswith("(HTTP 500)")
+
+
+def test_an_error_event_is_not_echoed_either(loop_thread: LoopThread,
+                                             routers: list[RouterServer],
+        raw_engine: Callable[[Handler], RawEngine]) -> None:
+    async def fail_midstream(reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        events = (b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"a"}]}\n\n'
+                  + b'data: {"error": {"message": "%s"}}\n\n' % SECRET.encode()
+                  + b"data: [DONE]\n\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(events), events))
+        await writer.drain()
+    engine = raw_engine(fail_midstream)
+    server = start_router(routers, mixed_fleet(loop_thread, engine.url))
+    r = httpx.post(server.url + "/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 200 and '"text":"a"' in r.text
+    assert "error" in r.text and "secret" not in r.text.lower()
