@@ -211,8 +211,8 @@ def test_compose_config_agrees_with_docker_compose() -> None:
     ours = compose()["services"]
     assert rendered.keys() == ours.keys()
     for name, service in rendered.items():
-        assert compose_command(service) == compose_command(ours[name]) if "command" in service \
-            else "command" not in ours[name], name
+        if "command" in service:
+            assert compose_command(service) == compose_command(ours[name]), name
         assert service.get("environment", {}) == ours[name].get("environment", {}), name
 
 
