@@ -317,6 +317,12 @@ def test_engine_pod_wires_sidecar_to_engine(overlay: str, role: str) -> None:
         assert flag(server["args"], "--disaggregation-mode") == role
         assert "--enable-metrics" in server["args"]  # the sidecar reads load from /metrics
         assert env_of(server)["SGLANG_HOST_IP"] == "$(POD_IP)"
+        # GPU flags only: the CPU test's workarounds stay out of the manifests.
+        assert not {"--device", "--disable-overlap-schedule", "--max-total-tokens",
+                    "--disaggregation-decode-retraction-backup"} & set(server["args"])
+        # /health runs a generation and takes at least a second (make test-sglang).
+        assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert server["livenessProbe"]["timeoutSeconds"] >= 5
         if role == "prefill":
             assert args.bootstrap_port == int(
                 flag(server["args"], "--disaggregation-bootstrap-port"))
