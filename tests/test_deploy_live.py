@@ -1,0 +1,422 @@
+"""deploy/ running: the Compose file's own command lines started on loopback (registry,
+router, 2 prefill + 2 decode reference engines, sim backend), scraped by a real
+Prometheus with the Compose scrape config, and every Grafana panel's query run against it;
+the image's HEALTHCHECK asked about each process; and the Kubernetes credential layout
+(tokens and CURVE keys mounted where the manifests say) used by a real registry and router.
+
+What changes on the way to loopback, and nothing else: each service name becomes
+127.0.0.1 and each fixed port a free one (every engine listens on 8100 in its own
+container), and Prometheus scrapes every second instead of every five.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from deploy_support import (
+    COMPOSE_ENV,
+    DEPLOY,
+    K8S,
+    by_name,
+    compose,
+    compose_command,
+    compose_processes,
+    container_argv,
+    dashboard_queries,
+    env_of,
+    flag,
+    grafana_to_promql,
+    pod_spec,
+    render,
+    tool,
+)
+
+from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
+
+WAIT_S = 60.0  # start-up on a shared two-core machine
+SCRAPE_INTERVAL_S = 1
+RATE_INTERVAL = "30s"  # $__rate_interval: spans the traffic phases below
+STOP_S = 40.0  # a router drains for --drain-delay + in-flight; nothing is in flight
+REQUESTS_PER_PHASE = 8
+PORT_FLAGS = ("--port", "--events-port", "--http-port", "--kv-port", "--bootstrap-port")
+HOST_FLAGS = ("--host", "--advertise-host")
+HEALTHCHECK = DEPLOY / "healthcheck.py"
+
+# Panels a user looks at first: with the cluster up and traffic sent, each has data.
+MUST_HAVE_DATA = {
+    "Members by role and state", "Heartbeat age per member", "Heartbeats per second",
+    "Membership version", "Self-preservation", "Registry loop lag",
+    "Registrations by result", "Requests by outcome", "Time to first token",
+    "End-to-end latency", "Picks per member", "Inter-token latency",
+    "Running requests", "Waiting requests", "KV cache usage",
+}
+
+
+@dataclass
+class Processes:
+    """pdreg processes started for a test; `stop()` ends every one of them."""
+
+    logs: Path
+    running: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], env: Mapping[str, str]) -> None:
+        log = (self.logs / f"{name}.log").open("wb")
+        self.running[name] = subprocess.Popen(
+            [sys.executable, "-m", "pdreg", "--log-level", "WARNING", *argv],
+            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent)
+        log.close()
+
+    def check_alive(self) -> None:
+        for name, proc in self.running.items():
+            if proc.poll() is not None:
+                tail = (self.logs / f"{name}.log").read_text()[-2000:]
+                pytest.fail(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        for proc in self.running.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.running.values():
+            stop_process(proc, STOP_S)
+
+
+@dataclass
+class Loopback:
+    """Where each Compose service's fixed port lands on 127.0.0.1."""
+
+    ports: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def port(self, service: str, port: int) -> int:
+        if (service, port) not in self.ports:
+            self.ports[(service, port)] = free_low_port(avoid=set(self.ports.values()))
+        return self.ports[(service, port)]
+
+    def address(self, service: str, port: int) -> str:
+        return f"127.0.0.1:{self.port(service, port)}"
+
+    def argv(self, service: str, argv: list[str]) -> list[str]:
+        localized, args = [], iter(argv)
+        for arg in args:
+            localized.append(arg)
+            if arg in PORT_FLAGS:
+                localized.append(str(self.port(service, int(next(args)))))
+            elif arg in HOST_FLAGS:
+                next(args)
+                localized.append("127.0.0.1")
+        return localized
+
+    def value(self, text: str, services: set[str]) -> str:
+        """SERVICE:PORT (PDREG_REGISTRY, scrape targets) on loopback."""
+        host, sep, port = text.rpartition(":")
+        if sep and host in services and port.isdigit():
+            return self.address(host, int(port))
+        return text
+
+
+def _get(url: str, **params: Any) -> Any:
+    response = httpx.get(url, params=params, timeout=10.0)
+    response.raise_for_status()
+    return response.json()
+
+
+@dataclass
+class ComposeCluster:
+    loopback: Loopback
+    prometheus: str  # http://127.0.0.1:PORT
+    processes: Processes
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Compose service -> its pdreg process."""
+        return {name: proc.pid for name, proc in self.processes.running.items()
+                if name != "prometheus"}
+
+    @property
+    def router(self) -> str:
+        return f"http://{self.loopback.address('router', 8000)}"
+
+    @property
+    def registry_http(self) -> str:
+        return f"http://{self.loopback.address('registry', 7680)}"
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        body = _get(f"{self.prometheus}/api/v1/query", query=promql)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def scalar(self, promql: str) -> float:
+        result = self.query(promql)
+        return float(result[0]["value"][1]) if result else math.nan
+
+
+def _start_compose_services(processes: Processes, loopback: Loopback) -> None:
+    """Registry first (the others wait for it, as depends_on says), then the rest."""
+    services = compose()["services"]
+    pdreg = compose_processes()
+    names = set(services)
+    order = ["registry", *sorted(set(pdreg) - {"registry"})]
+    for name in order:
+        argv = loopback.argv(name, compose_command(services[name]))
+        env = {key: loopback.value(str(value), names)
+               for key, value in services[name]["environment"].items()}
+        processes.start(name, argv, env)
+        if name == "registry":
+            healthz = f"http://{loopback.address('registry', 7680)}/healthz"
+            assert wait_until(lambda url=healthz: processes.check_alive() or _answers(url),
+                              WAIT_S), "registry not up"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _prometheus_config(loopback: Loopback, names: set[str], path: Path) -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = f"{SCRAPE_INTERVAL_S}s"
+    config["global"]["evaluation_interval"] = f"{SCRAPE_INTERVAL_S}s"
+    for job in config["scrape_configs"]:
+        for group in job.get("static_configs", []):
+            group["targets"] = [loopback.value(t, names) for t in group["targets"]]
+    path.write_text(yaml.safe_dump(config))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeCluster]:
+    prometheus_bin = tool("prometheus")
+    work = tmp_path_factory.mktemp("compose")
+    processes = Processes(work)
+    loopback = Loopback()
+    names = set(compose()["services"])
+    prometheus_port = free_low_port()
+    try:
+        _start_compose_services(processes, loopback)
+        config = work / "prometheus.yml"
+        _prometheus_config(loopback, names, config)
+        log = (work / "prometheus.log").open("wb")
+        prometheus = subprocess.Popen(
+            [prometheus_bin, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        log.close()
+        processes.running["prometheus"] = prometheus
+        url = f"http://127.0.0.1:{prometheus_port}"
+        assert wait_until(lambda: _answers(f"{url}/-/ready"), WAIT_S), "prometheus not ready"
+        yield ComposeCluster(loopback, url, processes)
+    finally:
+        processes.stop()
+
+
+def _all_targets_up(cluster: ComposeCluster) -> bool:
+    cluster.processes.check_alive()
+    targets = _get(f"{cluster.prometheus}/api/v1/targets")["data"]["activeTargets"]
+    return len(targets) == len(compose_processes()) and all(
+        t["health"] == "up" for t in targets)
+
+
+def _members_ready(cluster: ComposeCluster) -> bool:
+    cluster.processes.check_alive()
+    members = _get(f"{cluster.registry_http}/v1/members")
+    return sum(m["state"] == "ready" for m in members) == len(compose_processes()) - 1
+
+
+def _complete(cluster: ComposeCluster, stream: bool) -> None:
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 6, "stream": stream}
+    headers = {"authorization": f"Bearer {COMPOSE_ENV['PDREG_API_KEY']}"}
+    with httpx.stream("POST", f"{cluster.router}/v1/completions", json=body, headers=headers,
+                      timeout=30.0) as response:
+        assert response.status_code == 200, response.read()
+        text = response.read().decode()
+    assert ("data: [DONE]" in text) if stream else json.loads(text)["choices"]
+
+
+def _ttft_count(cluster: ComposeCluster) -> float:
+    return cluster.scalar("sum(pdreg_router_ttft_seconds_count)")
+
+
+def _router_ttft_count(cluster: ComposeCluster) -> float:
+    text = httpx.get(f"{cluster.router}/metrics", timeout=10.0).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdreg_router_ttft_seconds_count"))
+
+
+def test_prometheus_scrapes_every_compose_process(cluster: ComposeCluster) -> None:
+    assert wait_until(lambda: _all_targets_up(cluster), WAIT_S, poll_s=0.5), \
+        _get(f"{cluster.prometheus}/api/v1/targets")["data"]["activeTargets"]
+    assert wait_until(lambda: _members_ready(cluster), WAIT_S, poll_s=0.5), \
+        _get(f"{cluster.registry_http}/v1/members")
+
+
+def test_every_panel_query_runs_and_the_panels_people_read_have_data(
+        cluster: ComposeCluster) -> None:
+    assert wait_until(lambda: _members_ready(cluster), WAIT_S, poll_s=0.5)
+    ttft_panel = next(q for q in dashboard_queries() if q.panel == "Time to first token")
+    ttft = grafana_to_promql(ttft_panel.expr, RATE_INTERVAL)
+
+    # Non-streaming traffic only: the TTFT panel must show it.
+    for _ in range(REQUESTS_PER_PHASE):
+        _complete(cluster, stream=False)
+    assert _router_ttft_count(cluster) == REQUESTS_PER_PHASE, \
+        "the router observes TTFT for non-streaming requests"
+    assert wait_until(lambda: _ttft_count(cluster) == REQUESTS_PER_PHASE, WAIT_S, poll_s=0.5)
+    assert math.isfinite(cluster.scalar(ttft)), "TTFT panel empty for non-streaming traffic"
+
+    # Then streaming traffic: every stream adds its own observation.
+    for _ in range(REQUESTS_PER_PHASE):
+        _complete(cluster, stream=True)
+    assert wait_until(lambda: _ttft_count(cluster) == 2 * REQUESTS_PER_PHASE, WAIT_S,
+                      poll_s=0.5)
+    assert math.isfinite(cluster.scalar(ttft)), "TTFT panel empty for streaming traffic"
+
+    empty = []
+    for query in dashboard_queries():
+        result = cluster.query(grafana_to_promql(query.expr, RATE_INTERVAL))
+        values = [float(series["value"][1]) for series in result]
+        if query.panel in MUST_HAVE_DATA and not any(math.isfinite(v) for v in values):
+            empty.append(f"{query.panel} [{query.ref}]: {query.expr}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+
+    # What those panels say: the whole fleet, one line per engine for each engine's names.
+    members = {(s["metric"]["role"], s["metric"]["state"]): float(s["value"][1]) for s in
+               cluster.query('sum by (role, state) (pdreg_members{model=~".*"})')}
+    assert members[("prefill", "ready")] == 2 and members[("decode", "ready")] == 2
+    engines = {cluster.loopback.address(name, 8100) for name, process
+               in compose_processes().items() if process.kind == "engine"}
+    for name in ("vllm:num_requests_running", "sglang:num_running_reqs",
+                 "vllm:kv_cache_usage_perc", "sglang:token_usage"):
+        instances = {s["metric"]["instance"] for s in cluster.query(name)}
+        assert instances == engines, name
+    models = _get(f"{cluster.prometheus}/api/v1/label/model/values",
+                  **{"match[]": "pdreg_members"})["data"]
+    assert "tiny" in models  # the dashboard's $model variable
+
+
+def test_image_healthcheck_passes_for_every_compose_process(cluster: ComposeCluster) -> None:
+    assert wait_until(lambda: _members_ready(cluster), WAIT_S, poll_s=0.5)
+    for name, pid in cluster.pids.items():
+        result = subprocess.run([sys.executable, str(HEALTHCHECK), str(pid)],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, f"{name}: {result.stdout}"
+
+
+def test_image_healthcheck_fails_when_the_endpoint_does_not_answer() -> None:
+    port = free_low_port()
+    # A process whose command line says `pdreg router --port PORT`, with nothing there.
+    impostor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                 "pdreg", "router", "--port", str(port)],
+                                preexec_fn=die_with_parent)
+    try:
+        result = subprocess.run([sys.executable, str(HEALTHCHECK), str(impostor.pid)],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 1
+        assert f"http://127.0.0.1:{port}/health" in result.stdout
+    finally:
+        stop_process(impostor, 5.0)
+
+
+# --- the Kubernetes credential layout, used for real -------------------------------------
+
+
+def _generate_secrets(directory: Path) -> Path:
+    subprocess.run([str(K8S / "secrets/generate.sh"), str(directory)], check=True,
+                   timeout=60, capture_output=True,
+                   env={**os.environ, "PDREG": f"{sys.executable} -m pdreg"})
+    return directory
+
+
+def _pdreg_container(overlay: str, deployment: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = pod_spec(by_name(render(K8S / overlay), "Deployment")[deployment])
+    [container] = [c for c in pod["containers"] if c["image"].startswith("pdreg:")]
+    return pod, container
+
+
+def _local_paths(pod: dict[str, Any], container: dict[str, Any], files: Path,
+                 work: Path) -> dict[str, str]:
+    """Each Secret directory the container mounts, built locally from the generated
+    files with just the items the manifest mounts: container path -> local path."""
+    generated = {p.name: p for p in files.iterdir() if p.is_file()}
+    generated |= {p.name: p for p in (files / "curve").iterdir()}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mapping = {}
+    for mount in container["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        if not secret:
+            continue
+        local = work / container["name"] / mount["name"]
+        local.mkdir(parents=True)
+        for item in secret["items"]:
+            (local / item["path"]).write_bytes(generated[item["key"]].read_bytes())
+        mapping[mount["mountPath"]] = str(local)
+    return mapping
+
+
+def _swap_paths(value: str, mapping: Mapping[str, str]) -> str:
+    for inside, outside in mapping.items():
+        if value == inside or value.startswith(inside + "/"):
+            return outside + value[len(inside):]
+    return value
+
+
+def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
+    """The registry and router command lines from the rendered overlay, and engines
+    configured as the sidecars are, each given only the Secret files its manifest
+    mounts: the engines register over CURVE with the fleet token, and the router serves
+    clients that hold the API key and no others."""
+    files = _generate_secrets(tmp_path / "generated")
+    loopback = Loopback()
+    processes = Processes(tmp_path)
+    names = {"pdreg-registry"}
+    try:
+        for name in ("pdreg-registry", "pdreg-router"):
+            pod, container = _pdreg_container("vllm", name)
+            mapping = _local_paths(pod, container, files, tmp_path)
+            argv = [_swap_paths(a, mapping).replace("$(POD_IP)", "127.0.0.1")
+                    for a in loopback.argv(name, container_argv(container))]
+            env = {k: _swap_paths(loopback.value(v, names), mapping)
+                   for k, v in env_of(container).items() if isinstance(v, str)}
+            processes.start(name, argv, env)
+            if name == "pdreg-registry":
+                healthz = f"http://{loopback.address(name, 7680)}/healthz"
+                assert wait_until(lambda url=healthz: processes.check_alive() or _answers(url),
+                                  WAIT_S), "registry"
+        # Reference engines with the sidecar's credentials (a real vLLM cannot run here).
+        pod, sidecar = _pdreg_container("vllm", "vllm-decode")
+        mapping = _local_paths(pod, sidecar, files, tmp_path / "engines")
+        env = {k: _swap_paths(loopback.value(v, names), mapping)
+               for k, v in env_of(sidecar).items() if isinstance(v, str)}
+        token_file = _swap_paths(flag(container_argv(sidecar), "--token-file"), mapping)
+        for role in ("prefill", "decode"):
+            processes.start(role, ["engine", "--role", role, "--backend", "sim",
+                                   "--model", "tiny", "--token-file", token_file], env)
+        router = f"http://{loopback.address('pdreg-router', 8000)}"
+        api_key = (files / "api-key").read_text()
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+
+        def served() -> bool:
+            processes.check_alive()
+            try:
+                return httpx.post(f"{router}/v1/completions", json=body, timeout=10.0,
+                                  headers={"authorization": f"Bearer {api_key}"}
+                                  ).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(served, WAIT_S, poll_s=0.5), "no completion through the router"
+        refused = httpx.post(f"{router}/v1/completions", json=body, timeout=10.0)
+        assert refused.status_code == 401
+    finally:
+        processes.stop()
