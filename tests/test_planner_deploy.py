@@ -1,15 +1,31 @@
-"""deploy/keda stays honest: the planner's command line parses with the real CLI and
-listens where its probes and scrape annotations look; each ScaledObject scales a
-Deployment of deploy/k8s on a gauge the planner really exposes, for that Deployment's
-model and role, within the planner's own bounds."""
+"""deploy/keda stays honest: rendered by kubectl's own kustomize (the vLLM overlay plus
+the planner and the ScaledObjects), the planner's command line parses with the real CLI,
+runs as the image's numeric user with the Secrets it reads, listens where its probes and
+scrape annotations look, and may reach the registry under the base NetworkPolicy; each
+ScaledObject scales a Deployment of the same rendering on a gauge the planner really
+exposes, for that Deployment's model and role, within the planner's own bounds."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
-import yaml
+from deploy_policy import (
+    hardening_errors,
+    run_as_non_root_errors,
+    selector_matches,
+    unreadable_files,
+)
+from deploy_support import (
+    DEPLOY,
+    NAMESPACE,
+    by_name,
+    image_user,
+    image_user_spec,
+    pod_labels,
+    pod_spec,
+    render,
+)
 
 from pdreg.cli import build_parser
 from pdreg.cmd_planner import config_from
@@ -17,21 +33,19 @@ from planner.metrics import PlannerMetrics
 from planner.rule import Decision, Reason, RoleSignals
 from registry.protocol import Role
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 QUERY = re.compile(r'^max\((\w+)\{model="([^"]+)",role="(\w+)"\}\)$')
 
 
-def docs(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+def rendered() -> list[dict[str, Any]]:
+    return render(DEPLOY / "keda")
 
 
-def objects(directory: Path, kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for path in sorted(directory.glob("*.yaml"))
-            for d in docs(path) if d.get("kind") == kind}
+def objects(kind: str) -> dict[str, dict[str, Any]]:
+    return by_name(rendered(), kind)
 
 
 def planner_container() -> dict[str, Any]:
-    deployment = objects(DEPLOY / "keda", "Deployment")["pdreg-planner"]
+    deployment = objects("Deployment")["pdreg-planner"]
     return deployment["spec"]["template"]["spec"]["containers"][0]
 
 
@@ -44,14 +58,14 @@ def test_planner_command_line_parses_and_listens_where_it_is_probed() -> None:
     assert args.subcommand == "planner"
     config_from(args)  # every value is acceptable
     container = planner_container()
-    deployment = objects(DEPLOY / "keda", "Deployment")["pdreg-planner"]
+    deployment = objects("Deployment")["pdreg-planner"]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == args.port
     assert annotations["prometheus.io/path"] == "/metrics"
     assert [p["containerPort"] for p in container["ports"]] == [args.port]
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": args.port}
-    service = objects(DEPLOY / "keda", "Service")["pdreg-planner"]
+    service = objects("Service")["pdreg-planner"]
     assert service["spec"]["ports"][0]["targetPort"] == args.port
 
 
@@ -61,8 +75,8 @@ def test_scaled_objects_follow_the_planners_gauge_for_their_deployment() -> None
     metrics.publish(Decision("m", Role.DECODE, 1, 1, 1, Reason.STEADY, "", 0.0),
                     RoleSignals(1))
     exposed = metrics.render().decode()
-    deployments = objects(DEPLOY / "k8s", "Deployment")
-    scaled = objects(DEPLOY / "keda", "ScaledObject")
+    deployments = objects("Deployment")
+    scaled = objects("ScaledObject")
     assert scaled, "no ScaledObject in deploy/keda"
     for name, obj in scaled.items():
         target = deployments[obj["spec"]["scaleTargetRef"]["name"]]
@@ -80,3 +94,30 @@ def test_scaled_objects_follow_the_planners_gauge_for_their_deployment() -> None
         assert agent["args"][agent["args"].index("--role") + 1] == role, name
         assert obj["spec"]["minReplicaCount"] == getattr(args, f"min_{role}"), name
         assert obj["spec"]["maxReplicaCount"] == getattr(args, f"max_{role}"), name
+
+
+def test_planner_pod_runs_as_the_images_user_with_its_secrets() -> None:
+    deployment = objects("Deployment")["pdreg-planner"]
+    assert deployment["metadata"]["namespace"] == NAMESPACE
+    pod, container = pod_spec(deployment), planner_container()
+    uid, gid = image_user()
+    assert not run_as_non_root_errors(pod, container, image_user_spec())
+    assert not hardening_errors(pod, container, uid, gid)
+    assert not unreadable_files(pod, container, uid)
+    args = planner_args()
+    token_file = args.token_file
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    for path in (token_file, env["PDREG_REGISTRY_PUBLIC_KEY"], env["PDREG_CURVE_KEY"]):
+        assert path and any(path.startswith(m + "/") for m in mounted), path
+
+
+def test_network_policy_lets_the_planner_reach_the_registry() -> None:
+    labels = pod_labels(objects("Deployment")["pdreg-planner"])
+    policy = objects("NetworkPolicy")["pdreg-registry"]
+    allowed = [rule for rule in policy["spec"]["ingress"]
+               if any("podSelector" in peer and "namespaceSelector" not in peer
+                      and selector_matches(peer["podSelector"], labels)
+                      for peer in rule["from"])]
+    assert {port["port"] for rule in allowed for port in rule["ports"]} == {
+        "control", "events"}
