@@ -133,16 +133,21 @@ def open_posts(url: str) -> float:
 @dataclass
 class RouterCounts:
     picks: dict[tuple[str, str], float]  # (member, role) -> times chosen
-    retries: float
+    retries: float  # a leg failed before the client got anything: tried on a new pair
+    migrations: float  # a stream under way continued on a new pair
 
     @classmethod
     def read(cls, router_url: str) -> RouterCounts:
-        samples = metric_samples(router_url, ["pdreg_router_picks_total",
-                                              "pdreg_router_retries_total"])
+        names = ["pdreg_router_picks_total", "pdreg_router_retries_total",
+                 "pdreg_router_migrations_total"]
+        samples = metric_samples(router_url, names)
         picks = {(labels.get("member", ""), labels.get("role", "")): value
                  for labels, value in samples.get("pdreg_router_picks_total", [])}
-        retries = sum(value for _, value in samples.get("pdreg_router_retries_total", []))
-        return cls(picks, retries)
+
+        def total(name: str) -> float:
+            return sum(value for _, value in samples.get(name, []))
+        return cls(picks, total("pdreg_router_retries_total"),
+                   total("pdreg_router_migrations_total"))
 
     def picked(self, before: RouterCounts, role: str) -> dict[str, float]:
         """Members of `role` chosen since `before`, with how often."""
