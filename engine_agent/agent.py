@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import queue
 import random
 import socket
@@ -280,12 +281,17 @@ class Agent:
 
     def _receive(self, plan: PollPlan, decoder: msgspec.msgpack.Decoder) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
+        # By its descriptor: pyzmq reports a plain socket by its fd, not the object, so
+        # testing for the object never drains the wake-up and the loop spins.
+        wake_fd = self._wake_rx.fileno()
+        poller.register(wake_fd, zmq.POLLIN)
         for link in plan.links:
             if link.socket is not None:
                 poller.register(link.socket, zmq.POLLIN)
-        events = dict(poller.poll(max(0.0, plan.timeout_s) * 1000))
-        if self._wake_rx in events:
+        # Rounded up: pyzmq truncates to whole milliseconds, and a 0 would spin the loop
+        # through the last millisecond before every heartbeat.
+        events = dict(poller.poll(math.ceil(max(0.0, plan.timeout_s) * 1000)))
+        if wake_fd in events:
             self._drain_wake()
         for link in plan.links:
             if link.socket is not None and link.socket in events:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -235,7 +236,8 @@ class RegistryServer:
         while self._state is ShutdownState.RUNNING:
             # 1) Poll until the next deadline (never forever).
             deadline = min(membership.next_deadline(now), next_digest, next_pulse)
-            timeout_ms = max(0.0, (deadline - time.monotonic()) * 1e3)
+            # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
+            timeout_ms = math.ceil(max(0.0, (deadline - time.monotonic()) * 1e3))
             ready = dict(poller.poll(timeout_ms))
             now = self._turned_at = time.monotonic()
             self.stats.loop_lateness_s = max(0.0, now - deadline) if not ready else 0.0

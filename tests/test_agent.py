@@ -325,3 +325,29 @@ def test_a_stop_right_after_start_still_says_bye(server: RegistryServer) -> None
         Agent(make_spec(port), registries=server.control_address).start().stop()
     # Well within the lease: nobody lingers until expiry.
     assert wait_until(lambda: not server.members(), LEASE_S / 2), list(server.members())
+
+
+def test_a_woken_loop_goes_back_to_sleep(server: RegistryServer, agents: list[Agent]) -> None:
+    """A state change wakes the loop; the wake-up must be consumed, or every later poll
+    returns at once and the agent burns a core next to its engine (pyzmq reports a plain
+    socket by its descriptor, which the loop once failed to recognise)."""
+    agent = Agent(make_spec(), registries=server.control_address)
+    rounds = 0
+    receive = agent._receive
+
+    def counted(*args: object) -> None:
+        nonlocal rounds
+        rounds += 1
+        receive(*args)  # type: ignore[arg-type]
+
+    agent._receive = counted  # type: ignore[method-assign]
+    agents.append(agent.start())
+    assert wait_until(lambda: agent.registered, TIMEOUT_S)
+    agent.set_state(MemberState.READY)
+    assert wait_until(lambda: server.members()[agent.spec.id].state is MemberState.READY,
+                      TIMEOUT_S)
+    before = rounds
+    time.sleep(1.0)  # the window counted: one heartbeat interval is 0.2 s
+    # A sleeping loop turns a few times per interval (send, reply); a spinning one
+    # turns hundreds of thousands of times a second.
+    assert rounds - before < 100, f"{rounds - before} loop rounds in 1 s while idle"
