@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import threading
 import time
 import types
@@ -159,6 +160,13 @@ class MembershipView:
     def members(self) -> Mapping[str, LiveMember]:
         """The current view (immutable; swapped by reference, so free to call per request)."""
         return self._members
+
+    def loads_confirmed_at(self, model: str) -> float:
+        """When a registry last confirmed the loads of `model`'s members (monotonic; -inf
+        if never): a member's load is current as of then, even if it has not changed
+        since `LiveMember.load_at`."""
+        return max((link.replica.loads_confirmed_at.get(model, -math.inf)
+                    for link in self._links), default=-math.inf)
 
     def links(self) -> list[LinkStatus]:
         return [LinkStatus(link.address, link.state, link.replica.epoch, link.replica.version,

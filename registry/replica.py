@@ -75,6 +75,11 @@ class Replica:
         self.interval_s = 1.0
         self.members: dict[str, LiveMember] = {}
         self._carried: dict[str, float] = {}  # id -> when to drop it (old-epoch members)
+        # model -> when a digest for it last came. A digest lists only the loads that
+        # changed, so it also says every other member of that model still reports the
+        # same load: their loads are current as of then (a member whose heartbeats stop
+        # is marked suspect by the registry instead).
+        self.loads_confirmed_at: dict[str, float] = {}
 
     @property
     def synced(self) -> bool:
@@ -142,6 +147,7 @@ class Replica:
 
     def _apply_loads(self, digest: LoadDigest, now: float) -> Applied:
         self.interval_s = digest.heartbeat_interval_s
+        self.loads_confirmed_at[digest.model] = now
         applied = Applied.UNCHANGED
         for entry in digest.loads:
             current = self.members.get(entry.id)

@@ -73,6 +73,9 @@ class MembershipSource(Protocol):
         """A registry has given a snapshot at least once (the view knows something)."""
 
     def members(self) -> Mapping[str, LiveMember]: ...
+    def loads_confirmed_at(self, model: str) -> float:
+        """When a registry last confirmed `model`'s loads unchanged (monotonic)."""
+
     def report(self, member_id: str, incarnation: int, problem: str) -> None:
         """Queue a failure report for the registries; must not block (called on the loop)."""
 
@@ -255,7 +258,8 @@ class Router:
         quarantined = None if despite_quarantine else self.quarantine.active(now)
         return self.pairer.choose(self.table(), model, now=now,
                                   in_flight=self.in_flight.counts, quarantined=quarantined,
-                                  key=key, exclude=tried)
+                                  key=key, exclude=tried,
+                                  loads_confirmed_at=self.view.loads_confirmed_at(model))
 
     def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
         """Count the pick; an in-flight slot on D, and on P unless it is D itself."""

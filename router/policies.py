@@ -12,6 +12,7 @@ and `session` hash; 0 for the others).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Final
@@ -58,22 +59,27 @@ DECODE_ROLE: Final = "decode"
 AffinityKey = Callable[[str, Mapping[str, Any]], int]
 
 
-def score(c: Candidate, in_flight: int, now: float, stale_after_s: float) -> float:
+def score(c: Candidate, in_flight: int, now: float, stale_after_s: float,
+          confirmed_at: float = -math.inf) -> float:
     """Lower is better: reported queue + the router's own in-flight + a KV-pressure term.
 
     A load older than `stale_after_s` counts as saturated (still ordered by in-flight, so
-    when everyone is stale the router spreads its own work evenly).
+    when everyone is stale the router spreads its own work evenly). Its age runs from
+    when it was measured or, if later, `confirmed_at`: when the registry last said the
+    loads of the member's model that it did not list are unchanged.
     """
-    if now - c.load_at > stale_after_s:
+    if now - max(c.load_at, confirmed_at) > stale_after_s:
         return SATURATED_SCORE + in_flight
     return c.queue + in_flight + c.kv_usage * KV_FULL_PENALTY_REQS
 
 
-def outstanding(c: Candidate, in_flight: int, now: float, stale_after_s: float) -> float:
+def outstanding(c: Candidate, in_flight: int, now: float, stale_after_s: float,
+                confirmed_at: float = -math.inf) -> float:
     """The work a member has, for latency weighting: the larger of its reported queue and
     the router's own in-flight count (its report includes this router's requests, so the
-    sum would count them twice, and a product magnifies that), plus KV pressure."""
-    if now - c.load_at > stale_after_s:
+    sum would count them twice, and a product magnifies that), plus KV pressure. Stale
+    as in `score`."""
+    if now - max(c.load_at, confirmed_at) > stale_after_s:
         return SATURATED_SCORE + in_flight
     return max(c.queue, in_flight) + c.kv_usage * KV_FULL_PENALTY_REQS
 
@@ -122,21 +128,26 @@ class Pairer:
 
     def choose(self, table: PairingTable, model: str, *, now: float,
                in_flight: Mapping[str, int], quarantined: Mapping[str, int] | None = None,
-               key: int = 0, exclude: Collection[str] = ()) -> Pair | None:
+               key: int = 0, exclude: Collection[str] = (),
+               loads_confirmed_at: float = -math.inf) -> Pair | None:
+        """`loads_confirmed_at`: when the registry last confirmed `model`'s loads (see
+        `score`)."""
         pools = table.pools.get(model)
         if not pools:
             return None
         stale_after_s = self.stale_after_s
+        confirmed_at = loads_confirmed_at
 
         def base(c: Candidate) -> float:
-            return score(c, in_flight.get(c.id, 0), now, stale_after_s)
+            return score(c, in_flight.get(c.id, 0), now, stale_after_s, confirmed_at)
 
         prefill_load = decode_load = base
         latency = self.latency
         if latency is not None:
             def weighted(role: str) -> Callable[[Candidate], float]:
                 def load(c: Candidate) -> float:
-                    s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s)
+                    s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s,
+                                    confirmed_at)
                     if s >= SATURATED_SCORE:
                         return s
                     if latency.probe_due(role, c.id, c.incarnation, now):
@@ -188,9 +199,9 @@ def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Seque
 
 POLICY_NAMES: Final = ("peak_ewma", "power_of_two", "round_robin", "random", "least_loaded",
                        "prefix", "session")
-# peak_ewma won bench/bench_router.py against power_of_two: one prefill 10x slower got 0%
-# of prefills instead of 11-12% (p99 TTFT as with the fast workers alone), one decode 5x
-# slower 6-11% instead of 23-25%, at the same CPU per request (bench/RESULTS.md).
+# peak_ewma won bench/bench_router.py against power_of_two: one prefill 10x slower got
+# 0-2% of prefills instead of 13-14%, one decode 5x slower 4-10% instead of 24-25%, at
+# the same CPU per request within the machine's noise (bench/RESULTS.md).
 DEFAULT_POLICY: Final = "peak_ewma"
 
 

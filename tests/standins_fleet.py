@@ -8,6 +8,7 @@ of a `MembershipView`.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Coroutine
@@ -93,6 +94,9 @@ class StaticView:
 
     def set(self, members: dict[str, LiveMember]) -> None:
         self._members = dict(members)  # swapped by reference, as the real view does
+
+    def loads_confirmed_at(self, model: str) -> float:
+        return -math.inf  # each member's own load_at says how current it is
 
     def report(self, member_id: str, incarnation: int, problem: str) -> None:
         self.reports.append((member_id, incarnation, problem))

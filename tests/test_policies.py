@@ -62,6 +62,29 @@ def test_score_table(running: int, waiting: int, kv: float, in_flight: int, age:
     assert score(c, in_flight, NOW, stale_after_s=3.0) == pytest.approx(expected)
 
 
+def test_an_unchanged_load_the_registry_confirmed_is_not_stale() -> None:
+    """A digest lists only changed loads, so an idle member's load keeps the time it was
+    last measured; the registry's confirmation of its model keeps it current."""
+    idle = cand("idle", load_at=NOW - 60.0)
+    assert score(idle, 0, NOW, stale_after_s=3.0) == SATURATED_SCORE
+    assert score(idle, 0, NOW, stale_after_s=3.0, confirmed_at=NOW - 0.5) == 0.0
+    assert score(idle, 0, NOW, stale_after_s=3.0, confirmed_at=NOW - 5.0) == SATURATED_SCORE
+
+
+@pytest.mark.parametrize("policy", ["power_of_two", "peak_ewma", "least_loaded"])
+def test_an_idle_member_with_an_unchanged_load_takes_its_share(policy: str) -> None:
+    """Two idle prefills, one whose load last changed a minute ago: while the registry
+    keeps confirming the model's loads, both take requests (before, the idle one counted
+    as saturated and its peer took everything)."""
+    t = PairingTable.build(view(member("busy", running=0), member("idle", load_at=NOW - 60),
+                                member("d", Role.DECODE)))
+    pairer = make_pairer(policy, rng=random.Random(5))
+    picks = Counter(pairer.choose(t, "m", now=NOW, in_flight={},  # type: ignore[union-attr]
+                                  loads_confirmed_at=NOW - 0.5).prefill.id
+                    for _ in range(200))
+    assert picks["idle"] > 50 and picks["busy"] > 50, picks
+
+
 # --- choosers -------------------------------------------------------------------------------
 
 def test_round_robin_cycles() -> None:

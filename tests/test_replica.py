@@ -140,6 +140,19 @@ def test_digests_refresh_load_for_the_incarnation_held_only():
     assert "ghost" not in replica.members
 
 
+def test_a_digest_confirms_the_unlisted_loads_of_its_model():
+    """A pulse lists no load, yet says every member of its model still reports the same
+    one: the view records when, per model, so an idle member's load is not stale."""
+    replica = Replica(SOURCE)
+    m = registered("a")
+    replica.apply_snapshot(snapshot_of(m), 0.0, 0.0)
+    assert replica.loads_confirmed_at.get("m") is None
+    assert replica.apply(pulse_of(m), 30.0) is Applied.UNCHANGED
+    assert replica.loads_confirmed_at["m"] == 30.0
+    assert replica.members["a"].load_at == 0.0  # the load itself is as old as it was
+    assert "other" not in replica.loads_confirmed_at
+
+
 def test_a_left_event_for_an_older_incarnation_keeps_the_newer():
     replica = Replica(SOURCE)
     m = registered("a")
