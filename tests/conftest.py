@@ -7,8 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
+from standins_fleet import LoopThread
 
 from registry.server import RegistryConfig, RegistryServer
+from router.service import RouterServer
 
 # Deterministic in CI: the same examples every run, no flaky deadline failures.
 settings.register_profile(
@@ -28,3 +30,24 @@ def registry() -> Iterator[RegistryServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    """An event loop on its own thread, for stand-in engines."""
+    lt = LoopThread()
+    try:
+        yield lt
+    finally:
+        lt.close()
+
+
+@pytest.fixture
+def routers() -> Iterator[list[RouterServer]]:
+    """Routers a test starts (append them); every one is closed at the end."""
+    servers: list[RouterServer] = []
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.close()

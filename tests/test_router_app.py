@@ -25,15 +25,6 @@ P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
 PROTOCOLS = tuple(Handshake)
 
 
-@pytest.fixture
-def loop_thread() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    try:
-        yield lt
-    finally:
-        lt.close()
-
-
 @pytest.fixture(params=PROTOCOLS)
 def fleet(loop_thread: LoopThread, request: pytest.FixtureRequest) -> Fleet:
     f = Fleet(loop_thread, request.param)

@@ -29,25 +29,6 @@ P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
 
-@pytest.fixture
-def loop_thread() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    try:
-        yield lt
-    finally:
-        lt.close()
-
-
-@pytest.fixture
-def routers() -> Iterator[list[RouterServer]]:
-    servers: list[RouterServer] = []
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            server.close()
-
-
 def start_router(servers: list[RouterServer], fleet: Fleet, **config: Any) -> RouterServer:
     server = RouterServer(RouterConfig(port=0, **config), fleet.view).start()
     servers.append(server)

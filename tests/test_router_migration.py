@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -23,25 +22,6 @@ from router.service import RouterConfig, RouterServer
 P, D = Role.PREFILL, Role.DECODE
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 FAULTS = ("cut", "error", "stall")
-
-
-@pytest.fixture
-def loop_thread() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    try:
-        yield lt
-    finally:
-        lt.close()
-
-
-@pytest.fixture
-def routers() -> Iterator[list[RouterServer]]:
-    servers: list[RouterServer] = []
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            server.close()
 
 
 def start_router(servers: list[RouterServer], fleet: Fleet, **config: Any) -> RouterServer:
