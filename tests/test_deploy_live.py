@@ -244,8 +244,34 @@ def _complete(cluster: ComposeCluster, stream: bool) -> None:
     assert ("data: [DONE]" in text) if stream else json.loads(text)["choices"]
 
 
+def _scraped_total(cluster: ComposeCluster, metric: str) -> float:
+    """sum(metric) as Prometheus has it (0 before the series first appears)."""
+    result = cluster.query(f"sum({metric})")
+    return float(result[0]["value"][1]) if result else 0.0
+
+
 def _ttft_count(cluster: ComposeCluster) -> float:
-    return cluster.scalar("sum(pdreg_router_ttft_seconds_count)")
+    return _scraped_total(cluster, "pdreg_router_ttft_seconds_count")
+
+
+def _phase_across_a_scrape(cluster: ComposeCluster, stream: bool) -> None:
+    """REQUESTS_PER_PHASE requests in two halves with a scrape between them: rate() needs
+    an increase between two scrapes, and a histogram that appears with a burst fast
+    enough to fall between two scrapes would show none."""
+    count = _itl_count if stream else _ttft_count
+    seen = count(cluster)
+    half = REQUESTS_PER_PHASE // 2
+    for _ in range(half):
+        _complete(cluster, stream)
+    assert wait_until(lambda: count(cluster) > seen, WAIT_S, poll_s=0.5)
+    seen = count(cluster)
+    for _ in range(REQUESTS_PER_PHASE - half):
+        _complete(cluster, stream)
+    assert wait_until(lambda: count(cluster) > seen, WAIT_S, poll_s=0.5)
+
+
+def _itl_count(cluster: ComposeCluster) -> float:
+    return _scraped_total(cluster, "pdreg_router_itl_seconds_count")
 
 
 def _router_ttft_count(cluster: ComposeCluster) -> float:
@@ -268,16 +294,14 @@ def test_every_panel_query_runs_and_the_panels_people_read_have_data(
     ttft = grafana_to_promql(ttft_panel.expr, RATE_INTERVAL)
 
     # Non-streaming traffic only: the TTFT panel must show it.
-    for _ in range(REQUESTS_PER_PHASE):
-        _complete(cluster, stream=False)
+    _phase_across_a_scrape(cluster, stream=False)
     assert _router_ttft_count(cluster) == REQUESTS_PER_PHASE, \
         "the router observes TTFT for non-streaming requests"
     assert wait_until(lambda: _ttft_count(cluster) == REQUESTS_PER_PHASE, WAIT_S, poll_s=0.5)
     assert math.isfinite(cluster.scalar(ttft)), "TTFT panel empty for non-streaming traffic"
 
-    # Then streaming traffic: every stream adds its own observation.
-    for _ in range(REQUESTS_PER_PHASE):
-        _complete(cluster, stream=True)
+    # Then streaming traffic: every stream adds its own TTFT and inter-token gaps.
+    _phase_across_a_scrape(cluster, stream=True)
     assert wait_until(lambda: _ttft_count(cluster) == 2 * REQUESTS_PER_PHASE, WAIT_S,
                       poll_s=0.5)
     assert math.isfinite(cluster.scalar(ttft)), "TTFT panel empty for streaming traffic"
