@@ -61,7 +61,7 @@ PLANNER_ARGS = (
     "--interval", "1", "--load-window", "5", "--latency-window", "10",
     "--scale-down-window", "15", "--slo-memory", "60", "--ttft-slo", str(TTFT_SLO_S),
     "--itl-slo", str(ITL_SLO_S), "--max-prefill", "6", "--max-decode", "6")
-STATIC = {"1P1D": (1, 1), "2P2D": (2, 2), "1P3D": (1, 3), "3P1D": (3, 1)}
+STATIC = {"1P1D": (1, 1), "2P2D": (2, 2), "1P3D": (1, 3), "3P1D": (3, 1), "3P2D": (3, 2)}
 DEFAULT_OUT = Path("/tmp/pdreg-bench-planner")
 
 
