@@ -39,6 +39,7 @@ from registry.client import parse_registries
 from registry.protocol import (
     MAX_PROBLEM_CHARS,
     ByeReason,
+    Endpoints,
     Load,
     MemberSpec,
     MemberState,
@@ -52,7 +53,8 @@ from registry.protocol import (
 from registry.security import ClientCurve
 
 __all__ = [
-    "BACKOFF_MAX_S", "Agent", "backoff_delay_s", "default_member_id", "new_incarnation",
+    "BACKOFF_MAX_S", "Agent", "api_server_spec", "backoff_delay_s", "default_member_id",
+    "new_incarnation",
     "wait_for_idle",
 ]
 
@@ -72,6 +74,15 @@ def default_member_id(role: Role, advertise_host: str, port: int) -> str:
 def new_incarnation() -> int:
     """A new incarnation per process start: a newer process gets a larger number."""
     return time.time_ns()
+
+
+def api_server_spec(advertise_host: str, port: int, protocol: str) -> MemberSpec:
+    """The member a router or planner registers as: an `api_server` serving HTTP on
+    `advertise_host:port`, no model of its own, a fresh incarnation."""
+    return MemberSpec(
+        id=default_member_id(Role.API_SERVER, advertise_host, port),
+        incarnation=new_incarnation(), role=Role.API_SERVER, model="", protocol=protocol,
+        endpoints=Endpoints(http=f"http://{advertise_host}:{port}"), started_at=time.time())
 
 
 class ShutdownState(enum.Enum):

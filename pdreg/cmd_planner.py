@@ -9,9 +9,8 @@ import shlex
 import signal
 import sys
 import threading
-import time
 
-from engine_agent.agent import Agent, default_member_id, new_incarnation
+from engine_agent.agent import Agent, api_server_spec
 from pdreg.args import (
     TOKEN,
     add_client_curve_arguments,
@@ -25,7 +24,7 @@ from planner.rule import Bounds, RuleConfig
 from planner.service import PlannerServer
 from planner.tick import PlannerConfig
 from registry.client import MembershipView
-from registry.protocol import Endpoints, MemberSpec, MemberState, Role
+from registry.protocol import MemberState
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +131,9 @@ def run(args: argparse.Namespace) -> int:
     agent: Agent | None = None
     try:
         server = PlannerServer(config, view, host=args.host, port=args.port).start()
-        advertise = args.advertise_host or args.host
-        member_id = default_member_id(Role.API_SERVER, advertise, server.port)
+        spec = api_server_spec(args.advertise_host or args.host, server.port, PLANNER_PROTOCOL)
+        member_id = spec.id
         if not args.no_register:
-            spec = MemberSpec(
-                id=member_id, incarnation=new_incarnation(), role=Role.API_SERVER, model="",
-                protocol=PLANNER_PROTOCOL,
-                endpoints=Endpoints(http=f"http://{advertise}:{server.port}"),
-                started_at=time.time())
             agent = Agent(spec, registries=args.registry, token=token,
                           state=MemberState.READY, curve=curve).start()
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)

@@ -14,9 +14,8 @@ import logging
 import signal
 import sys
 import threading
-import time
 
-from engine_agent.agent import Agent, default_member_id, new_incarnation
+from engine_agent.agent import Agent, api_server_spec
 from pdreg.args import (
     API_KEY,
     TOKEN,
@@ -28,7 +27,7 @@ from pdreg.args import (
     secret_of,
 )
 from registry.client import MembershipView
-from registry.protocol import Endpoints, MemberSpec, MemberState, Role
+from registry.protocol import MemberState
 from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS
 from router.guard import DEFAULT_DENY, UpstreamPolicy, parse_networks
 from router.latency import DECAY_S
@@ -139,14 +138,9 @@ def run(args: argparse.Namespace) -> int:
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
-        advertise = args.advertise_host or args.host
-        member_id = default_member_id(Role.API_SERVER, advertise, server.port)
+        spec = api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL)
+        member_id = spec.id
         if not args.no_register:
-            spec = MemberSpec(
-                id=member_id, incarnation=new_incarnation(), role=Role.API_SERVER, model="",
-                protocol=ROUTER_PROTOCOL,
-                endpoints=Endpoints(http=f"http://{advertise}:{server.port}"),
-                started_at=time.time())
             agent = Agent(spec, registries=args.registry, token=token,
                           state=MemberState.READY, curve=curve).start()
             # Failure reports need a member session: they go out through this agent.

@@ -11,7 +11,6 @@ requests that met the objective, failures counting as misses.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import random
@@ -21,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
+
+from pdreg.demo.traffic import read_completion_stream
 
 __all__ = ["Attainment", "OpenLoopLoad", "Outcome", "Phase", "Workload", "attainment"]
 
@@ -203,35 +204,10 @@ class OpenLoopLoad:
                       started: float) -> Outcome:
         body = {"model": self.workload.model, "prompt": self._prompt(number),
                 "max_tokens": self.workload.max_tokens, "ignore_eos": True, "stream": True}
-        token_times: list[float] = []
-        try:
-            async with session.post(f"{self.url}/v1/completions", json=body) as response:
-                if response.status != 200:
-                    text = (await response.text())[:200]
-                    return Outcome(phase, started, time.monotonic(), None, None, False,
-                                   f"HTTP {response.status}: {text}")
-                done = False
-                async for raw in response.content:
-                    line = raw.decode(errors="replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:"):].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        return Outcome(phase, started, time.monotonic(), None, None, False,
-                                       f"stream error: {chunk['error'].get('message')}")
-                    if any(c.get("text") for c in chunk.get("choices", ())):
-                        token_times.append(time.monotonic())
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            return Outcome(phase, started, time.monotonic(), None, None, False,
-                           repr(exc)[:200])
-        finished = time.monotonic()
-        if not done or not token_times:
-            return Outcome(phase, started, finished, None, None, False,
-                           "stream ended without [DONE]" if not done else "no tokens")
+        read = await read_completion_stream(session, f"{self.url}/v1/completions", body)
+        finished, token_times = time.monotonic(), read.token_times
+        if read.error is not None or not token_times:
+            return Outcome(phase, started, finished, None, None, False, read.error or "no tokens")
         itl = ((token_times[-1] - token_times[0]) / (len(token_times) - 1)
                if len(token_times) > 1 else None)
         return Outcome(phase, started, finished, token_times[0] - started, itl, True)

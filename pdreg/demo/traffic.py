@@ -55,6 +55,42 @@ class TrafficFigures:
                 f"p99 {ms(self.ttft_p99_s)}")
 
 
+@dataclass(frozen=True, slots=True)
+class StreamRead:
+    """What a client saw of one streamed completion."""
+
+    token_times: list[float]  # monotonic, one per chunk that carried text
+    error: str | None  # None: it ended with [DONE]
+
+
+async def read_completion_stream(session: aiohttp.ClientSession, url: str,
+                                 body: dict[str, object]) -> StreamRead:
+    """POST a streaming completion and read its SSE to the end; never raises for the
+    request's own failures (status, error event, no [DONE], connection), it says them."""
+    token_times: list[float] = []
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                text = (await response.text())[:200]
+                return StreamRead(token_times, f"HTTP {response.status}: {text}")
+            async for raw in response.content:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    return StreamRead(token_times, None)
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return StreamRead(token_times,
+                                      f"stream error: {chunk['error'].get('message')}")
+                if any(c.get("text") for c in chunk.get("choices", ())):
+                    token_times.append(time.monotonic())
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        return StreamRead(token_times, repr(exc)[:200])
+    return StreamRead(token_times, "stream ended without [DONE]")
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in 0..100); None for no values."""
     if not values:
@@ -141,31 +177,6 @@ class TrafficGenerator:
         body = {"model": self.model, "prompt": f"{PROMPTS[number % len(PROMPTS)]} {number}",
                 "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
         started = time.monotonic()
-        ttft: float | None = None
-        try:
-            async with session.post(f"{self.url}/v1/completions", json=body) as response:
-                if response.status != 200:
-                    text = (await response.text())[:200]
-                    return RequestRecord(started, time.monotonic(), None, False,
-                                         f"HTTP {response.status}: {text}")
-                done = False
-                async for raw in response.content:
-                    line = raw.decode(errors="replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:"):].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        return RequestRecord(started, time.monotonic(), ttft, False,
-                                             f"stream error: {chunk['error'].get('message')}")
-                    if ttft is None and any(c.get("text") for c in chunk.get("choices", ())):
-                        ttft = time.monotonic() - started
-                if not done:
-                    return RequestRecord(started, time.monotonic(), ttft, False,
-                                         "stream ended without [DONE]")
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            return RequestRecord(started, time.monotonic(), ttft, False, repr(exc)[:200])
-        return RequestRecord(started, time.monotonic(), ttft, True)
+        read = await read_completion_stream(session, f"{self.url}/v1/completions", body)
+        ttft = read.token_times[0] - started if read.token_times else None
+        return RequestRecord(started, time.monotonic(), ttft, read.error is None, read.error)
