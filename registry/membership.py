@@ -68,6 +68,10 @@ class _Entry:
     nonce: bytes  # the registrant's own secret: a retried Register must repeat it
     last_seq: int = 0  # the highest seq accepted; anything at or below it is a replay
     suspect: bool = False
+    # last_seen before the latest heartbeat: whether the member was silent at a moment
+    # that its latest heartbeat has since passed (self-preservation looks back to when
+    # the first lease ran out).
+    seen_before: float = 0.0
     admin_draining: bool = False  # an operator's drain sticks whatever the member says
 
     def record(self, wall_offset: float) -> MemberRecord:
@@ -184,6 +188,7 @@ class Membership:
             if cap is not None:
                 return cap
         entry = _Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=now,
+                       seen_before=now,
                        heartbeat_at=now, session=self._new_session(), nonce=nonce)
         self._members[spec.id] = entry
         self.admission.joined(spec.model)
@@ -276,6 +281,7 @@ class Membership:
             self.last_lag_s = lag
             for entry in self._members.values():
                 entry.last_seen += lag
+                entry.seen_before += lag
             # Small stalls are routine on a busy host; only a long one is worth a warning.
             log = logger.warning if lag >= LAG_WARNING_S else logger.debug
             log("[registry] loop lag %.3fs: deadlines moved", lag)
@@ -293,11 +299,17 @@ class Membership:
                 self._publish_update(entry)
                 logger.info("[registry] suspect id=%s age=%.1fs", entry.spec.id, age)
         # Self-preservation is decided when someone is due to expire (the oldest silent
-        # member is past its lease), and re-checked every tick while it holds.
+        # member is past its lease), and re-checked every tick while it holds. The decision
+        # counts who was silent when that lease ran out, not at this tick: members that
+        # woke in between must not make a fleet-wide silence look like a few deaths.
         due = bool(silent) and now - silent[0].last_seen > timing.lease_s
         change = Change.NONE
-        if due or self._preservation.active:
+        if self._preservation.active:
             change = self._preservation.update(len(silent), len(self._members), now)
+        elif due:
+            expired_at = silent[0].last_seen + timing.lease_s
+            change = self._preservation.update(self._silent_at(expired_at),
+                                               len(self._members), now)
         if change is Change.OFF:
             # A silent fleet wakes one member at a time: the first ones back end the pause,
             # and the rest, a moment behind, must not be expired in that moment. Those
@@ -313,6 +325,12 @@ class Membership:
             if age > timing.lease_s:
                 logger.info("[registry] expire id=%s age=%.1fs", entry.spec.id, age)
                 self._remove(entry.spec.id, LeaveReason.EXPIRED)
+
+    def _silent_at(self, moment: float) -> int:
+        """How many members had been silent for silent_after_s at `moment` (in the past)."""
+        limit = moment - self.timing.silent_after_s
+        return sum(1 for e in self._members.values()
+                   if (e.last_seen if e.last_seen <= moment else e.seen_before) < limit)
 
     # --- outputs -----------------------------------------------------------------------
 
@@ -376,7 +394,7 @@ class Membership:
         return Outcome(ReplyStatus.OK, session=entry.session)
 
     def _seen(self, entry: _Entry, load: Load, now: float) -> None:
-        entry.last_seen = now
+        entry.seen_before, entry.last_seen = entry.last_seen, now
         entry.heartbeat_at = now
         self._members.move_to_end(entry.spec.id)
         if load != entry.load:
