@@ -348,6 +348,8 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         _, connection = await asyncio.wait_for(self._connect(loop, key),
                                                self.timeouts.connect_s)
+        if not connection.usable:  # accepted, then lost before this task resumed
+            raise UpstreamError("connection lost right after connecting")
         return connection
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int]
