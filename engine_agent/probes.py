@@ -21,7 +21,8 @@ Contracts followed (see /work/shared/notes/engines-and-peers.md):
     `..._decode_transfer_queue_reqs` on a decode) whose requests are in flight but in
     neither of the first two. The scheduler refreshes these gauges only at batch
     boundaries, so they lag; `sglang:http_requests_active{method="POST"}` counts open
-    generation requests live, and is what a drain waits on.
+    generation requests live (from the HTTP server, even while the scheduler is stuck):
+    what the gauges do not show of it counts as waiting, and a drain waits on it.
   - GET /server_info -> the server args: `model_path`, `served_model_name`,
     `disaggregation_mode`, `disaggregation_bootstrap_port`, `tp_size`, `dp_size`, `version`.
 """
@@ -78,7 +79,7 @@ class GaugeNames:
     waiting: tuple[str, ...]
     kv_usage: tuple[str, ...]
     queued: tuple[str, ...] = ()  # more queues counted as waiting: every one present adds
-    http_active: str = ""  # open HTTP requests by `method` label: live in-flight count
+    http_active: str = ""  # open HTTP requests by `method` label: live, counted as load
 
 
 VLLM_GAUGES = GaugeNames(
@@ -154,26 +155,29 @@ def _load(running: float, waiting: float, usage: list[float]) -> Load:
 
 def load_from_metrics(text: str, gauges: GaugeNames, model: str = "") -> Load:
     """Load for `model` (all models when empty): counts summed over engines/ranks, cache
-    usage averaged (a fraction per engine; a sum would exceed 1 with data parallelism)."""
-    samples = parse_gauges(text, gauges.running + gauges.waiting + gauges.kv_usage
-                           + gauges.queued)
+    usage averaged (a fraction per engine; a sum would exceed 1 with data parallelism).
+
+    Where the engine counts its open POST requests (SGLang), those are live while its
+    scheduler gauges lag (refreshed at batch boundaries only, and never while the scheduler
+    is stuck): requests open beyond what the gauges show count as waiting."""
+    wanted = gauges.running + gauges.waiting + gauges.kv_usage + gauges.queued
+    samples = parse_gauges(text, (*wanted, gauges.http_active) if gauges.http_active
+                           else wanted)
     running = sum(_pick(samples, gauges.running, model))
     waiting = sum(_pick(samples, gauges.waiting, model))
     waiting += sum(sum(_pick(samples, (name,), model)) for name in gauges.queued)
+    if gauges.http_active:
+        open_posts = sum(value for labels, value in samples.get(gauges.http_active, [])
+                         if labels.get("method") == "POST" and value == value)
+        waiting = max(waiting, open_posts - running)
     return _load(running, waiting, _pick(samples, gauges.kv_usage, model))
 
 
 def in_flight_from_metrics(text: str, gauges: GaugeNames, model: str = "") -> int:
-    """Requests the engine still owes an answer: running + waiting, or the open POST
-    requests where the engine counts them (live, while its scheduler gauges lag), the
-    larger of the two."""
+    """Requests the engine still owes an answer: running + waiting (which, where the
+    engine counts open POST requests, covers those too; see load_from_metrics)."""
     load = load_from_metrics(text, gauges, model)
-    counted = load.running + load.waiting
-    if not gauges.http_active:
-        return counted
-    open_posts = sum(value for labels, value in parse_gauges(text, [gauges.http_active]).get(
-        gauges.http_active, []) if labels.get("method") == "POST" and value == value)
-    return max(counted, round(open_posts))
+    return load.running + load.waiting
 
 
 def load_from_sglang_loads(body: Any) -> Load:

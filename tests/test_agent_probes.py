@@ -69,6 +69,17 @@ sglang:num_prefill_inflight_queue_reqs{L} 1.0
 # TYPE sglang:num_decode_prealloc_queue_reqs gauge
 sglang:num_decode_prealloc_queue_reqs{L} 0.0
 """.replace("{L}", PREFILL_LABELS)
+# A scheduler that stopped (or has not reached a batch boundary yet): its gauges say 0,
+# the HTTP server holds 3 generation requests open.
+SGLANG_STUCK = """\
+# TYPE sglang:http_requests_active gauge
+sglang:http_requests_active{endpoint="/generate",method="POST"} 3.0
+sglang:http_requests_active{endpoint="/metrics",method="GET"} 1.0
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{L} 0.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{L} 0.0
+""".replace("{L}", PREFILL_LABELS)
 # --enable-priority-scheduling: the total under priority="", a breakdown beside it.
 SGLANG_PRIORITY = """\
 # TYPE sglang:num_running_reqs gauge
@@ -84,7 +95,11 @@ sglang:num_running_reqs{model_name="m",priority="5",tp_rank="0"} 2.0
     (VLLM_TWO_ENGINES, VLLM_GAUGES, "absent", Load()),
     (VLLM_OLD_CACHE_NAME, VLLM_GAUGES, "tiny", Load(running=1, kv_usage=0.5)),
     (SGLANG, SGLANG_GAUGES, "m", Load(running=4, waiting=2, kv_usage=1.0)),  # clamped
-    (SGLANG_PREFILL, SGLANG_GAUGES, "tiny", Load(running=1, waiting=6, kv_usage=0.02)),
+    # 8 open POSTs, 1 running: 7 wait somewhere (6 in the hand-off queues the gauges show)
+    (SGLANG_PREFILL, SGLANG_GAUGES, "tiny", Load(running=1, waiting=7, kv_usage=0.02)),
+    (SGLANG_PREFILL.replace("} 8.0", "} 2.0"), SGLANG_GAUGES, "tiny",
+     Load(running=1, waiting=6, kv_usage=0.02)),  # gauges above the open POSTs: they stand
+    (SGLANG_STUCK, SGLANG_GAUGES, "tiny", Load(waiting=3)),
     (SGLANG_PRIORITY, SGLANG_GAUGES, "m", Load(running=3)),
     ("", VLLM_GAUGES, "tiny", Load()),
 ])

@@ -13,12 +13,16 @@ Asserts, in order:
    the prefill it named is the one that computed the prompt (its prompt-token counter
    grew by that prompt, the other's did not), whose KV the decode then took: a decode
    told another prefill's bootstrap port waits forever, so the answer proves the pull;
-3. kill -9 of one prefill's SGLang processes while requests run: every request still
-   answers in full, identical to the plain server (the router retried on the other);
+3. kill -9 of one prefill's SGLang processes while requests run and one of them waits
+   there: every request still answers in full, identical to the plain server (the router
+   retried on the other);
 4. that prefill starts again on the same ports and rejoins; meanwhile the load the
    sidecars read from the `sglang:*` gauges moves in the registry and drops back to 0;
-5. SIGTERM to the other prefill's sidecar while requests run: it drains (DRAINING, no
-   request retried or lost), leaves, and its SGLang processes exit;
+5. SIGTERM to the other prefill's sidecar while requests run and one waits there: it
+   drains (DRAINING, no request retried or lost), leaves, and its SGLang processes exit;
+Wherever a step needs a request caught inside a prefill, that prefill's scheduler is
+held (SIGSTOP) until one arrives: a tiny model's prefill is over in milliseconds, so
+catching one mid-flight by looking would be luck.
 6. kill -9 of a sidecar: its SGLang server, scheduler and detokenizer exit with it.
 Every process carries a marker and is killed at the end, pass or fail. On failure it
 names the step, prints the tail of every log and keeps the logs.
@@ -125,12 +129,15 @@ def check_registration(c: Cluster) -> None:
             assert spec.endpoints.bootstrap_port == 0, spec
 
 
-def check_load(c: Cluster, reference: dict[int, list[int]]) -> None:
-    """Load in the registry moves with real requests: the decode runs them, a prefill
-    holds them while its decode takes the KV, and all of it drops back to zero."""
+def check_load(c: Cluster, prefill: Engine, reference: dict[int, list[int]]) -> None:
+    """Load in the registry moves with real requests, and all of it drops back to zero.
+
+    A tiny-model prefill ends between two heartbeats, so `prefill`'s scheduler is held
+    (SIGSTOP) while the requests arrive: they provably sit there when the sidecar reads
+    its gauges (the open POSTs, live). Released, the decode runs them (running, KV in use)."""
     seen: dict[str, int] = {}
 
-    def busy() -> bool:
+    def observe() -> dict[str, int]:
         for engine in c.engines:
             record = c.member(engine)
             if record is not None:
@@ -138,12 +145,15 @@ def check_load(c: Cluster, reference: dict[int, list[int]]) -> None:
                 seen[engine.name] = max(seen.get(engine.name, 0), load)
                 if engine is c.decode and record.load.kv_usage > 0:
                     seen["decode-kv"] = 1
-        return (seen.get("decode", 0) > 0 and seen.get("decode-kv", 0) > 0
-                and max(seen.get("prefill-1", 0), seen.get("prefill-2", 0)) > 0)
+        return seen
 
-    run = cases.LoadRun(c.router_url, 8, 8, reference).start()
-    wait_logged("decode and a prefill report load (sglang:* gauges), decode KV usage > 0",
-                busy, STEP_TIMEOUT_S, lambda: str(seen))
+    with prefill.holding():
+        run = cases.LoadRun(c.router_url, 8, 8, reference).start()
+        wait_logged(f"{prefill.name} (scheduler held) reports the requests it holds",
+                    lambda: observe().get(prefill.name, 0) > 0, STEP_TIMEOUT_S, lambda: str(seen))
+    wait_logged("the decode reports load and KV usage > 0 (sglang:* gauges)",
+                lambda: observe().get("decode", 0) > 0 and seen.get("decode-kv", 0) > 0,
+                STEP_TIMEOUT_S, lambda: str(seen))
     run.join(STEP_TIMEOUT_S)
     assert not run.failures(), run.failures()
     wait_logged("every member's load back to 0", lambda: all(
@@ -214,34 +224,42 @@ def run_load_with(c: Cluster, reference: dict[int, list[int]], what: str,
     say(f"ok: {what}: all {LOAD_REQUESTS} requests answered in full, = plain server")
 
 
-def kill_prefill_under_load(c: Cluster, reference: dict[int, list[int]]) -> None:
-    victim, survivor = c.p2, c.p1
+def kill_prefill_under_load(c: Cluster,
+                            reference: dict[int, list[int]]) -> tuple[Engine, Engine]:
+    """kill -9 of the prefill holding a request; returns (victim, survivor).
+
+    Both prefills' schedulers are held (SIGSTOP) until a request reaches one of them: that
+    request is then provably in flight there, prompt not computed and KV not sent, when
+    its process group is killed, so the router must retry it. (A tiny-model prefill ends
+    within milliseconds: caught running, it has often handed its KV over already.) The
+    survivor is let go; what it held goes on as usual."""
+    prefills = (c.p1, c.p2)
+    servers = {p.name: p.server_pid() for p in prefills}
+    assert all(servers.values()), f"SGLang server processes: {servers}"
+    names = {p.name: harness.process_names(p.tree()) for p in prefills}
     before = cases.RouterCounts.read(c.router_url)
+    chosen: list[Engine] = []
 
     def kill() -> None:
-        # In the scheduler (live from /v1/loads): prompt computed or waiting for its
-        # decode, KV not yet handed over: killing now must fail that request's prefill.
-        # A prefill of the tiny model takes milliseconds, so the group is stopped the
-        # moment the hold is seen (the pid and names are looked up before: a /proc scan
-        # takes longer than a prefill), then killed.
-        server = victim.server_pid()
-        assert server is not None, f"no SGLang server process under {victim.name}"
-        names = harness.process_names(victim.tree())
-        held: dict[str, int] = {}
+        with c.p1.holding(), c.p2.holding():
+            holders: list[Engine] = []
 
-        def holds() -> bool:
-            held.clear()
-            held.update(cases.scheduler_holds(victim.url))
-            if held:
-                os.killpg(server, signal.SIGSTOP)
-            return bool(held)
+            def held() -> bool:
+                holders[:] = [p for p in prefills if cases.open_posts(p.url) > 0]
+                return bool(holders)
 
-        wait_logged(f"{victim.name}'s scheduler holds a request", holds, STEP_TIMEOUT_S)
-        os.killpg(server, signal.SIGKILL)
-        say(f"kill -9 of {victim.name}'s SGLang process group {server} {names} while it "
-            f"held {held}")
+            wait_logged("a request waits at a prefill (schedulers held)", held, STEP_TIMEOUT_S)
+            victim = holders[-1]
+            server = servers[victim.name]
+            assert server is not None
+            os.killpg(server, signal.SIGKILL)
+            chosen.append(victim)
+        say(f"kill -9 of {victim.name}'s SGLang process group {server} {names[victim.name]} "
+            "while a request waited at its held scheduler")
 
-    run_load_with(c, reference, f"kill -9 of {victim.name}", kill)
+    run_load_with(c, reference, "kill -9 of the prefill holding a request", kill)
+    [victim] = chosen
+    survivor = c.p1 if victim is c.p2 else c.p2
     after = cases.RouterCounts.read(c.router_url)
     redone = after.retries + after.migrations - before.retries - before.migrations
     assert redone > 0, (
@@ -254,21 +272,24 @@ def kill_prefill_under_load(c: Cluster, reference: dict[int, list[int]]) -> None
     wait_logged(f"{victim.name}'s processes gone", lambda: not victim.tree(), STEP_TIMEOUT_S)
     say(f"ok: {redone:.0f} request(s) retried or migrated to {survivor.name}; "
         f"{victim.name}'s sidecar said bye (crashed) and exited {code}")
+    return victim, survivor
 
 
-def drain_prefill_under_load(c: Cluster, reference: dict[int, list[int]]) -> None:
-    victim = c.p1
+def drain_prefill_under_load(c: Cluster, victim: Engine, other: Engine,
+                             reference: dict[int, list[int]]) -> None:
     before = cases.RouterCounts.read(c.router_url)
 
     def sigterm() -> None:
-        wait_logged(f"{victim.name} holds a request", lambda: cases.open_posts(victim.url) > 0,
-                    STEP_TIMEOUT_S)
-        assert victim.process is not None
-        victim.process.send_signal(signal.SIGTERM)
-        say(f"SIGTERM to {victim.name}'s sidecar")
-        wait_logged(f"{victim.name} DRAINING", lambda: c.state(victim) in ("draining",
-                                                                           "absent"),
-                    STEP_TIMEOUT_S)
+        # Held, as in the kill: the request is provably still there when the drain starts.
+        with victim.holding():
+            wait_logged(f"{victim.name} holds a request (scheduler held)",
+                        lambda: cases.open_posts(victim.url) > 0, STEP_TIMEOUT_S)
+            assert victim.process is not None
+            victim.process.send_signal(signal.SIGTERM)
+            say(f"SIGTERM to {victim.name}'s sidecar")
+            wait_logged(f"{victim.name} DRAINING", lambda: c.state(victim) in ("draining",
+                                                                               "absent"),
+                        STEP_TIMEOUT_S)
 
     run_load_with(c, reference, f"SIGTERM drain of {victim.name}", sigterm)
     after = cases.RouterCounts.read(c.router_url)
@@ -281,7 +302,7 @@ def drain_prefill_under_load(c: Cluster, reference: dict[int, list[int]]) -> Non
     assert code == 0, f"{victim.name} sidecar exit code {code}"
     wait_logged(f"{victim.name}'s SGLang processes exited", lambda: not victim.tree(),
                 STEP_TIMEOUT_S)
-    assert c.ready(c.p2, c.decode), c.states()
+    assert c.ready(other, c.decode), c.states()
 
 
 def kill_sidecar(c: Cluster, engine: Engine) -> None:
@@ -329,20 +350,20 @@ def check(steps: Steps, c: Cluster) -> None:
     check_routing(c, reference)
 
     steps.begin("kill -9 of a prefill under load: retried on the other, no client failure")
-    kill_prefill_under_load(c, load_reference)
+    victim, survivor = kill_prefill_under_load(c, load_reference)
 
     steps.begin("the killed prefill starts again on the same ports; meanwhile: load from "
                 "the sglang:* gauges reaches the registry")
-    c.launch(c.p2)
-    check_load(c, load_reference)
-    wait_logged(f"{c.p2.name} READY again", lambda: c.ready(c.p2), STARTUP_TIMEOUT_S,
+    c.launch(victim)
+    check_load(c, survivor, load_reference)
+    wait_logged(f"{victim.name} READY again", lambda: c.ready(victim), STARTUP_TIMEOUT_S,
                 c.states)
 
     steps.begin("SIGTERM drain of a prefill under load: no request lost")
-    drain_prefill_under_load(c, load_reference)
+    drain_prefill_under_load(c, survivor, victim, load_reference)
 
     steps.begin("kill -9 of a sidecar: its SGLang processes do not outlive it")
-    kill_sidecar(c, c.p2)
+    kill_sidecar(c, victim)
 
 
 class DropLoopLag(logging.Filter):

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,6 +192,30 @@ class Engine(Proc):
             if stat is not None and stat.ppid == self.pid and stat.session == pid:
                 return pid
         return None
+
+    def scheduler_pids(self) -> list[int]:
+        """The scheduler processes of this engine (one per TP rank), by their title."""
+        return [pid for pid in sorted(self.tree())
+                if any(name.startswith("sglang::scheduler") for name in process_names({pid}))]
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Stop this engine's schedulers (SIGSTOP) for the block, then let them go on.
+
+        A tiny model's prefill ends within milliseconds, between any two looks at it.
+        With its scheduler stopped, a request that reaches the server provably stays
+        there, prompt not computed and KV not sent: the HTTP server still takes requests,
+        answers /ready and serves /metrics, whose open-POST gauge counts it live."""
+        schedulers = self.scheduler_pids()
+        assert schedulers, f"no sglang::scheduler process under {self.name}"
+        for pid in schedulers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in schedulers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     def healthy(self) -> bool:
         self.assert_alive()
