@@ -15,11 +15,10 @@ mean time per output token, met the objective; failures miss both) and engine-se
 (each engine process from start to exit, within the profile). Each configuration writes a
 JSON file to --out; --report prints the Markdown table of every file there, with the
 load average each ran under (before each configuration the bench waits, bounded, for
-the machine to be quiet). Run each configuration under the heavy lock on a shared
-machine:
+the machine to be quiet). Run the configurations one at a time:
 
     for c in 1P1D 2P2D 1P3D 3P1D planner; do
-        flock /work/locks/heavy .venv/bin/python bench/bench_planner.py --configs $c
+        .venv/bin/python bench/bench_planner.py --configs $c
     done
     .venv/bin/python bench/bench_planner.py --report
 """

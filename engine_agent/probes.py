@@ -3,12 +3,12 @@
 Each probe is a small synchronous HTTP client with short timeouts: the sidecar calls it
 from its own loop, never from the agent's heartbeat thread.
 
-Contracts followed (see /work/shared/notes/engines-and-peers.md):
+Contracts followed (docs/engines.md §1 and §3):
 - vLLM: GET /health -> 200 (503 when the engine is dead); /metrics gauges
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
   (older name `vllm:gpu_cache_usage_perc`), labels `model_name`, `engine`;
   GET /v1/models -> {"data": [{"id": ...}]}.
-- SGLang (measured on real 0.5.23, engines-and-peers.md §7):
+- SGLang (measured on real 0.5.23, docs/engines.md §3):
   - GET /ready -> 200 once warm-up is done, 503 while starting, paused or shutting down:
     the readiness signal, and cheap. GET /health is not: it queues a one-token generation
     and sleeps a full second before answering (longer than a probe should wait), so it

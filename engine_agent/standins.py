@@ -1,7 +1,7 @@
 """Stand-ins for vLLM and SGLang servers: only the HTTP surface a sidecar reads.
 
-They follow the engines' contracts as measured on the real servers (engines-and-peers.md
-§1, §7; vLLM 0.32, SGLang 0.5.23):
+They follow the engines' contracts as measured on the real servers (docs/engines.md
+§1, §3; vLLM 0.32, SGLang 0.5.23):
 - vLLM: GET /health -> 200 with an empty body, 503 when the engine is dead;
   GET /v1/models -> {"object": "list", "data": [{"id", "object": "model", "max_model_len",
   ...}]}; GET /metrics -> Prometheus text with gauges `vllm:num_requests_running`,

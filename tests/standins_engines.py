@@ -1,13 +1,13 @@
 """Contract stand-ins for vLLM's and SGLang's P/D endpoints (their fleet: standins_fleet.py).
 
 Each stand-in is a real aiohttp server on loopback that checks the handshake fields
-exactly as the engine's contract states them (see /work/shared/notes/engines-and-peers.md)
+exactly as the engine's contract states them (docs/engines.md §2, §3)
 and answers 400 to anything else. KV "transfer" goes through a `KvHub` shared by the
 stand-ins of one test: a prefill stores the prompt it processed; the decode takes it and
 refuses (500, as vLLM does with kv_load_failure_policy=fail) when it is missing or is not
 the prompt of its own request.
 
-Output follows vLLM's token-id contract (notes §6), which request migration relies on:
+Output follows vLLM's token-id contract (docs/engines.md §6), which request migration relies on:
 - a prompt is token ids: the UTF-8 bytes of the text (chat: the contents joined by
   newlines, a stand-in's chat template), or `"prompt": [ids]` as given;
 - each next token is a function of every id before it (`next_token`), so continuing from
@@ -20,7 +20,7 @@ Output follows vLLM's token-id contract (notes §6), which request migration rel
   token's chunk, a usage chunk if asked, then `data: [DONE]`;
 - `max_tokens` absent means 16 on /v1/completions; null (and absent on chat) means up to
   the context length (`max_model_len`).
-SGLang stand-ins differ where real SGLang 0.5.23 does (/work/plan/sglang-token-ids.md):
+SGLang stand-ins differ where real SGLang 0.5.23 does (docs/engines.md §3):
 a streamed chat with `return_token_ids` is refused (400), the response id is the body's
 `rid` (X-Request-Id is ignored), and every chunk carries `"usage": null`.
 """

@@ -142,7 +142,7 @@ def test_decode_refuses_kv_it_cannot_trust(engines: dict[str, EngineHandle],
     assert metrics(prefill.url)["pdreg:kv_held_entries"] == 0
 
 
-# --- the migration contract (vLLM's, notes §6): continue from ids, exactly ---------------
+# --- the migration contract (vLLM's, docs/engines.md §6): continue from ids, exactly -------
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_generation_continued_from_its_ids_is_the_same_generation(

@@ -64,7 +64,7 @@ def wait_logged(what: str, predicate: Callable[[], object], timeout_s: float,
 
 
 def sglang_env(omp_bind: str) -> dict[str, str]:
-    """The environment of one SGLang server on CPU (notes §7): CPU engine, loopback for
+    """The environment of one SGLang server on CPU (docs/engines.md §4): CPU engine, loopback for
     its internal addresses, offline, one OpenMP thread pinned to core `omp_bind`."""
     return {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

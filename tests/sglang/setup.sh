@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the real-SGLang virtualenv and the tiny offline model, once per machine.
 #
-# Follows /work/shared/notes/engines-and-peers.md §7: sglang==0.5.23 with its pure-Python
+# Follows docs/engines.md §4: sglang==0.5.23 with its pure-Python
 # runtime dependencies (its own metadata minus the CUDA kernels), torch 2.14.1 from local
 # disk, Mooncake's non-CUDA transfer engine, and three workarounds:
 #   1. a placeholder `sgl_kernel` (the CPU build is not on PyPI; the CPU path without AMX

@@ -3,7 +3,7 @@
 The CPU build of sgl-kernel is not on PyPI and PyPI's `sglang-kernel` is CUDA-only.
 SGLang's CPU path imports a few of its names at start-up but, without AMX and with the
 torch-native attention backend, calls none of them in plain or P/D serving
-(engines-and-peers.md §7, workaround 1). Every name, and every `sgl_kernel.*` submodule,
+(docs/engines.md §4, workaround 1). Every name, and every `sgl_kernel.*` submodule,
 resolves to a stand-in that raises NotImplementedError when called, so a code path that
 does need a real kernel fails loudly instead of computing garbage.
 """

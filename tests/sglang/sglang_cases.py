@@ -1,6 +1,6 @@
 """What `make test-sglang` sends and how it compares: requests to real SGLang, token ids.
 
-Token ids as real SGLang 0.5.23 gives them (see /work/plan/sglang-token-ids.md):
+Token ids as real SGLang 0.5.23 gives them (docs/engines.md §3):
 completions `return_token_ids` -> `choices[0].token_ids` (every chunk when streaming);
 chat `return_token_ids` -> `choices[0].response_token_ids` (not streaming); a chat stream
 refuses `return_token_ids`, so it asks `return_output_ids_in_sglext` and reads

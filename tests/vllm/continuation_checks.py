@@ -1,6 +1,6 @@
 """Continuing a cut generation from token ids over P/D (NIXL), on the engines directly.
 
-The facts request migration relies on (README table; /work/plan/vllm-continuation.md),
+The facts request migration relies on (README table; docs/engines.md §6),
 checked on every run with real vLLM, no router involved. A stream is served whole by one
 instance (the prefill asked plainly); then, for several cuts k, a new prefill + decode
 pair gets `prompt` = the prompt's ids + the ids of the chunks sent before the cut, and

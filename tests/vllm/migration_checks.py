@@ -7,7 +7,7 @@ holding the most of them (by the router's `pdreg_router_in_flight`) is killed wi
 SIGKILL, sidecar and vLLM processes at once (a lost machine: the registry only learns of
 it when the lease runs out). The router must
 continue each cut stream on the surviving decode from the token ids already sent
-(/work/plan/vllm-continuation.md: exact on vLLM over NIXL), so every client gets:
+(docs/engines.md §6: exact on vLLM over NIXL), so every client gets:
 - a 200 stream ending in `[DONE]`, with no error event;
 - exactly the text (and, where asked, the token ids) one vLLM instance gives for the
   same request: the prefill engine asked plainly;

