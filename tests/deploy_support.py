@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,14 @@ def dockerfile_stages() -> list[list[dict[str, Any]]]:
             stages.append([])
         stages[-1].append(instruction)
     return stages
+
+
+def pyproject_packages() -> list[str]:
+    """The top-level packages pyproject.toml installs: its setuptools `include` patterns
+    (`registry*` -> registry). The image must hold every one of them."""
+    with (REPO / "pyproject.toml").open("rb") as file:
+        include = tomllib.load(file)["tool"]["setuptools"]["packages"]["find"]["include"]
+    return [pattern.rstrip("*").rstrip(".") for pattern in include]
 
 
 def image_user_spec() -> str:
