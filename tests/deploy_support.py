@@ -33,7 +33,8 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 OVERLAYS = ("vllm", "sglang")
 DEPLOY_VENV = REPO / ".venv-deploy"
-PDREG_IMAGE_PREFIX = "pdreg:"
+PDREG_IMAGE_PREFIX = "pdreg:"  # compose's image (a local build)
+PDREG_IMAGE_NAME = "pdreg"  # the manifests' image, before deploy/k8s/images sets repo and tag
 TOOL_TIMEOUT_S = 120.0
 
 _TOOLS = {
@@ -102,8 +103,13 @@ def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
     return workload["spec"]["template"]["metadata"]["labels"]
 
 
+def image_name(image: str) -> str:
+    """The image's name without registry, path or tag: `reg.io/x/pdreg:1` -> `pdreg`."""
+    return image.rsplit("/", 1)[-1].split("@")[0].split(":")[0]
+
+
 def is_pdreg(container: dict[str, Any]) -> bool:
-    return container["image"].startswith(PDREG_IMAGE_PREFIX)
+    return image_name(container["image"]) == PDREG_IMAGE_NAME
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +154,7 @@ def listening_ports(kind: str, args: argparse.Namespace) -> set[int]:
     """
     ports = {
         "registry": lambda: {args.port, args.events_port, args.http_port},
-        "router": lambda: {args.port},
+        "router": lambda: {args.port, args.metrics_port or 0},
         "engine": lambda: {args.port, args.kv_port, args.bootstrap_port},
         "agent": lambda: set(),
     }[kind]()
@@ -157,6 +163,14 @@ def listening_ports(kind: str, args: argparse.Namespace) -> set[int]:
 
 def http_port(kind: str, args: argparse.Namespace) -> int:
     return args.http_port if kind == "registry" else args.port
+
+
+def metrics_port(kind: str, args: argparse.Namespace) -> int:
+    """Where Prometheus scrapes a pdreg process: a router's --metrics-port when given
+    (its /metrics is then off the API port), else its HTTP port."""
+    if kind == "router" and args.metrics_port is not None:
+        return int(args.metrics_port)
+    return http_port(kind, args)
 
 
 def container_argv(container: dict[str, Any]) -> list[str]:

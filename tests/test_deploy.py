@@ -32,6 +32,7 @@ from deploy_support import (
     image_user,
     listening_ports,
     load_yaml,
+    metrics_port,
     pyproject_packages,
     run_tool,
     tool,
@@ -229,7 +230,7 @@ def test_compose_prometheus_scrapes_every_pdreg_http_port() -> None:
     targets = {target for job in config["scrape_configs"]
                for group in job.get("static_configs", []) for target in group["targets"]}
     processes = compose_processes()
-    expected = {f"{name}:{http_port(p.kind, p.parse())}" for name, p in processes.items()}
+    expected = {f"{name}:{metrics_port(p.kind, p.parse())}" for name, p in processes.items()}
     assert targets == expected
     prometheus = compose()["services"]["prometheus"]
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]

@@ -41,6 +41,7 @@ from deploy_support import (
     k8s_processes,
     listening_ports,
     load_yaml,
+    metrics_port,
     named_ports,
     objects,
     overlays,
@@ -76,9 +77,9 @@ def test_overlay_passes_kubernetes_validate_strict(overlay: str, version: str,
 def test_overlay_holds_the_whole_fleet_in_one_namespace(overlay: str) -> None:
     docs = render(K8S / overlay)
     kinds = sorted({doc["kind"] for doc in docs})
+    # No PersistentVolumeClaim: each engine pod's model cache is its own (ephemeral).
     assert kinds == ["ConfigMap", "Deployment", "Namespace", "NetworkPolicy",
-                     "PersistentVolumeClaim", "PodDisruptionBudget", "Role", "RoleBinding",
-                     "Service", "ServiceAccount"]
+                     "PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount"]
     [namespace] = objects(docs, "Namespace")
     assert namespace["metadata"]["name"] == NAMESPACE
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
@@ -222,7 +223,8 @@ def test_ports_probes_and_scrape_annotations_agree(overlay: str) -> None:
             if is_pdreg(container):
                 argv = container_argv(container)
                 if argv[0] != "agent":
-                    http_ports.add(http_port(argv[0], build_parser().parse_args(argv)))
+                    args = build_parser().parse_args(argv)
+                    http_ports |= {http_port(argv[0], args), metrics_port(argv[0], args)}
                 for value in [*argv, *(str(v) for v in env_of(container).values())]:
                     for var in re.findall(r"\$\((\w+)\)", value):
                         assert var in env_of(container), f"{where}: $({var}) is not defined"

@@ -50,7 +50,8 @@ SCRAPE_INTERVAL_S = 1
 RATE_INTERVAL = "30s"  # $__rate_interval: spans the traffic phases below
 STOP_S = 40.0  # a router drains for --drain-delay + in-flight; nothing is in flight
 REQUESTS_PER_PHASE = 8
-PORT_FLAGS = ("--port", "--events-port", "--http-port", "--kv-port", "--bootstrap-port")
+PORT_FLAGS = ("--port", "--events-port", "--http-port", "--kv-port", "--bootstrap-port",
+              "--metrics-port")
 HOST_FLAGS = ("--host", "--advertise-host")
 HEALTHCHECK = DEPLOY / "healthcheck.py"
 
@@ -146,6 +147,11 @@ class ComposeCluster:
     @property
     def router(self) -> str:
         return f"http://{self.loopback.address('router', 8000)}"
+
+    @property
+    def router_metrics(self) -> str:
+        """The router's --metrics-port (its /metrics is not on the API port)."""
+        return f"http://{self.loopback.address('router', 9100)}"
 
     @property
     def registry_http(self) -> str:
@@ -275,7 +281,7 @@ def _itl_count(cluster: ComposeCluster) -> float:
 
 
 def _router_ttft_count(cluster: ComposeCluster) -> float:
-    text = httpx.get(f"{cluster.router}/metrics", timeout=10.0).text
+    text = httpx.get(f"{cluster.router_metrics}/metrics", timeout=10.0).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("pdreg_router_ttft_seconds_count"))
 

@@ -55,6 +55,7 @@ from deploy_support import (  # noqa: E402  (after the path that finds it)
     compose,
     compose_command,
     flag,
+    is_pdreg,
     pod_spec,
     pyproject_packages,
     render,
@@ -63,7 +64,6 @@ from deploy_support import (  # noqa: E402  (after the path that finds it)
 from pdreg.cli import SUBCOMMANDS  # noqa: E402
 from pdreg.testing import free_low_port  # noqa: E402
 
-IMAGE = "localhost/pdreg:test"
 OVERLAY = "vllm"  # whose sidecar's credentials the sim engines get
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 40.0
@@ -121,13 +121,18 @@ def pip_index_args() -> list[str]:
 
 def build_image(image: str) -> None:
     result = subprocess.run(
+        # --no-cache: buildah's layer cache does not key a RUN on what it bind-mounts from
+        # another stage, so a cached install step would keep the previous wheel.
+        # --format docker: OCI image configs have no HEALTHCHECK.
         ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "--pull=never",
-         "--layers", "-f", str(DEPLOY / "Dockerfile"),
+         "--no-cache", "-f", str(DEPLOY / "Dockerfile"),
          "--ignorefile", str(DEPLOY / "Dockerfile.dockerignore"),
          *pip_index_args(), "-t", image, str(REPO)],
         capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise SystemExit(f"buildah bud failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    # The image this replaced is left untagged: drop it, or every run keeps one more.
+    subprocess.run(["buildah", "rmi", "--prune"], capture_output=True)
 
 
 def image_config(image: str) -> dict[str, Any]:
@@ -427,7 +432,8 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
 
         # The router: its manifest's args and env, port moved, pointed at the registry.
         argv, ports = with_ports([expand(str(a), container_env(router_container))
-                                  for a in router_container["args"]], ("--port",))
+                                  for a in router_container["args"]],
+                                 ("--port", "--metrics-port"))
         router = cluster.run(
             "router", argv, {**container_env(router_container), "PDREG_REGISTRY": registry_address},
             volume_mounts(router_pod, router_container, secrets, scratch / "volumes"),
@@ -436,6 +442,15 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
 
         completion = complete(cluster, router, api_key)
         log(f"completion through the router: {completion!r}")
+
+        # /metrics (member ids, engine URLs) only on the metrics port Prometheus scrapes.
+        api_metrics = httpx.get(f"http://127.0.0.1:{router.http_port}/metrics",
+                                headers={"authorization": f"Bearer {api_key}"}, timeout=10)
+        scraped = httpx.get(f"http://127.0.0.1:{ports['--metrics-port']}/metrics", timeout=10)
+        if api_metrics.status_code != 404 or "pdreg_router_ttft_seconds" not in scraped.text:
+            raise cluster.failed(f"router metrics: API port {api_metrics.status_code}, "
+                                 f"metrics port {scraped.status_code}")
+        log("router /metrics: 404 on the API port, served on --metrics-port")
 
         for process in cluster.processes:
             log(f"HEALTHCHECK {process.name}: {cluster.healthcheck(process, test)}")
@@ -473,13 +488,21 @@ def complete(cluster: Cluster, router: Process, api_key: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--image", default=IMAGE)
+    parser.add_argument("--image", default=None,
+                        help="the tag to build (default: the pdreg image the manifests "
+                             "name, as deploy/k8s/images sets it)")
     parser.add_argument("--remove", action="store_true",
                         help="remove the built image afterwards (kept by default: its "
                              "layers make the next build fast)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("test-image: run as root (buildah, chroot and mounts need it)")
+    if args.image is None:
+        # The name a node would look up: built under it, the manifests' IfNotPresent
+        # finds it (buildah keeps a short name as localhost/NAME).
+        [args.image] = {c["image"] for d in render(K8S / OVERLAY)
+                        if d["kind"] in ("Deployment", "StatefulSet")
+                        for c in pod_spec(d)["containers"] if is_pdreg(c)}
     times: dict[str, float] = {}
     started = time.monotonic()
     with timed("base image", times):
