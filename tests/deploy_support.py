@@ -181,7 +181,7 @@ def container_argv(container: dict[str, Any]) -> list[str]:
 
 def k8s_processes(overlay: str) -> list[PdregProcess]:
     found = []
-    for deployment in objects(render(K8S / overlay), "Deployment"):
+    for deployment in workloads(overlay):
         for container in pod_spec(deployment)["containers"]:
             if is_pdreg(container):
                 where = f"k8s/{overlay}:{deployment['metadata']['name']}/{container['name']}"
@@ -309,8 +309,27 @@ NAMESPACE = "pdreg"
 overlays = pytest.mark.parametrize("overlay", OVERLAYS)
 
 
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")  # the registries are a StatefulSet
+
+
 def workloads(overlay: str) -> list[dict[str, Any]]:
-    return objects(render(K8S / overlay), "Deployment")
+    """The overlay's pod controllers: Deployments and the registries' StatefulSet."""
+    docs = render(K8S / overlay)
+    return [doc for kind in WORKLOAD_KINDS for doc in objects(docs, kind)]
+
+
+def workloads_by_name(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: doc for kind in WORKLOAD_KINDS for name, doc in by_name(docs, kind).items()}
+
+
+def env_value(docs: list[dict[str, Any]], container: dict[str, Any], name: str) -> str:
+    """Environment variable NAME of CONTAINER as the kubelet sets it: a plain value, or
+    the key of a ConfigMap among DOCS."""
+    value = env_of(container)[name]
+    if isinstance(value, str):
+        return value
+    ref = value["configMapKeyRef"]
+    return str(by_name(docs, "ConfigMap")[ref["name"]]["data"][ref["key"]])
 
 
 def pdreg_containers(overlay: str) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:

@@ -49,6 +49,7 @@ from deploy_support import (
     run_tool,
     tool,
     workloads,
+    workloads_by_name,
 )
 
 from engine_agent.reference.server import ServerState, render_metrics
@@ -160,7 +161,7 @@ def test_secrets_render_from_generated_credentials(tmp_path: Path) -> None:
 def _pods(overlay: str) -> dict[str, Pod]:
     docs = render(K8S / overlay)
     pods = {d["metadata"]["name"]: Pod(NAMESPACE, pod_labels(d), named_ports(pod_spec(d)))
-            for d in objects(docs, "Deployment")}
+            for d in workloads_by_name(docs).values()}
     planner = {"app.kubernetes.io/component": "planner", "app.kubernetes.io/part-of": "pdreg"}
     engine_labels = pod_labels(engine_deployment(overlay, "decode"))
     return {**pods, "planner": Pod(NAMESPACE, planner),
