@@ -11,11 +11,14 @@ from pathlib import Path
 
 import yaml
 from deploy_support import (
+    COMPOSE_ENV,
+    COMPOSE_FILE,
     DEPLOY,
     K8S,
     NAMESPACE,
     REPO,
     by_name,
+    compose_command,
     flag,
     image_name,
     is_pdreg,
@@ -23,7 +26,11 @@ from deploy_support import (
     overlays,
     pod_spec,
     render,
+    run_tool,
+    tool,
 )
+
+from pdreg.cli import build_parser
 
 IMAGES = K8S / "images"
 # What `make test-vllm` / `make test-sglang` install: the engine images must be the same.
@@ -173,3 +180,66 @@ def test_router_metrics_port_serves_metrics_only_there() -> None:
     with RouterServer(RouterConfig(host="127.0.0.1", port=0), StaticView()) as server:
         assert server.metrics_port is None
         assert httpx.get(f"http://127.0.0.1:{server.port}/metrics").status_code == 200
+
+
+# --- Compose with two registries -------------------------------------------------------
+
+TWO_REGISTRIES = DEPLOY / "docker-compose.two-registries.yml"
+
+
+def _compose_two_registries() -> dict:
+    result = run_tool([tool("docker-compose"), "-f", str(COMPOSE_FILE), "-f",
+                       str(TWO_REGISTRIES), "config"],
+                      env={"PATH": "/usr/bin:/bin", **COMPOSE_ENV}, cwd=DEPLOY)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)["services"]
+
+
+def _published(port: str | dict) -> tuple[int, int]:
+    """(host port, container port) of a Compose port: `IP:HOST:CONTAINER[/tcp]` or the
+    long form."""
+    if isinstance(port, dict):
+        return int(port["published"]), int(port["target"])
+    _, outside, inside = str(port).split("/")[0].split(":")
+    return int(outside), int(inside)
+
+
+def test_compose_two_registries_variant_points_every_client_at_both() -> None:
+    services = _compose_two_registries()
+    registries = {name: build_parser().parse_args(compose_command(services[name]))
+                  for name in ("registry", "registry-2")}
+    both = ",".join(f"{name}:{args.port}" for name, args in registries.items())
+    # Its own ports, published unchanged: a registry announces its event and HTTP ports,
+    # which clients then reach at the host name they used.
+    for name, args in registries.items():
+        published = dict(_published(port) for port in services[name]["ports"])
+        assert all(outside == inside for outside, inside in published.items()), name
+        assert set(published) == {args.port, args.events_port, args.http_port}, name
+    assert len({args.port for args in registries.values()}) == 2
+    clients = [name for name, service in services.items()
+               if str(service.get("image", "")).startswith("pdreg:")
+               and not name.startswith("registry")]
+    assert sorted(clients) == ["decode-1", "decode-2", "prefill-1", "prefill-2", "router"]
+    for name in clients:
+        assert services[name]["environment"]["PDREG_REGISTRY"] == both, name
+    # The second registry runs what the first does, credentials included.
+    first, second = (services[name] for name in registries)
+    assert second["image"] == first["image"]
+    assert second["environment"]["PDREG_ADMIN_TOKEN"] == first["environment"]["PDREG_ADMIN_TOKEN"]
+    mounts = [str(v) for v in services["prometheus"]["volumes"]]
+    assert [m for m in mounts if m.endswith(":/etc/prometheus/prometheus.yml:ro")] == [
+        f"{DEPLOY / 'prometheus.two-registries.yml'}:/etc/prometheus/prometheus.yml:ro"]
+
+
+def test_compose_two_registries_prometheus_scrapes_both() -> None:
+    main = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    two = yaml.safe_load((DEPLOY / "prometheus.two-registries.yml").read_text())
+    services = _compose_two_registries()
+    http = build_parser().parse_args(compose_command(services["registry-2"])).http_port
+    for job in main["scrape_configs"]:
+        if job["job_name"] == "pdreg-registry":
+            job["static_configs"][0]["targets"].append(f"registry-2:{http}")
+    assert two == main
+    result = run_tool([tool("promtool"), "check", "config",
+                       str(DEPLOY / "prometheus.two-registries.yml")])
+    assert result.returncode == 0, result.stdout + result.stderr
