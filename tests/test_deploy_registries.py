@@ -121,6 +121,15 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
     assert wait_until(lambda: shows("A", ready) and shows("B", ready), WAIT_S), \
         (fleet.status("A"), fleet.status("B"))
 
+    # Who may drain: only an operator with A's admin token. Without it A refuses, and
+    # nothing reaches the member or B.
+    stranger = subprocess.run(
+        [sys.executable, "-m", "pdreg", "drain", drained, "--registry", fleet.address("A")],
+        capture_output=True, text=True, timeout=WAIT_S,
+        env={k: v for k, v in os.environ.items() if k != "PDREG_ADMIN_TOKEN"})
+    assert stranger.returncode != 0 and "401" in stranger.stderr, stranger.stderr
+    assert fleet.status("A") == ready and fleet.status("B") == ready
+
     # Drain through A only: B reports it too (the member heard it from A and announced
     # DRAINING to both), and a restarted B learns it at the member's re-registration.
     result = fleet.pdreg("drain", drained, "--registry", fleet.address("A"))
@@ -192,3 +201,65 @@ def test_an_admin_drain_sticks_whatever_the_owner_sets_later(fleet: Fleet) -> No
         assert agent.state is MemberState.DRAINING
         fleet.restart_registry("A")  # forgets its own drain; hears it from the member
         assert wait_until(lambda: states() == ["draining"] * 2, WAIT_S), states()
+
+
+# --- the dashboard with two registries -----------------------------------------------
+
+SCRAPE_S = 1
+
+
+def _panel_exprs(title: str) -> list[str]:
+    from deploy_support import dashboard_queries, grafana_to_promql
+    return [grafana_to_promql(q.expr) for q in dashboard_queries() if q.panel == title]
+
+
+def test_dashboard_counts_each_member_once_with_two_registries(fleet: Fleet) -> None:
+    """A real Prometheus scraping both registries: the membership panel counts each
+    member once (not once per registry), and each registry's version counter is its own
+    series, not one max() of two unrelated counters."""
+    import httpx
+    import yaml
+    from deploy_support import tool
+
+    for name in ("A", "B"):
+        fleet.start_registry(name)
+    both = f"{fleet.address('A')},{fleet.address('B')}"
+    for role in ("prefill", "decode"):
+        port = free_low_port(avoid={p for ports in fleet.ports.values() for p in ports})
+        fleet.start(role, ["engine", "--role", role, "--backend", "sim", "--model", "tiny",
+                           "--host", "127.0.0.1", "--port", str(port), "--registry", both])
+    config = fleet.logs / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
+        "scrape_configs": [{"job_name": "pdreg-registry", "static_configs": [
+            {"targets": [f"127.0.0.1:{fleet.ports[n][2]}" for n in ("A", "B")]}]}]}))
+    port = free_low_port(avoid={p for ports in fleet.ports.values() for p in ports})
+    log = (fleet.logs / "prometheus.log").open("wb")
+    fleet.procs["prometheus"] = subprocess.Popen(
+        [tool("prometheus"), f"--config.file={config}",
+         f"--storage.tsdb.path={fleet.logs / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    log.close()
+
+    def query(expr: str) -> dict[str, float]:
+        fleet.check_alive()
+        try:
+            body = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
+                             params={"query": expr}, timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1])
+                for r in body.get("data", {}).get("result", [])}
+
+    [members] = _panel_exprs("Members by role and state")
+    want = {json.dumps({"role": role, "state": "ready"}, sort_keys=True): 1.0
+            for role in ("prefill", "decode")}
+    # Both registries scraped, each holding both engines ready ...
+    assert wait_until(lambda: len(query('pdreg_members{state="ready"} > 0')) == 4, WAIT_S), \
+        query("pdreg_members")
+    # ... and the panel counts 1 prefill and 1 decode, not 2 of each.
+    assert wait_until(lambda: {k: v for k, v in query(members).items() if v} == want,
+                      WAIT_S), query(members)
+    [version] = _panel_exprs("Membership version")
+    assert len(query(version)) == 2, query(version)  # one series per registry
