@@ -208,11 +208,10 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
 def test_one_disruption_budget_per_role(overlay: str) -> None:
     docs = render(K8S / overlay)
     budgets = objects(docs, "PodDisruptionBudget")
-    for deployment in objects(docs, "Deployment"):
-        name = deployment["metadata"]["name"]
+    for name, deployment in workloads_by_name(docs).items():
         matching = [b["metadata"]["name"] for b in budgets
                     if selector_matches(b["spec"]["selector"], pod_labels(deployment))]
-        if name in ("pdreg-registry", "pdreg-prometheus"):
+        if name == "pdreg-prometheus":
             assert matching == [], f"{name}: a budget on one replica blocks node drains"
         else:
             assert len(matching) == 1, name
