@@ -5,7 +5,8 @@ No container daemon and no container registry are needed, only root and buildah:
 1. base   the Dockerfile's FROM (python:3.11-slim), built locally behind a stamp
           (tests/image/build-base.sh);
 2. build  `buildah bud --isolation chroot` of deploy/Dockerfile, as a user builds it, with
-          the package index this machine's pip uses passed as PIP_INDEX_URL;
+          the package indexes this machine's pip uses passed as PIP_INDEX_URL /
+          PIP_EXTRA_INDEX_URL (a local file:// index served over loopback meanwhile);
 3. run    the image's rootfs mounted (`buildah mount`); each process runs in it the way
           a pod's container does: its own PID and mount namespaces, chroot, the image's
           USER (10001:10001), ENV and WORKDIR, a read-only root with an emptyDir /tmp,
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import http.server
 import json
 import os
 import re
@@ -35,7 +38,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,11 +103,31 @@ def sh(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 # --- build ------------------------------------------------------------------------------
 
 
-def pip_index_args() -> list[str]:
-    """--build-arg for the index this machine's pip uses (env first, then pip's config).
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
-    Only http(s) indexes: a file:// index on this machine's disk is not inside the build.
-    """
+
+@contextlib.contextmanager
+def served_index(directory: Path) -> Iterator[str]:
+    """A file:// package index (DIRECTORY/simple, links relative to DIRECTORY) served over
+    HTTP on 127.0.0.1 for the build's pip: chroot isolation shares this network, not
+    this disk. Yields the index URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/simple"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def pip_index_args(stack: contextlib.ExitStack) -> list[str]:
+    """--build-arg for the indexes this machine's pip uses (env first, then pip's config):
+    http(s) as they are, a local file://.../simple index served over loopback while the
+    build runs."""
     args = []
     for name, key in (("PIP_INDEX_URL", "global.index-url"),
                       ("PIP_EXTRA_INDEX_URL", "global.extra-index-url")):
@@ -111,7 +136,13 @@ def pip_index_args() -> list[str]:
             got = subprocess.run([sys.executable, "-m", "pip", "config", "get", key],
                                  capture_output=True, text=True)
             value = got.stdout.strip() if got.returncode == 0 else ""
-        urls = [url for url in value.split() if url.startswith(("http://", "https://"))]
+        urls = []
+        for url in value.split():
+            local = Path(urllib.parse.urlsplit(url).path)
+            if url.startswith(("http://", "https://")):
+                urls.append(url)
+            elif url.startswith("file://") and local.name == "simple" and local.is_dir():
+                urls.append(stack.enter_context(served_index(local.parent)))
         if urls:
             args += ["--build-arg", f"{name}={' '.join(urls)}"]
     shown = " ".join(args[1::2]) or "pip's default"
@@ -120,15 +151,16 @@ def pip_index_args() -> list[str]:
 
 
 def build_image(image: str) -> None:
-    result = subprocess.run(
-        # --no-cache: buildah's layer cache does not key a RUN on what it bind-mounts from
-        # another stage, so a cached install step would keep the previous wheel.
-        # --format docker: OCI image configs have no HEALTHCHECK.
-        ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "--pull=never",
-         "--no-cache", "-f", str(DEPLOY / "Dockerfile"),
-         "--ignorefile", str(DEPLOY / "Dockerfile.dockerignore"),
-         *pip_index_args(), "-t", image, str(REPO)],
-        capture_output=True, text=True, timeout=900)
+    with contextlib.ExitStack() as stack:
+        result = subprocess.run(
+            # --no-cache: buildah's layer cache does not key a RUN on what it bind-mounts
+            # from another stage, so a cached install step would keep the previous wheel.
+            # --format docker: OCI image configs have no HEALTHCHECK.
+            ["buildah", "bud", "--isolation", "chroot", "--format", "docker",
+             "--pull=never", "--no-cache", "-f", str(DEPLOY / "Dockerfile"),
+             "--ignorefile", str(DEPLOY / "Dockerfile.dockerignore"),
+             *pip_index_args(stack), "-t", image, str(REPO)],
+            capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise SystemExit(f"buildah bud failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     # The image this replaced is left untagged: drop it, or every run keeps one more.
