@@ -119,6 +119,9 @@ class Agent:
         self._token = token
         self._curve = curve
         self._state = MemberState(state)
+        # An operator drained this member at one of its registries: DRAINING from now on,
+        # whatever the owner sets, so every registry (and a restarted one) reports it.
+        self._admin_drained = False
         self._bye_reason = ByeReason.SHUTDOWN
         self._shutdown = ShutdownState.RUNNING
         self._last_good_load = Load()
@@ -173,6 +176,10 @@ class Agent:
         """Announce a new state; the loop sends a heartbeat right away."""
         state = MemberState(state)
         if state is self._state:
+            return
+        if self._admin_drained and state is not MemberState.DRAINING:
+            logger.info("[agent] state id=%s stays draining (an operator drained it), not %s",
+                        self._spec.id, state.name.lower())
             return
         logger.info("[agent] state id=%s %s -> %s", self._spec.id,
                     self._state.name.lower(), state.name.lower())
@@ -321,6 +328,19 @@ class Agent:
             logger.warning("[agent] unexpected %s from %s", type(reply).__name__, link.address)
             return
         link.on_reply(reply, time.monotonic(), self._rng)
+        # What an operator told one registry, passed on to every registry by this member
+        # (each one hears from it, a restarted one too). Only a registry this member
+        # talks to, over its CURVE-checked socket, can say either.
+        if reply.drain and not self._admin_drained:
+            logger.warning("[agent] registry %s: an operator drained id=%s; draining at "
+                           "every registry", link.address, self._spec.id)
+            self.set_state(MemberState.DRAINING)
+            self._admin_drained = True
+        if reply.banned_s > 0 and self._shutdown is ShutdownState.RUNNING:
+            logger.error("[agent] registry %s: id=%s is banned for %.0fs (an operator evicted "
+                         "it); saying bye to every registry and registering no more",
+                         link.address, self._spec.id, reply.banned_s)
+            self._shutdown = ShutdownState.REQUESTED  # the loop says bye, then exits
 
     def _say_bye(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder,
                  decoder: msgspec.msgpack.Decoder) -> None:

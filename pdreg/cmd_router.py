@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_registry_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = OS picks)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve /metrics on this port only, not on --port (the metrics name "
+                        "members and engine URLs: open this port to Prometheus alone)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES,
                    help="pairing policy per role (peak_ewma: power of two over load x the "
                         "member's observed latency; prefix: prefix affinity for prefills, "
@@ -134,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             first_byte_timeout_s=args.upstream_first_byte_timeout,
             stream_idle_timeout_s=args.stream_idle_timeout,
             allow_upstream=args.allow_upstream, drain_delay_s=args.drain_delay,
-            drain_timeout_s=args.drain_timeout, latency_decay_s=args.latency_decay),
+            drain_timeout_s=args.drain_timeout, latency_decay_s=args.latency_decay,
+            metrics_port=args.metrics_port),
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())

@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from registry.outcome import Outcome, refused
-from registry.protocol import MemberSpec
+from registry.protocol import MemberSpec, ReplyStatus
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,11 @@ class Admission:
         banned_until = self._bans.get(spec.id)
         if banned_until is not None:
             if now < banned_until:
-                return refused(f"id {spec.id!r} is banned for another "
-                               f"{banned_until - now:.0f}s (evicted by an operator)", "banned")
+                # banned_s: the member passes the ban on to its other registries.
+                return Outcome(ReplyStatus.REJECTED,
+                               f"id {spec.id!r} is banned for another "
+                               f"{banned_until - now:.0f}s (evicted by an operator)",
+                               kind="banned", banned_s=banned_until - now)
             del self._bans[spec.id]
         if (spec.id, spec.incarnation) in self._departed:
             return refused(f"id {spec.id!r} incarnation {spec.incarnation} said bye; a "

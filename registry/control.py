@@ -90,7 +90,7 @@ class ControlChannel:
         if type(message) is Heartbeat:  # the hot path first
             stats.heartbeats += 1
             outcome = membership.heartbeat(message, payload, now)
-            if outcome is not OK:
+            if outcome.status is not ReplyStatus.OK:  # (DRAIN is an accepted heartbeat)
                 stats.count_heartbeat_result(outcome.status)
         elif type(message) is Register:
             outcome = self._register(message, now)
@@ -105,7 +105,8 @@ class ControlChannel:
             return
         if outcome.status is ReplyStatus.REJECTED:
             about = message.spec.id if type(message) is Register else message.id
-            self._reject(identity, outcome.kind or "refused", outcome.reason, about)
+            self._reject(identity, outcome.kind or "refused", outcome.reason, about,
+                         banned_s=outcome.banned_s)
             return
         self._reply(identity, outcome)
 
@@ -146,13 +147,15 @@ class ControlChannel:
             return
         reply = Reply(status=outcome.status, epoch=self.epoch, heartbeat_interval_s=interval,
                       reason=outcome.reason, events_port=self.events_port,
-                      http_port=self.http_port, session=outcome.session)
+                      http_port=self.http_port, session=outcome.session,
+                      drain=outcome.drain, banned_s=outcome.banned_s)
         payload = self._encoder.encode(reply)
         if outcome is OK:
             self._ok_reply = (interval, payload)
         self._send(identity, payload)
 
-    def _reject(self, identity: bytes, reason: str, detail: str, about: str = "") -> None:
+    def _reject(self, identity: bytes, reason: str, detail: str, about: str = "", *,
+                banned_s: float = 0.0) -> None:
         """Count, log (rate limited) and answer a refusal."""
         self.stats.count_rejection(reason)
         now = time.monotonic()
@@ -165,7 +168,8 @@ class ControlChannel:
                            else "")
         else:
             self._rejects_unlogged += 1
-        self._reply(identity, Outcome(ReplyStatus.REJECTED, f"{reason}: {detail}"[:500]))
+        self._reply(identity, Outcome(ReplyStatus.REJECTED, f"{reason}: {detail}"[:500],
+                                      banned_s=banned_s))
 
     def _send(self, identity: bytes, payload: bytes) -> None:
         # Two plain sends cost ~1 us less than send_multipart(copy=False) for a small reply

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from registry import sessions
 from registry.admission import Admission, Limits
 from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
-from registry.outcome import BAD_PROOF, OK, UNKNOWN, Outcome, refused
+from registry.outcome import BAD_PROOF, DRAIN, OK, UNKNOWN, Outcome, refused
 from registry.preservation import Change, SelfPreservation
 from registry.protocol import (
     Bye,
@@ -215,6 +215,10 @@ class Membership:
         entry.last_seq = beat.seq
         self._seen(entry, beat.load, now)
         self._set_state(entry, beat.state, now)
+        # Drained by an operator here: say so in every reply until the member announces
+        # DRAINING itself, so that its other registries (and a restarted one) hear it too.
+        if entry.admin_draining and beat.state is not MemberState.DRAINING:
+            return DRAIN
         return OK
 
     def bye(self, bye: Bye, payload: bytes) -> Outcome:

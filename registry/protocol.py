@@ -257,6 +257,13 @@ class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_default
     events_port: int = 0
     http_port: int = 0
     session: Session = b""  # set only on an accepted Register: the member's session secret
+    # Several registries: what an operator told one of them must reach all. The member
+    # carries it, since every registry hears from it (and a restarted one, at once):
+    # `drain`: an operator drained this member here; it announces DRAINING everywhere.
+    drain: bool = False
+    # `banned_s`: a Register refused because an operator banned this id here, for this
+    # long; the member says bye to every registry and stops registering.
+    banned_s: Seconds = 0.0
 
 
 class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):

@@ -125,16 +125,26 @@ class Router:
 
     # --- wiring -------------------------------------------------------------------------
 
-    def build_app(self) -> web.Application:
+    def build_app(self, *, serve_metrics: bool = True) -> web.Application:
+        """The API app. `serve_metrics=False` leaves /metrics out: it is then served on a
+        port of its own (build_metrics_app), which a NetworkPolicy opens to Prometheus
+        only: the metrics name members and engine URLs."""
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
-        app.router.add_get("/metrics", self.handle_metrics)
+        if serve_metrics:
+            app.router.add_get("/metrics", self.handle_metrics)
         app.on_startup.append(self._open_pool)
         app.on_cleanup.append(self._close_pool)
+        return app
+
+    def build_metrics_app(self) -> web.Application:
+        """/metrics alone, for a separate metrics port."""
+        app = web.Application()
+        app.router.add_get("/metrics", self.handle_metrics)
         return app
 
     async def _open_pool(self, app: web.Application) -> None:

@@ -62,6 +62,8 @@ class RouterConfig:
     drain_delay_s: float = DRAIN_DELAY_S
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     latency_decay_s: float = DECAY_S
+    # None: /metrics on the API port. A port (0 = the OS picks): /metrics there only.
+    metrics_port: int | None = None
 
 
 class RouterServer:
@@ -82,7 +84,9 @@ class RouterServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self.port = 0
+        self.metrics_port: int | None = None  # bound port when config.metrics_port is set
 
     @property
     def url(self) -> str:
@@ -104,7 +108,15 @@ class RouterServer:
         return self
 
     async def _serve(self) -> None:
-        runner = web.AppRunner(self.router.build_app(), handler_cancellation=True,
+        separate_metrics = self.config.metrics_port is not None
+        if separate_metrics:
+            metrics = web.AppRunner(self.router.build_metrics_app(), access_log=None)
+            await metrics.setup()
+            self._metrics_runner = metrics
+            await web.TCPSite(metrics, self.config.host, self.config.metrics_port).start()
+            self.metrics_port = metrics.addresses[0][1]
+        runner = web.AppRunner(self.router.build_app(serve_metrics=not separate_metrics),
+                               handler_cancellation=True,
                                access_log=None, shutdown_timeout=self.config.drain_timeout_s)
         await runner.setup()
         self._runner = runner
@@ -133,6 +145,12 @@ class RouterServer:
                     self.config.drain_timeout_s + STOP_TIMEOUT_S)
             except Exception:
                 logger.exception("[router] cleanup failed")
+        if self._metrics_runner is not None:
+            metrics, self._metrics_runner = self._metrics_runner, None
+            try:
+                asyncio.run_coroutine_threadsafe(metrics.cleanup(), loop).result(STOP_TIMEOUT_S)
+            except Exception:
+                logger.exception("[router] metrics cleanup failed")
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(STOP_TIMEOUT_S)

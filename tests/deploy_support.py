@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 OVERLAYS = ("vllm", "sglang")
 DEPLOY_VENV = REPO / ".venv-deploy"
-PDREG_IMAGE_PREFIX = "pdreg:"
+PDREG_IMAGE_PREFIX = "pdreg:"  # compose's image (a local build)
+PDREG_IMAGE_NAME = "pdreg"  # the manifests' image, before deploy/k8s/images sets repo and tag
 TOOL_TIMEOUT_S = 120.0
 
 _TOOLS = {
@@ -101,8 +103,13 @@ def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
     return workload["spec"]["template"]["metadata"]["labels"]
 
 
+def image_name(image: str) -> str:
+    """The image's name without registry, path or tag: `reg.io/x/pdreg:1` -> `pdreg`."""
+    return image.rsplit("/", 1)[-1].split("@")[0].split(":")[0]
+
+
 def is_pdreg(container: dict[str, Any]) -> bool:
-    return container["image"].startswith(PDREG_IMAGE_PREFIX)
+    return image_name(container["image"]) == PDREG_IMAGE_NAME
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +154,7 @@ def listening_ports(kind: str, args: argparse.Namespace) -> set[int]:
     """
     ports = {
         "registry": lambda: {args.port, args.events_port, args.http_port},
-        "router": lambda: {args.port},
+        "router": lambda: {args.port, args.metrics_port or 0},
         "engine": lambda: {args.port, args.kv_port, args.bootstrap_port},
         "agent": lambda: set(),
     }[kind]()
@@ -158,6 +165,14 @@ def http_port(kind: str, args: argparse.Namespace) -> int:
     return args.http_port if kind == "registry" else args.port
 
 
+def metrics_port(kind: str, args: argparse.Namespace) -> int:
+    """Where Prometheus scrapes a pdreg process: a router's --metrics-port when given
+    (its /metrics is then off the API port), else its HTTP port."""
+    if kind == "router" and args.metrics_port is not None:
+        return int(args.metrics_port)
+    return http_port(kind, args)
+
+
 def container_argv(container: dict[str, Any]) -> list[str]:
     # The image's ENTRYPOINT is ["pdreg"]: args are pdreg's argv.
     assert container.get("command") in (None, ["pdreg"]), container["name"]
@@ -166,7 +181,7 @@ def container_argv(container: dict[str, Any]) -> list[str]:
 
 def k8s_processes(overlay: str) -> list[PdregProcess]:
     found = []
-    for deployment in objects(render(K8S / overlay), "Deployment"):
+    for deployment in workloads(overlay):
         for container in pod_spec(deployment)["containers"]:
             if is_pdreg(container):
                 where = f"k8s/{overlay}:{deployment['metadata']['name']}/{container['name']}"
@@ -193,6 +208,14 @@ def dockerfile_stages() -> list[list[dict[str, Any]]]:
             stages.append([])
         stages[-1].append(instruction)
     return stages
+
+
+def pyproject_packages() -> list[str]:
+    """The top-level packages pyproject.toml installs: its setuptools `include` patterns
+    (`registry*` -> registry). The image must hold every one of them."""
+    with (REPO / "pyproject.toml").open("rb") as file:
+        include = tomllib.load(file)["tool"]["setuptools"]["packages"]["find"]["include"]
+    return [pattern.rstrip("*").rstrip(".") for pattern in include]
 
 
 def image_user_spec() -> str:
@@ -286,8 +309,27 @@ NAMESPACE = "pdreg"
 overlays = pytest.mark.parametrize("overlay", OVERLAYS)
 
 
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")  # the registries are a StatefulSet
+
+
 def workloads(overlay: str) -> list[dict[str, Any]]:
-    return objects(render(K8S / overlay), "Deployment")
+    """The overlay's pod controllers: Deployments and the registries' StatefulSet."""
+    docs = render(K8S / overlay)
+    return [doc for kind in WORKLOAD_KINDS for doc in objects(docs, kind)]
+
+
+def workloads_by_name(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: doc for kind in WORKLOAD_KINDS for name, doc in by_name(docs, kind).items()}
+
+
+def env_value(docs: list[dict[str, Any]], container: dict[str, Any], name: str) -> str:
+    """Environment variable NAME of CONTAINER as the kubelet sets it: a plain value, or
+    the key of a ConfigMap among DOCS."""
+    value = env_of(container)[name]
+    if isinstance(value, str):
+        return value
+    ref = value["configMapKeyRef"]
+    return str(by_name(docs, "ConfigMap")[ref["name"]]["data"][ref["key"]])
 
 
 def pdreg_containers(overlay: str) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:

@@ -32,6 +32,8 @@ from deploy_support import (
     image_user,
     listening_ports,
     load_yaml,
+    metrics_port,
+    pyproject_packages,
     run_tool,
     tool,
 )
@@ -99,7 +101,8 @@ def test_dockerfile_copies_only_what_the_context_keeps() -> None:
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
     sources = [i["value"][:-1] for s in dockerfile_stages() for i in s
                if i["cmd"] == "COPY" and not i["flags"]]
-    packages = {"registry", "engine_agent", "router", "pdreg"}
+    # Every package pyproject installs (`make test-image` also imports each in the image).
+    packages = set(pyproject_packages())
     for source in (src for group in sources for src in group):
         assert (REPO / source).exists(), source
         keep = f"!{source}/" if (REPO / source).is_dir() else f"!{source}"
@@ -227,7 +230,7 @@ def test_compose_prometheus_scrapes_every_pdreg_http_port() -> None:
     targets = {target for job in config["scrape_configs"]
                for group in job.get("static_configs", []) for target in group["targets"]}
     processes = compose_processes()
-    expected = {f"{name}:{http_port(p.kind, p.parse())}" for name, p in processes.items()}
+    expected = {f"{name}:{metrics_port(p.kind, p.parse())}" for name, p in processes.items()}
     assert targets == expected
     prometheus = compose()["services"]["prometheus"]
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]

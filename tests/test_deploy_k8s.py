@@ -33,6 +33,7 @@ from deploy_support import (
     engine_deployment,
     engine_pair,
     env_of,
+    env_value,
     flag,
     http_port,
     image_user,
@@ -41,6 +42,7 @@ from deploy_support import (
     k8s_processes,
     listening_ports,
     load_yaml,
+    metrics_port,
     named_ports,
     objects,
     overlays,
@@ -51,6 +53,7 @@ from deploy_support import (
     run_tool,
     tool,
     workloads,
+    workloads_by_name,
 )
 
 from engine_agent.probes import SGLANG_GAUGES, VLLM_GAUGES
@@ -76,9 +79,10 @@ def test_overlay_passes_kubernetes_validate_strict(overlay: str, version: str,
 def test_overlay_holds_the_whole_fleet_in_one_namespace(overlay: str) -> None:
     docs = render(K8S / overlay)
     kinds = sorted({doc["kind"] for doc in docs})
+    # No PersistentVolumeClaim: each engine pod's model cache is its own (ephemeral).
     assert kinds == ["ConfigMap", "Deployment", "Namespace", "NetworkPolicy",
-                     "PersistentVolumeClaim", "PodDisruptionBudget", "Role", "RoleBinding",
-                     "Service", "ServiceAccount"]
+                     "PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount",
+                     "StatefulSet"]
     [namespace] = objects(docs, "Namespace")
     assert namespace["metadata"]["name"] == NAMESPACE
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
@@ -147,7 +151,7 @@ def test_pdreg_containers_run_hardened_as_the_images_user(overlay: str) -> None:
 def test_the_policy_catches_what_shipped_before() -> None:
     """The rules above can fail: the old Dockerfile's user name, a root user, and a
     Secret only root can read are each caught."""
-    registry = pod_spec(by_name(render(K8S / "vllm"), "Deployment")["pdreg-registry"])
+    registry = pod_spec(workloads_by_name(render(K8S / "vllm"))["pdreg-registry"])
     container = registry["containers"][0]
     before = copy.deepcopy(registry)
     del before["securityContext"]["runAsUser"]
@@ -222,7 +226,8 @@ def test_ports_probes_and_scrape_annotations_agree(overlay: str) -> None:
             if is_pdreg(container):
                 argv = container_argv(container)
                 if argv[0] != "agent":
-                    http_ports.add(http_port(argv[0], build_parser().parse_args(argv)))
+                    args = build_parser().parse_args(argv)
+                    http_ports |= {http_port(argv[0], args), metrics_port(argv[0], args)}
                 for value in [*argv, *(str(v) for v in env_of(container).values())]:
                     for var in re.findall(r"\$\((\w+)\)", value):
                         assert var in env_of(container), f"{where}: $({var}) is not defined"
@@ -236,7 +241,7 @@ def test_ports_probes_and_scrape_annotations_agree(overlay: str) -> None:
 
 @overlays
 def test_liveness_and_readiness_endpoints(overlay: str) -> None:
-    deployments = by_name(render(K8S / overlay), "Deployment")
+    deployments = workloads_by_name(render(K8S / overlay))
     [registry] = pod_spec(deployments["pdreg-registry"])["containers"]
     # /healthz answers 503 when the registry's loop stalls: liveness restarts it.
     assert registry["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -248,7 +253,7 @@ def test_liveness_and_readiness_endpoints(overlay: str) -> None:
 @overlays
 def test_services_reach_listening_ports(overlay: str) -> None:
     docs = render(K8S / overlay)
-    deployments = objects(docs, "Deployment")
+    deployments = list(workloads_by_name(docs).values())
     services = by_name(docs, "Service")
     assert services.keys() == {"pdreg-registry", "pdreg-router", "pdreg-prometheus"}
     for name, service in services.items():
@@ -259,18 +264,27 @@ def test_services_reach_listening_ports(overlay: str) -> None:
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in named, f"{name}: {port}"
 
-    # PDREG_REGISTRY names the registry Service's control port, which reaches --port.
+    # PDREG_REGISTRY names every registry pod by its stable DNS name (the StatefulSet's
+    # headless Service) at the control port, which reaches --port; the same one value
+    # for every client.
     registry_args = next(p for p in k8s_processes(overlay) if p.kind == "registry").parse()
-    registry_pod = pod_spec(by_name(docs, "Deployment")["pdreg-registry"])
-    service_ports = {p["port"]: named_ports(registry_pod)[p["targetPort"]]
-                     for p in services["pdreg-registry"]["spec"]["ports"]}
+    registries = workloads_by_name(docs)["pdreg-registry"]
+    service = services["pdreg-registry"]
+    assert registries["kind"] == "StatefulSet"
+    assert registries["spec"]["serviceName"] == "pdreg-registry"
+    assert service["spec"]["clusterIP"] == "None"  # a name per registry, none shared
+    service_ports = {p["port"]: named_ports(pod_spec(registries))[p["targetPort"]]
+                     for p in service["spec"]["ports"]}
     assert set(service_ports.values()) == listening_ports("registry", registry_args)
+    want = [f"pdreg-registry-{i}.pdreg-registry" for i in range(registries["spec"]["replicas"])]
+    assert len(want) == 2
     clients = [c for _, c in pdreg_containers(overlay) if c["args"][0] != "registry"]
     assert len(clients) == 3  # router + 2 sidecars
-    for container in clients:
-        host, port = env_of(container)["PDREG_REGISTRY"].split(":")
-        assert host == "pdreg-registry"
-        assert service_ports[int(port)] == registry_args.port
+    values = {env_value(docs, c, "PDREG_REGISTRY") for c in clients}
+    assert len(values) == 1, values  # one value, from one ConfigMap
+    addresses = [address.rsplit(":", 1) for address in values.pop().split(",")]
+    assert [host for host, _ in addresses] == want
+    assert {service_ports[int(port)] for _, port in addresses} == {registry_args.port}
 
 
 # --- drain and locality -----------------------------------------------------------------

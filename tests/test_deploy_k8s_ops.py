@@ -49,6 +49,7 @@ from deploy_support import (
     run_tool,
     tool,
     workloads,
+    workloads_by_name,
 )
 
 from engine_agent.reference.server import ServerState, render_metrics
@@ -130,6 +131,7 @@ def test_secrets_render_from_generated_credentials(tmp_path: Path) -> None:
     in the fleet's namespace with every key the overlays mount; a second run keeps them."""
     secrets = tmp_path / "secrets"
     shutil.copytree(SECRETS, secrets, ignore=shutil.ignore_patterns("files"))
+    shutil.copytree(K8S / "namespace", tmp_path / "namespace")  # the Secrets include it
     pdreg = {**os.environ, "PDREG": f"{sys.executable} -m pdreg"}
     for _ in range(2):
         subprocess.run([str(secrets / "generate.sh")], check=True, timeout=60,
@@ -147,7 +149,10 @@ def test_secrets_render_from_generated_credentials(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
     generated = {d["metadata"]["name"]: set(d["data"]) for d in objects(docs, "Secret")}
     assert generated == _secret_keys()
-    assert {d["metadata"]["namespace"] for d in docs} == {NAMESPACE}
+    # The namespace comes with them: on a new cluster they are applied first.
+    [namespace] = objects(docs, "Namespace")
+    assert namespace["metadata"]["name"] == NAMESPACE
+    assert {d["metadata"]["namespace"] for d in objects(docs, "Secret")} == {NAMESPACE}
 
 
 # --- NetworkPolicy ----------------------------------------------------------------------
@@ -156,7 +161,7 @@ def test_secrets_render_from_generated_credentials(tmp_path: Path) -> None:
 def _pods(overlay: str) -> dict[str, Pod]:
     docs = render(K8S / overlay)
     pods = {d["metadata"]["name"]: Pod(NAMESPACE, pod_labels(d), named_ports(pod_spec(d)))
-            for d in objects(docs, "Deployment")}
+            for d in workloads_by_name(docs).values()}
     planner = {"app.kubernetes.io/component": "planner", "app.kubernetes.io/part-of": "pdreg"}
     engine_labels = pod_labels(engine_deployment(overlay, "decode"))
     return {**pods, "planner": Pod(NAMESPACE, planner),
@@ -178,6 +183,8 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
         ("pdreg-registry", registry.ports["events"]): {"pdreg-router", "planner"},
         ("pdreg-registry", registry.ports["http"]): {"operator", "pdreg-prometheus"},
         ("pdreg-router", router.ports["http"]): set(pods),
+        # /metrics names members and engine URLs: Prometheus only.
+        ("pdreg-router", router.ports["metrics"]): {"pdreg-prometheus"},
         (decode, engine.ports["http"]): {"pdreg-router", "pdreg-prometheus", prefill, decode},
         # KV transfer: NIXL's side channel, SGLang's bootstrap, Mooncake's data ports
         (decode, 5600): {prefill, decode},
@@ -201,11 +208,10 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
 def test_one_disruption_budget_per_role(overlay: str) -> None:
     docs = render(K8S / overlay)
     budgets = objects(docs, "PodDisruptionBudget")
-    for deployment in objects(docs, "Deployment"):
-        name = deployment["metadata"]["name"]
+    for name, deployment in workloads_by_name(docs).items():
         matching = [b["metadata"]["name"] for b in budgets
                     if selector_matches(b["spec"]["selector"], pod_labels(deployment))]
-        if name in ("pdreg-registry", "pdreg-prometheus"):
+        if name == "pdreg-prometheus":
             assert matching == [], f"{name}: a budget on one replica blocks node drains"
         else:
             assert len(matching) == 1, name
@@ -236,8 +242,12 @@ def test_engine_pods_have_gpu_shared_memory_and_the_model_cache(overlay: str) ->
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: volumes[m["name"]] for m in server["volumeMounts"]}
         assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
-        cache = mounts["/models"]["persistentVolumeClaim"]["claimName"]
-        assert cache in claims
+        # Default: a volume of the pod's own, ReadWriteOnce (every cluster offers it);
+        # fsGroup applied only when the volume's root does not have it yet.
+        template = mounts["/models"]["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert template["accessModes"] == ["ReadWriteOnce"]
+        assert not claims, "a shared claim by default: ReadWriteMany is the option"
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
         assert env_of(server)["HF_HOME"].startswith("/models/")
         assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
     for deployment in objects(docs, "Deployment"):
@@ -364,3 +374,27 @@ def test_engine_prestop_hook_matches_labels(tmp_path: Path) -> None:
                  ['sglang:http_requests_active{method="POST"}', "sglang:num_running_reqs"]]
     assert script["busy"](text, selectors) == 2.0
     assert script["busy"](text.replace("2.0", "0.0"), selectors) == 0.0
+
+
+@overlays
+def test_shared_model_cache_is_one_readwritemany_claim(overlay: str, tmp_path: Path) -> None:
+    """The shared-model-cache component: every engine pod mounts one RWX claim instead
+    of its own volume; nothing else changes."""
+    copied = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copied, ignore=shutil.ignore_patterns(".env", "files"))
+    path = copied / "k8s" / overlay / "kustomization.yaml"
+    kustomization = yaml.safe_load(path.read_text())
+    kustomization["components"].append("../shared-model-cache")
+    path.write_text(yaml.safe_dump(kustomization))
+    docs = render(copied / "k8s" / overlay)
+    [claim] = objects(docs, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["metadata"]["namespace"] == NAMESPACE
+    for role in ("prefill", "decode"):
+        deployment = by_name(docs, "Deployment")[f"{overlay}-{role}"]
+        volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+        assert volumes["model-cache"] == {
+            "name": "model-cache",
+            "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
+    plain = render(K8S / overlay)
+    assert len(objects(docs, "Deployment")) == len(objects(plain, "Deployment"))

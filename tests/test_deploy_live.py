@@ -29,18 +29,20 @@ from deploy_support import (
     COMPOSE_ENV,
     DEPLOY,
     K8S,
-    by_name,
     compose,
     compose_command,
     compose_processes,
     container_argv,
     dashboard_queries,
     env_of,
+    env_value,
     flag,
     grafana_to_promql,
+    is_pdreg,
     pod_spec,
     render,
     tool,
+    workloads_by_name,
 )
 
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
@@ -50,7 +52,8 @@ SCRAPE_INTERVAL_S = 1
 RATE_INTERVAL = "30s"  # $__rate_interval: spans the traffic phases below
 STOP_S = 40.0  # a router drains for --drain-delay + in-flight; nothing is in flight
 REQUESTS_PER_PHASE = 8
-PORT_FLAGS = ("--port", "--events-port", "--http-port", "--kv-port", "--bootstrap-port")
+PORT_FLAGS = ("--port", "--events-port", "--http-port", "--kv-port", "--bootstrap-port",
+              "--metrics-port")
 HOST_FLAGS = ("--host", "--advertise-host")
 HEALTHCHECK = DEPLOY / "healthcheck.py"
 
@@ -118,7 +121,10 @@ class Loopback:
         return localized
 
     def value(self, text: str, services: set[str]) -> str:
-        """SERVICE:PORT (PDREG_REGISTRY, scrape targets) on loopback."""
+        """SERVICE:PORT (PDREG_REGISTRY, scrape targets), or a comma list of them, on
+        loopback."""
+        if "," in text:
+            return ",".join(self.value(part, services) for part in text.split(","))
         host, sep, port = text.rpartition(":")
         if sep and host in services and port.isdigit():
             return self.address(host, int(port))
@@ -146,6 +152,11 @@ class ComposeCluster:
     @property
     def router(self) -> str:
         return f"http://{self.loopback.address('router', 8000)}"
+
+    @property
+    def router_metrics(self) -> str:
+        """The router's --metrics-port (its /metrics is not on the API port)."""
+        return f"http://{self.loopback.address('router', 9100)}"
 
     @property
     def registry_http(self) -> str:
@@ -275,7 +286,7 @@ def _itl_count(cluster: ComposeCluster) -> float:
 
 
 def _router_ttft_count(cluster: ComposeCluster) -> float:
-    text = httpx.get(f"{cluster.router}/metrics", timeout=10.0).text
+    text = httpx.get(f"{cluster.router_metrics}/metrics", timeout=10.0).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("pdreg_router_ttft_seconds_count"))
 
@@ -363,9 +374,16 @@ def _generate_secrets(directory: Path) -> Path:
 
 
 def _pdreg_container(overlay: str, deployment: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    pod = pod_spec(by_name(render(K8S / overlay), "Deployment")[deployment])
-    [container] = [c for c in pod["containers"] if c["image"].startswith("pdreg:")]
+    pod = pod_spec(workloads_by_name(render(K8S / overlay))[deployment])
+    [container] = [c for c in pod["containers"] if is_pdreg(c)]
     return pod, container
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet sets it (ConfigMap keys resolved)."""
+    docs = render(K8S / "vllm")
+    return {name: env_value(docs, container, name) for name, value in env_of(container).items()
+            if isinstance(value, str) or "configMapKeyRef" in value}
 
 
 def _local_paths(pod: dict[str, Any], container: dict[str, Any], files: Path,
@@ -396,32 +414,36 @@ def _swap_paths(value: str, mapping: Mapping[str, str]) -> str:
 
 
 def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
-    """The registry and router command lines from the rendered overlay, and engines
-    configured as the sidecars are, each given only the Secret files its manifest
-    mounts: the engines register over CURVE with the fleet token, and the router serves
-    clients that hold the API key and no others."""
+    """The registries' and the router's command lines from the rendered overlay (both
+    registry pods of the StatefulSet, each under its stable name), and engines configured
+    as the sidecars are, each given only the Secret files its manifest mounts and the
+    one PDREG_REGISTRY value: the engines register over CURVE with the fleet token at
+    both registries, and the router serves clients that hold the API key and no others."""
     files = _generate_secrets(tmp_path / "generated")
     loopback = Loopback()
     processes = Processes(tmp_path)
-    names = {"pdreg-registry"}
+    registries = workloads_by_name(render(K8S / "vllm"))["pdreg-registry"]
+    names = {f"pdreg-registry-{i}.pdreg-registry" for i in range(registries["spec"]["replicas"])}
     try:
-        for name in ("pdreg-registry", "pdreg-router"):
-            pod, container = _pdreg_container("vllm", name)
-            mapping = _local_paths(pod, container, files, tmp_path)
+        for name in (*sorted(names), "pdreg-router"):
+            pod, container = _pdreg_container(
+                "vllm", "pdreg-registry" if name in names else name)
+            mapping = _local_paths(pod, container, files, tmp_path / name)
             argv = [_swap_paths(a, mapping).replace("$(POD_IP)", "127.0.0.1")
                     for a in loopback.argv(name, container_argv(container))]
             env = {k: _swap_paths(loopback.value(v, names), mapping)
-                   for k, v in env_of(container).items() if isinstance(v, str)}
+                   for k, v in _env(container).items()}
             processes.start(name, argv, env)
-            if name == "pdreg-registry":
+            if name in names:
                 healthz = f"http://{loopback.address(name, 7680)}/healthz"
                 assert wait_until(lambda url=healthz: processes.check_alive() or _answers(url),
-                                  WAIT_S), "registry"
+                                  WAIT_S), name
         # Reference engines with the sidecar's credentials (a real vLLM cannot run here).
         pod, sidecar = _pdreg_container("vllm", "vllm-decode")
         mapping = _local_paths(pod, sidecar, files, tmp_path / "engines")
         env = {k: _swap_paths(loopback.value(v, names), mapping)
-               for k, v in env_of(sidecar).items() if isinstance(v, str)}
+               for k, v in _env(sidecar).items()}
+        assert env["PDREG_REGISTRY"].count(",") == len(names) - 1, env["PDREG_REGISTRY"]
         token_file = _swap_paths(flag(container_argv(sidecar), "--token-file"), mapping)
         for role in ("prefill", "decode"):
             processes.start(role, ["engine", "--role", role, "--backend", "sim",
@@ -442,5 +464,11 @@ def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
         assert wait_until(served, WAIT_S, poll_s=0.5), "no completion through the router"
         refused = httpx.post(f"{router}/v1/completions", json=body, timeout=10.0)
         assert refused.status_code == 401
+        # Both registries hold both engines (and the router): each client named both.
+        for name in names:
+            members = httpx.get(f"http://{loopback.address(name, 7680)}/v1/members",
+                                timeout=10.0).json()
+            assert sorted(m["role"] for m in members) == ["api_server", "decode", "prefill"], \
+                (name, members)
     finally:
         processes.stop()
