@@ -32,7 +32,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -301,7 +301,8 @@ class Sidecar:
         # Own process group: signals to the sidecar do not reach the engine; the sidecar
         # decides when the engine stops (after draining). The lifeline stops the group if
         # the sidecar cannot.
-        self._child = subprocess.Popen(list(self.config.command), start_new_session=True)
+        self._child = subprocess.Popen(list(self.config.command), start_new_session=True,
+                                       env=child_environment(os.environ))
         self._lifeline = Lifeline(self._child.pid, self.config.kill_grace_s).start()
         threading.Thread(target=self._watch_child, name="sidecar-child-waiter",
                          daemon=True).start()
@@ -342,6 +343,18 @@ class Sidecar:
         if self._agent is not None:
             period = min(period, self._agent.heartbeat_interval_s)  # load at heartbeat cadence
         return period
+
+
+# What the engine may see of pdreg's settings: where the registry is, nothing that
+# proves anything. Model code runs inside the engine; with the fleet token it would be
+# an insider (it could register members), with a CURVE key a trusted client.
+CHILD_ENV_KEPT = frozenset({"PDREG_REGISTRY"})
+
+
+def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without pdreg's credentials (every PDREG_* but CHILD_ENV_KEPT)."""
+    return {name: value for name, value in environ.items()
+            if not name.startswith("PDREG_") or name in CHILD_ENV_KEPT}
 
 
 def _int_env(name: str, default: int) -> int:
