@@ -70,8 +70,9 @@ def request_snapshot(address: str, *, timeout_s: float = 2.0, models: Sequence[s
     return reply
 
 
-def http_base(address: str, snapshot: Snapshot) -> str:
-    """The registry's HTTP base URL: its control host with the HTTP port it announced."""
+def http_base(address: str, snapshot: Snapshot, scheme: str = "http") -> str:
+    """The registry's HTTP base URL: its control host with the HTTP port it announced
+    (`scheme` "https" where it serves --tls-cert)."""
     if not snapshot.http_port:
         raise RuntimeError(f"registry {address} runs without HTTP")
-    return f"http://{address.rpartition(':')[0]}:{snapshot.http_port}"
+    return f"{scheme}://{address.rpartition(':')[0]}:{snapshot.http_port}"

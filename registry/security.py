@@ -13,8 +13,10 @@ Nothing here is cryptography of our own: libzmq does CURVE, pyzmq the ZAP protoc
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-__all__ = ["ClientCurve", "CurveServer", "ServerCurve", "generate_keys", "load_public_keys"]
+__all__ = ["ClientCurve", "CurveServer", "ServerCurve", "generate_keys", "is_loopback",
+           "load_public_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,3 +153,20 @@ def generate_keys(directory: str | os.PathLike[str], name: str, *,
         os.replace(secret, secret_file)
         os.replace(public, public_file)
     return public_file, secret_file
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` exposes nothing beyond this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                   for a in addresses)

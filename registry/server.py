@@ -36,7 +36,7 @@ from registry.metrics import LoopStats
 from registry.protocol import MAX_MESSAGE_BYTES, MemberRecord, ReplyStatus, control_decoder
 from registry.published import Published
 from registry.publisher import Publisher
-from registry.security import CurveServer, ServerCurve
+from registry.security import CurveServer, ServerCurve, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class RegistryConfig:
     max_members: int = MAX_MEMBERS
     max_members_per_model: int = 0  # 0: only the total cap
     curve: ServerCurve | None = None  # CURVE on both ZeroMQ sockets when set
+    tls_cert: str = ""  # with tls_key: HTTPS on the HTTP side (uvicorn's certificate/key)
+    tls_key: str = ""
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(heartbeat_interval_s=self.heartbeat_interval_s,
@@ -139,9 +141,12 @@ class RegistryServer:
         if self.config.http_port >= 0:
             from registry.http import create_app  # FastAPI only when HTTP is wanted
 
-            self._http = HttpThread(create_app(self, admin_token=self.config.admin_token), host,
-                                    self.config.http_port,
-                                    name="pdreg-registry-http")
+            config = self.config
+            app = create_app(self, admin_token=config.admin_token, read_token=config.token,
+                             exposed=not is_loopback(host))
+            tls = (config.tls_cert, config.tls_key) if config.tls_cert else None
+            self._http = HttpThread(app, host, config.http_port, name="pdreg-registry-http",
+                                    tls=tls)
             self.http_port = self._http.start()
         self._channel.events_port, self._channel.http_port = self.events_port, self.http_port
         self._published = self._publisher.snapshot(self._membership, time.monotonic())
@@ -185,7 +190,8 @@ class RegistryServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{_url_host(self.config.host)}:{self.http_port}" if self._http else ""
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{_url_host(self.config.host)}:{self.http_port}" if self._http else ""
 
     @property
     def curve_public_key(self) -> bytes:
