@@ -15,11 +15,13 @@ from typing import Final
 import msgspec
 import zmq
 
+from registry import sessions
 from registry.membership import OK, Membership, Outcome
 from registry.metrics import LoopStats
 from registry.outcome import refused
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
+    NO_PROOF,
     PROTOCOL_VERSION,
     Bye,
     ControlMessage,
@@ -50,6 +52,7 @@ class ControlChannel:
         self.stats = stats
         self.epoch = epoch
         self.token = token.encode()
+        self._token_key = sessions.token_key(token) if token else b""
         self.events_port = 0  # announced in replies, set once bound
         self.http_port = 0
         self._encoder = make_encoder()
@@ -95,6 +98,9 @@ class ControlChannel:
         elif type(message) is Register:
             outcome = self._register(message, now)
             stats.count_registration(outcome)
+            if outcome.session and self._token_key:
+                self._reply_sealed(identity, outcome, message.nonce)
+                return
         elif type(message) is Bye:
             outcome = membership.bye(message, payload)
         elif type(message) is Report:
@@ -110,8 +116,16 @@ class ControlChannel:
         self._reply(identity, outcome)
 
     def _register(self, message: Register, now: float) -> Outcome:
-        if self.token and not hmac.compare_digest(message.token.encode(), self.token):
-            return refused("bad or missing token", "token")
+        if self.token:
+            # The token never travels: a Register proves it (see registry.sessions). One
+            # sent in clear is refused too, so no client keeps leaking it.
+            if message.token:
+                return refused("bad or missing token (a token sent in clear is refused: "
+                               "the Register's proof carries it)", "token")
+            unsealed = self._encoder.encode(msgspec.structs.replace(message, proof=NO_PROOF))
+            if not hmac.compare_digest(sessions.register_proof(self._token_key, unsealed),
+                                       message.proof):
+                return refused("bad or missing token", "token")
         if message.protocol_version != PROTOCOL_VERSION:
             return refused(f"protocol version {message.protocol_version}; this registry "
                            f"speaks {PROTOCOL_VERSION}", "version")
@@ -151,6 +165,18 @@ class ControlChannel:
         if outcome is OK:
             self._ok_reply = (interval, payload)
         self._send(identity, payload)
+
+    def _reply_sealed(self, identity: bytes, outcome: Outcome, nonce: bytes) -> None:
+        """An accepted Register's reply, its session sealed with the fleet token: whoever
+        replays the Register gets bytes it cannot open."""
+        salt = sessions.new_salt()
+        reply = Reply(status=outcome.status, epoch=self.epoch,
+                      heartbeat_interval_s=self.membership.timing.heartbeat_interval_s,
+                      reason=outcome.reason, events_port=self.events_port,
+                      http_port=self.http_port, session_salt=salt,
+                      session=sessions.seal_session(self._token_key, nonce, salt,
+                                                    outcome.session))
+        self._send(identity, self._encoder.encode(reply))
 
     def _reject(self, identity: bytes, reason: str, detail: str, about: str = "") -> None:
         """Count, log (rate limited) and answer a refusal."""

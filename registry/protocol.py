@@ -189,8 +189,14 @@ class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults
 
 
 class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
-    """Join (or re-join) the fleet. `nonce`: the registrant's random secret, kept for the
-    life of the process; a retry with the same (id, incarnation) must repeat it."""
+    """Join (or re-join) the fleet. `nonce`: the registrant's random value, kept for the
+    life of the process; a retry with the same (id, incarnation) must repeat it.
+
+    The fleet token never travels: `proof` is a MAC with it over the message
+    (`registry.sessions.register_proof`), and the Reply's session comes back sealed with
+    it (`Reply.session_salt`), so a replayed Register returns nothing its sender can use.
+    `token` is the old clear-text form, refused by a registry that has a token.
+    """
 
     spec: MemberSpec
     nonce: Nonce
@@ -198,6 +204,7 @@ class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defa
     load: Load = Load()
     token: Token = ""
     protocol_version: int = PROTOCOL_VERSION
+    proof: Proof = NO_PROOF
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -257,6 +264,8 @@ class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_default
     events_port: int = 0
     http_port: int = 0
     session: Session = b""  # set only on an accepted Register: the member's session secret
+    # Set when `session` is sealed with the fleet token (`registry.sessions.open_session`).
+    session_salt: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
