@@ -345,16 +345,19 @@ class Sidecar:
         return period
 
 
-# What the engine may see of pdreg's settings: where the registry is, nothing that
-# proves anything. Model code runs inside the engine; with the fleet token it would be
-# an insider (it could register members), with a CURVE key a trusted client.
-CHILD_ENV_KEPT = frozenset({"PDREG_REGISTRY"})
+# The engine sees none of pdreg's credentials. Model code runs inside the engine: with
+# the fleet token it would be an insider (it could register members), with the admin
+# token an operator, with a CURVE key file's path a trusted client. Every PDREG_*
+# variable that names a token, a key or a secret is removed (PDREG_TOKEN,
+# PDREG_ADMIN_TOKEN, PDREG_API_KEY, PDREG_CURVE_KEY, PDREG_CURVE_SECRET_KEY, ...).
+_CREDENTIAL_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
 def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` without pdreg's credentials (every PDREG_* but CHILD_ENV_KEPT)."""
+    """`environ` without pdreg's credentials (see _CREDENTIAL_WORDS)."""
     return {name: value for name, value in environ.items()
-            if not name.startswith("PDREG_") or name in CHILD_ENV_KEPT}
+            if not (name.startswith("PDREG_")
+                    and any(word in name for word in _CREDENTIAL_WORDS))}
 
 
 def _int_env(name: str, default: int) -> int:
