@@ -13,11 +13,17 @@ changed that member's record.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import ipaddress
 import json
 import logging
 import math
+import os
+import shlex
 import socket
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -31,9 +37,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from raw_member import RawMember, member_spec
 
+from engine_agent import probes
 from engine_agent.agent import Agent, new_incarnation
+from engine_agent.probes import EngineKind, EngineProbe
 from pdreg.cmd_status import fetch_members, render
-from pdreg.testing import wait_until
+from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
 from registry import dashboard, http_guard, sessions
 from registry.client import MembershipView, request_snapshot
 from registry.protocol import (
@@ -577,10 +585,9 @@ def test_5_trickling_requests_are_cut_off_and_real_ones_served(
             sock.settimeout(WAIT_S)
             with contextlib.suppress(OSError):
                 sock.sendall(b"b")
-            try:
+            # Closed with unread bytes may read as a reset: as good as a close.
+            with contextlib.suppress(ConnectionResetError):
                 assert sock.recv(100) == b""
-            except ConnectionResetError:
-                pass  # closed with unread bytes: a reset, as good as a close
         assert http_guard.guard_stats.read_timeouts - before >= 60
     finally:
         for sock in slow:
@@ -656,6 +663,72 @@ def test_15_load_extras_never_overwrite_the_named_figures(registry, victim):
     table = render(fetch_members(registry.control_address))
     row = next(line for line in table.splitlines() if line.startswith(victim.id))
     assert row.split()[5:8] == ["500", "900", "99"]
+
+
+def test_12_the_engine_never_sees_pdregs_credentials(registry, tmp_path):
+    """Model code runs inside the engine: it must not find the fleet token (an insider's
+    credential) or any other pdreg secret in its environment."""
+    seen = tmp_path / "engine-env"
+    port = free_low_port()
+    engine = (f"env > {shlex.quote(str(seen))}; exec {shlex.quote(sys.executable)} -m "
+              f"engine_agent.standins --kind vllm --port {port} --model tiny")
+    secrets_env = {"PDREG_TOKEN": TOKEN, "PDREG_ADMIN_TOKEN": ADMIN,
+                   "PDREG_API_KEY": "client-key", "PDREG_REGISTRY": registry.control_address}
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "pdreg", "agent", "--engine", "vllm", "--engine-url",
+         f"http://127.0.0.1:{port}", "--role", "decode", "--health-interval", "0.1",
+         "--", "bash", "-c", engine],
+        env={**os.environ, **secrets_env}, preexec_fn=die_with_parent)
+    try:
+        member_id = f"decode-127.0.0.1-{port}"
+        assert wait_until(lambda: (m := registry.members().get(member_id)) is not None
+                          and m.state is MemberState.READY, WAIT_S * 3)
+        names = {line.partition("=")[0] for line in seen.read_text().splitlines()}
+        assert not names & {"PDREG_TOKEN", "PDREG_ADMIN_TOKEN", "PDREG_API_KEY"}
+        assert "PDREG_REGISTRY" in names and "PATH" in names  # the rest is the engine's
+        assert TOKEN not in seen.read_text()
+    finally:
+        assert stop_process(sidecar, 30) == 0
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("running", ["+Inf", "-Inf", "NaN", "1e300"])
+def test_14_a_hostile_gauge_is_skipped_and_counted_never_fatal(running):
+    _Metrics.body = (
+        '# TYPE vllm:num_requests_running gauge\n'
+        f'vllm:num_requests_running{{model_name="tiny",engine="0"}} {running}\n'
+        'vllm:num_requests_running{model_name="tiny",engine="1"} 3.0\n'
+        '# TYPE vllm:num_requests_waiting gauge\n'
+        'vllm:num_requests_waiting{model_name="tiny",engine="0"} 2.0\n'
+        '# TYPE vllm:kv_cache_usage_perc gauge\n'
+        'vllm:kv_cache_usage_perc{model_name="tiny",engine="0"} 0.5\n').encode()
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    thread.start()
+    probe = EngineProbe(EngineKind.VLLM, f"http://127.0.0.1:{engine.server_address[1]}")
+    try:
+        before = probes.skipped_values["vllm:num_requests_running"]
+        load = probe.load()
+        assert load == Load(running=3, waiting=2, kv_usage=0.5)  # the good engine's figures
+        assert probe.in_flight() == 5
+        assert probes.skipped_values["vllm:num_requests_running"] - before == 2
+    finally:
+        probe.close()
+        engine.shutdown()
+        engine.server_close()
 
 
 # --- the state machine ------------------------------------------------------------------
