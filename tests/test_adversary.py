@@ -854,3 +854,116 @@ class LegitimateMembersAndAnAttacker(RuleBasedStateMachine):
 LegitimateMembersAndAnAttacker.TestCase.settings = settings(
     max_examples=25, stateful_step_count=30, deadline=None)
 test_no_message_without_a_secret_changes_a_record = LegitimateMembersAndAnAttacker.TestCase
+
+
+# --- the insider state machine (issue 17: items 7 and 8) --------------------------------
+
+VICTIM_ID = "decode-10.0.0.7-8200"
+EVIL_HTTP = "http://6.6.6.6:8200"
+
+
+class LegitimateAgentAndAnInsider(RuleBasedStateMachine):
+    """A legitimate member heartbeats; an insider holding the fleet token, with a router
+    (api_server) of its own and members of its own, tries to displace it: newer
+    incarnations of its id, the same incarnation with another nonce, floods of failure
+    reports, forged and replayed heartbeats and byes. CURVE is assumed (as the README
+    says for token holders on the same network): the insider sniffs the victim's sealed
+    heartbeats, not the Register exchange.
+
+    After every step: the id is held by the victim's own incarnation and spec, in the
+    state and with the load it last announced, and not suspect (one router alone cannot
+    outweigh its fresh heartbeats).
+    """
+
+    @initialize()
+    def start(self) -> None:
+        self.registry = secure_registry(http_port=-1)
+        address = self.registry.control_address
+        self.victim = RawMember(address, token=TOKEN, spec=member_spec(
+            VICTIM_ID, new_incarnation(), Role.DECODE, http="http://10.0.0.7:8200"))
+        assert self.victim.register().status is ReplyStatus.OK
+        self.said: tuple[MemberState, Load] = (MemberState.READY, Load())
+        self.router = RawMember(address, member_id="api_server-6.6.6.6-8000",
+                                role=Role.API_SERVER, token=TOKEN)
+        assert self.router.register().status is ReplyStatus.OK
+        self.insider = RawMember(address, token=TOKEN, spec=member_spec(
+            VICTIM_ID, self.victim.spec.incarnation, Role.DECODE, http=EVIL_HTTP))
+        self.own = 0
+        self.sniffed: list[list[bytes]] = []
+
+    def teardown(self) -> None:
+        for member in (self.victim, self.router, self.insider):
+            member.close()
+        self.registry.close()
+
+    # -- the legitimate agent ------------------------------------------------------------
+
+    @rule(state=st.sampled_from([MemberState.READY, MemberState.JOINING]), load=loads)
+    def heartbeat(self, state: MemberState, load: Load) -> None:
+        assert self.victim.heartbeat(load, state).status is ReplyStatus.OK
+        self.sniffed.append(self.victim.last_frames)
+        self.said = (state, load)
+
+    # -- the insider ---------------------------------------------------------------------
+
+    @rule(ahead_s=st.floats(-5.0, 59.0), nonce=st.binary(min_size=16, max_size=16),
+          same_spec=st.booleans())
+    def claim_the_id(self, ahead_s: float, nonce: bytes, same_spec: bool) -> None:
+        """A Register for the victim's id: an incarnation near now (a newer one within
+        what admission allows, or the very same one) under the insider's own nonce."""
+        incarnation = max(self.victim.spec.incarnation,
+                          new_incarnation() + int(ahead_s * 1e9))
+        spec = self.victim.spec if same_spec else self.insider.spec
+        self.insider.nonce = nonce
+        reply = self.insider.register(spec=msgspec.structs.replace(spec,
+                                                                   incarnation=incarnation))
+        assert reply.status is not ReplyStatus.OK, reply
+        assert not reply.session
+
+    @rule(count=st.integers(1, 25))
+    def flood_reports(self, count: int) -> None:
+        for _ in range(count):
+            reply = self.router.report(VICTIM_ID, self.victim.spec.incarnation, "refused")
+            assert reply.status is ReplyStatus.OK  # noted, limited or outweighed
+
+    @rule(state=st.sampled_from(list(MemberState)), seq=st.integers(0, 2**63 - 1),
+          proof=st.sampled_from([NO_PROOF, FORGED_PROOF]), bye=st.booleans())
+    def forge(self, state: MemberState, seq: int, proof: bytes, bye: bool) -> None:
+        spec = self.victim.spec
+        message: object = (Bye(spec.id, spec.incarnation, seq, ByeReason.CRASHED, proof)
+                           if bye else Heartbeat(spec.id, spec.incarnation, seq, state,
+                                                 Load(), proof))
+        assert self.insider.ask(message).status is ReplyStatus.REJECTED
+
+    @precondition(lambda self: self.sniffed)
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        reply = self.insider.send_frames(data.draw(st.sampled_from(self.sniffed)))
+        assert reply.status is ReplyStatus.REJECTED
+
+    @rule()
+    def register_own_member(self) -> None:
+        """What the token is for: members of its own, which change nobody else."""
+        self.own += 1
+        own = RawMember(self.registry.control_address, token=TOKEN, spec=member_spec(
+            f"decode-6.6.6.{self.own}-8000", new_incarnation(), Role.DECODE, http=EVIL_HTTP))
+        try:
+            assert own.register().status is ReplyStatus.OK
+        finally:
+            own.close()
+
+    # -- what must hold ------------------------------------------------------------------
+
+    @invariant()
+    def the_victim_holds_its_id(self) -> None:
+        if not hasattr(self, "registry"):
+            return
+        held = record(self.registry, VICTIM_ID)
+        assert held is not None and held.spec == self.victim.spec
+        assert (held.state, held.load, held.suspect) == (*self.said, False)
+
+
+LegitimateAgentAndAnInsider.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=25, deadline=None)
+test_an_insider_never_displaces_a_member_that_heartbeats = (
+    LegitimateAgentAndAnInsider.TestCase)
