@@ -102,6 +102,8 @@ class RegistryServer:
                                       wall_offset=time.time() - time.monotonic())
         self._ctx = zmq.Context()
         self._curve = CurveServer(self._ctx, self.config.curve) if self.config.curve else None
+        # Without CURVE the same ZAP handler still limits new connections per address.
+        self._zap = self._curve or CurveServer(self._ctx, None)
         self._control = self._ctx.socket(zmq.ROUTER)
         self._events = self._ctx.socket(zmq.PUB)
         wake_address = f"inproc://pdreg-wake-{id(self)}"
@@ -122,9 +124,9 @@ class RegistryServer:
         self._channel = ControlChannel(self._control, self._membership, self.stats,
                                        epoch=self.epoch, token=self.config.token)
         self._publisher = Publisher(self._events, self.stats, self.epoch)
-        if self._curve is not None:
-            for sock in (self._control, self._events):
-                self._curve.secure(sock)
+        for sock in (self._control, self._events):
+            self._zap.secure(sock)
+            if self._curve is not None:
                 self._monitors.append(sock.get_monitor_socket(_HANDSHAKE_FAILURES))
         self._wake_rx.bind(wake_address)
         self._wake_tx.connect(wake_address)
@@ -174,7 +176,7 @@ class RegistryServer:
         if self._curve is not None:
             for sock in (self._control, self._events):
                 sock.disable_monitor()
-            self._curve.stop()
+        self._zap.stop()
         self._ctx.destroy(linger=0)
         logger.info("[shutdown] registry: done")
 

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -42,7 +43,7 @@ from engine_agent.agent import Agent, new_incarnation
 from engine_agent.probes import EngineKind, EngineProbe
 from pdreg.cmd_status import fetch_members, render
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
-from registry import dashboard, http_guard, sessions
+from registry import dashboard, http_guard, security, sessions
 from registry.client import MembershipView, request_snapshot
 from registry.protocol import (
     NO_PROOF,
@@ -56,6 +57,7 @@ from registry.protocol import (
     ReplyStatus,
     Report,
     Role,
+    Sync,
     make_encoder,
 )
 from registry.security import ClientCurve, ServerCurve, generate_keys
@@ -564,6 +566,49 @@ def test_4_reads_beyond_loopback_need_the_fleet_token():
     finally:
         victim.close()
         server.close()
+
+
+@needs_outside
+def test_4_fresh_identities_from_one_address_do_not_multiply_snapshots(
+        monkeypatch: pytest.MonkeyPatch):
+    """Each ZeroMQ connection is an identity with its own sync budget: new connections
+    from one address are limited (a burst, then CONNECTS_PER_S), so a flood of fresh
+    identities gets few snapshots, and the member already connected is served."""
+    monkeypatch.setattr(security, "CONNECT_BURST", 8)
+    monkeypatch.setattr(security, "CONNECTS_PER_S", 0.01)
+    server = secure_registry(host=OUTSIDE)
+    victim = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
+                       role=Role.DECODE, token=TOKEN)
+    flood = []
+    try:
+        assert victim.register().status is ReplyStatus.OK  # its connection: one of 8
+        for _ in range(40):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{server.control_address}")
+            flood.append(sock)
+            with contextlib.suppress(zmq.Again):
+                sock.send(_encode(Sync()), zmq.NOBLOCK)
+        assert wait_until(lambda: server.stats.syncs >= 7, WAIT_S)  # the rest of the burst
+        time.sleep(0.5)  # give the refused ones every chance to be answered after all
+        answered = sum(bool(sock.poll(0)) for sock in flood)
+        assert answered == server.stats.syncs == 7
+        assert victim.heartbeat().status is ReplyStatus.OK
+    finally:
+        for sock in flood:
+            sock.close(linger=0)
+        victim.close()
+        server.close()
+
+
+@pytest.mark.parametrize(("address", "events", "allowed"), [
+    ("10.0.0.1", [0.0] * 3, [True, True, False]),  # burst of 2
+    ("10.0.0.1", [0.0, 0.0, 1.0], [True, True, True]),  # refilled after a second
+    ("127.0.0.1", [0.0] * 5, [True] * 5),  # this machine's own clients: never limited
+])
+def test_connection_limiter_table(address, events, allowed):
+    limiter = security.ConnectionLimiter(burst=2, per_s=1.0)
+    assert [limiter.allow(address, at) for at in events] == allowed
 
 
 def test_5_trickling_requests_are_cut_off_and_real_ones_served(
