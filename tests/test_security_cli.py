@@ -167,6 +167,7 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
 def test_drain_and_status_over_https_with_a_ca_file(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0,
+                                           heartbeat_interval_s=60.0, lease_s=180.0,
                                            admin_token="adm", tls_cert=str(cert),
                                            tls_key=str(key))).start()
     member = RawMember(server.control_address, member_id="decode-127.0.0.1-9200",
