@@ -13,7 +13,9 @@ secret over every byte of the encoded message before the proof itself
 Their `seq` must be above the last one accepted, so nobody else can speak for the member
 and nothing can be replayed. A Register carries `nonce`, the registrant's own secret: a retried
 Register (the first reply was lost) with the same nonce gets the same session back; one
-without it cannot take over the (id, incarnation).
+without it cannot take over the (id, incarnation). With a fleet token, a Register proves
+it (`Register.proof`) instead of carrying it, and the session comes back sealed with it
+(`Reply.session_salt`): a replayed Register yields nothing its sender can use.
 
 Event channel (registry PUB socket), two frames per message:
 
