@@ -47,7 +47,8 @@ def admin_request(args: argparse.Namespace, command: str, method: str, path: str
     failures = 0
     for address in parse_registries(args.registry):
         try:
-            base = http_base(address, request_snapshot(address, curve=curve), scheme)
+            snapshot = request_snapshot(address, curve=curve, token=token)
+            base = http_base(address, snapshot, scheme)
             response = httpx.request(method, f"{base}{path}", headers=headers, params=params,
                                      timeout=10.0, verify=verify)
         except (OSError, RuntimeError, httpx.HTTPError) as exc:

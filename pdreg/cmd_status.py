@@ -49,7 +49,8 @@ def fetch_members(registries: str | list[str] | None, *,
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     for address in parse_registries(registries):
         try:
-            base = http_base(address, request_snapshot(address, curve=curve), scheme)
+            snapshot = request_snapshot(address, curve=curve, token=token)
+            base = http_base(address, snapshot, scheme)
             response = httpx.get(f"{base}/v1/members", timeout=5.0, headers=headers,
                                  verify=verify)
             response.raise_for_status()

@@ -46,13 +46,17 @@ REJECT_LOG_EVERY_S: Final = 5.0
 
 class ControlChannel:
     def __init__(self, sock: zmq.Socket, membership: Membership, stats: LoopStats, *,
-                 epoch: int, token: str) -> None:
+                 epoch: int, token: str, admin_token: str = "",
+                 syncs_need_token: bool = False) -> None:
         self.sock = sock
         self.membership = membership
         self.stats = stats
         self.epoch = epoch
         self.token = token.encode()
         self._token_key = sessions.token_key(token) if token else b""
+        # Beyond loopback, snapshots go only to holders of the fleet or admin token.
+        self._sync_keys = [sessions.token_key(t) for t in (token, admin_token) if t] \
+            if syncs_need_token and token else []
         self.events_port = 0  # announced in replies, set once bound
         self.http_port = 0
         self._encoder = make_encoder()
@@ -140,6 +144,10 @@ class ControlChannel:
             self._reject(identity, "version", f"protocol version {sync.protocol_version}; "
                          f"this registry speaks {PROTOCOL_VERSION}")
             return
+        if self._sync_keys and not self._sync_proved(sync):
+            self._reject(identity, "token", "snapshots need the fleet token (a Sync proved "
+                         "with it: MembershipView(token=...), pdreg --token-file)")
+            return
         membership = self.membership
         wait_s = self._syncs.wait_s(identity, membership.count(sync.models), now)
         if wait_s > 0:
@@ -151,6 +159,13 @@ class ControlChannel:
                             events_port=self.events_port, http_port=self.http_port)
         self.stats.syncs += 1
         self._send(identity, self._encoder.encode(snapshot))
+
+    def _sync_proved(self, sync: Sync) -> bool:
+        unsealed = self._encoder.encode(msgspec.structs.replace(sync, proof=NO_PROOF))
+        matched = False
+        for key in self._sync_keys:  # every key, so which one matched is not timed
+            matched |= hmac.compare_digest(sessions.sync_proof(key, unsealed), sync.proof)
+        return matched
 
     def _reply(self, identity: bytes, outcome: Outcome) -> None:
         interval = self.membership.timing.heartbeat_interval_s

@@ -229,10 +229,13 @@ class Bye(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class Sync(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
-    """Ask for a snapshot. `models` empty = all models."""
+    """Ask for a snapshot. `models` empty = all models. `proof`: a MAC with the fleet (or
+    admin) token over the message (`registry.sessions.sync_proof`), which a registry
+    listening beyond loopback with a token requires."""
 
     models: Annotated[list[Name], msgspec.Meta(max_length=1024)] = []
     protocol_version: int = PROTOCOL_VERSION
+    proof: Proof = NO_PROOF
 
 
 class Report(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):

@@ -122,7 +122,9 @@ class RegistryServer:
             sock.setsockopt(zmq.LINGER, 0)
         self._control.setsockopt(zmq.MAXMSGSIZE, HARD_MESSAGE_CAP_BYTES)
         self._channel = ControlChannel(self._control, self._membership, self.stats,
-                                       epoch=self.epoch, token=self.config.token)
+                                       epoch=self.epoch, token=self.config.token,
+                                       admin_token=self.config.admin_token,
+                                       syncs_need_token=not is_loopback(self.config.host))
         self._publisher = Publisher(self._events, self.stats, self.epoch)
         for sock in (self._control, self._events):
             self._zap.secure(sock)

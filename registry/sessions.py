@@ -16,12 +16,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from typing import Final
 
-from registry.protocol import NO_PROOF, PROOF_BYTES
+import msgspec
+
+from registry.protocol import NO_PROOF, PROOF_BYTES, Sync
 
 __all__ = ["NONCE_BYTES", "PROOF_BYTES", "SESSION_BYTES", "new_nonce", "new_session",
-           "open_session", "register_proof", "seal", "seal_session", "token_key", "verify"]
+           "open_session", "prove_sync", "register_proof", "seal", "seal_session",
+           "sync_proof", "token_key", "verify"]
 
 SESSION_BYTES: Final = 32  # 256 random bits per member and registry
 NONCE_BYTES: Final = 16
@@ -77,6 +81,20 @@ def register_proof(key: bytes, unsealed: bytes) -> bytes:
     """The proof of a Register: `unsealed` is its encoding with proof = NO_PROOF."""
     return _blake2b(unsealed, key=key, digest_size=PROOF_BYTES,
                     person=b"pdreg-register").digest()
+
+
+def sync_proof(key: bytes, unsealed: bytes) -> bytes:
+    """The proof of a Sync (a read): the same construction, its own personalization, so
+    a Register's proof never passes for a Sync's or back."""
+    return _blake2b(unsealed, key=key, digest_size=PROOF_BYTES, person=b"pdreg-sync").digest()
+
+
+def prove_sync(sync: Sync, token: str, encode: Callable[[object], bytes]) -> Sync:
+    """`sync` with the proof of `token` (unchanged without a token)."""
+    if not token:
+        return sync
+    proof = sync_proof(token_key(token), encode(sync))
+    return msgspec.structs.replace(sync, proof=proof)
 
 
 def new_salt() -> bytes:

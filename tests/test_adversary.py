@@ -569,17 +569,45 @@ def test_4_reads_beyond_loopback_need_the_fleet_token():
 
 
 @needs_outside
+def test_4_snapshots_beyond_loopback_need_the_fleet_token():
+    server = secure_registry(host=OUTSIDE)
+    victim = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
+                       role=Role.DECODE, token=TOKEN)
+    address = server.control_address
+    try:
+        assert victim.register().status is ReplyStatus.OK
+        with pytest.raises(RuntimeError, match="fleet token"):
+            request_snapshot(address)
+        with pytest.raises(RuntimeError, match="fleet token"):
+            request_snapshot(address, token="guess")
+        for token in (TOKEN, ADMIN):  # pdreg drain/evict prove theirs with the admin token
+            assert [r.spec.id for r in request_snapshot(address, token=token).members] == [
+                victim.id]
+        with MembershipView(address) as blind, MembershipView(address, token=TOKEN) as view:
+            assert view.wait_for(lambda m: victim.id in m, WAIT_S)
+            assert not blind.synced and blind.members() == {}
+        # pdreg status takes the token the way every command does.
+        assert [m["id"] for m in fetch_members(address, token=TOKEN)] == [victim.id]
+        assert victim.heartbeat().status is ReplyStatus.OK
+    finally:
+        victim.close()
+        server.close()
+
+
+@needs_outside
 def test_4_fresh_identities_from_one_address_do_not_multiply_snapshots(
         monkeypatch: pytest.MonkeyPatch):
     """Each ZeroMQ connection is an identity with its own sync budget: new connections
     from one address are limited (a burst, then CONNECTS_PER_S), so a flood of fresh
-    identities gets few snapshots, and the member already connected is served."""
+    identities (here an insider's, holding the token) gets few snapshots, and the
+    member already connected is served."""
     monkeypatch.setattr(security, "CONNECT_BURST", 8)
     monkeypatch.setattr(security, "CONNECTS_PER_S", 0.01)
     server = secure_registry(host=OUTSIDE)
     victim = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
                        role=Role.DECODE, token=TOKEN)
     flood = []
+    proved_sync = _encode(sessions.prove_sync(Sync(), TOKEN, _encode))  # an insider's
     try:
         assert victim.register().status is ReplyStatus.OK  # its connection: one of 8
         for _ in range(40):
@@ -588,7 +616,7 @@ def test_4_fresh_identities_from_one_address_do_not_multiply_snapshots(
             sock.connect(f"tcp://{server.control_address}")
             flood.append(sock)
             with contextlib.suppress(zmq.Again):
-                sock.send(_encode(Sync()), zmq.NOBLOCK)
+                sock.send(proved_sync, zmq.NOBLOCK)
         assert wait_until(lambda: server.stats.syncs >= 7, WAIT_S)  # the rest of the burst
         time.sleep(0.5)  # give the refused ones every chance to be answered after all
         answered = sum(bool(sock.poll(0)) for sock in flood)
