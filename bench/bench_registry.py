@@ -1,6 +1,7 @@
 """Registry benchmarks: heartbeat ingest, event propagation, snapshot size and time.
 
     .venv/bin/python bench/bench_registry.py [--quick] [--baseline-src DIR]
+                                             [--same-protocol-src DIR]
 
 Each figure runs the registry as its own process (`pdreg registry`), the way it is
 deployed, and drives it from this one over loopback:
@@ -10,7 +11,9 @@ deployed, and drives it from this one over loopback:
    membership, reply, digests). Side by side in one run: a bare pyzmq+msgspec receive
    loop (the floor), the registry with sessions checked, the same with CURVE on both
    sockets, and, with `--baseline-src DIR` (a source tree of an older pdreg, e.g.
-   `git archive b216f1c | tar -x -C DIR`), that registry without sessions.
+   `git archive b216f1c | tar -x -C DIR`), that registry without sessions; with
+   `--same-protocol-src DIR`, the registry of that tree under the same signed flood
+   (to compare a change against the main it branched from).
 2. propagation: with 1,000 members registered, a member changes state; the time until a
    `MembershipView` in this process sees the event (p50/p99).
 3. snapshot: with 10,000 members, a Sync round trip (request -> decoded snapshot), its
@@ -205,15 +208,16 @@ def _drive(address: str, pid: int, seconds: float, *, signed: bool,
     return Ingest(answered / elapsed, 1e6 * cpu / max(1, answered))
 
 
-def bench_ingest(seconds: float, *, curve_keys: str | None = None) -> Ingest:
-    """The registry with sessions checked (and CURVE on both sockets, given keys)."""
+def bench_ingest(seconds: float, *, curve_keys: str | None = None, src: str = ROOT) -> Ingest:
+    """The registry with sessions checked (and CURVE on both sockets, given keys), from
+    source tree `src` (this one by default; another of the same protocol version)."""
     extra: tuple[str, ...] = ()
     curve = None
     if curve_keys is not None:
         extra = ("--curve-secret-key", os.path.join(curve_keys, "registry.key_secret"))
         curve = ClientCurve.from_files(os.path.join(curve_keys, "registry.key"),
                                        os.path.join(curve_keys, "client.key_secret"))
-    with registry_process(extra=extra) as (address, pid):
+    with registry_process(extra=extra, src=src) as (address, pid):
         return _drive(address, pid, seconds, signed=True, curve=curve)
 
 
@@ -340,6 +344,9 @@ def main() -> int:
                         help="ingest rounds, interleaved (default 3, quick 1); medians shown")
     parser.add_argument("--baseline-src", metavar="DIR", default=None,
                         help="also measure the registry of this source tree (protocol 1)")
+    parser.add_argument("--same-protocol-src", metavar="DIR", default=None,
+                        help="also measure the registry of this source tree (same protocol "
+                             "version, sessions checked), e.g. main before a change")
     parser.add_argument("--ingest-only", action="store_true",
                         help="skip the propagation and snapshot figures")
     args = parser.parse_args()
@@ -354,6 +361,9 @@ def main() -> int:
         if args.baseline_src:
             runs["registry without sessions (baseline)"] = lambda: bench_baseline(
                 seconds, args.baseline_src)
+        if args.same_protocol_src:
+            runs["registry of --same-protocol-src"] = lambda: bench_ingest(
+                seconds, src=args.same_protocol_src)
         runs["registry, sessions checked"] = lambda: bench_ingest(seconds)
         runs["registry, sessions checked, CURVE on"] = lambda: bench_ingest(
             seconds, curve_keys=keys)

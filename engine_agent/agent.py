@@ -2,8 +2,10 @@
 
 A background thread owns one ZeroMQ DEALER per registry and runs a small loop per
 registry link (`engine_agent.link`): register, heartbeat at the interval the registry
-dictates, re-register at once on UNKNOWN (the registry restarted), give up on STALE or a
-refused registration, and back off with jitter while a registry does not answer. The
+dictates, re-register at once on UNKNOWN (the registry restarted), re-register with
+backoff on STALE or a refused registration (an impostor's incarnation or a ban does not
+end this process's membership for good), and back off with jitter while a registry does
+not answer. The
 caller's thread never touches a ZeroMQ socket: `set_state`, `report` and `stop` only set
 fields and wake the loop through a socket pair, so a slow or absent registry can never
 block the engine.
@@ -268,8 +270,6 @@ class Agent:
         plan = PollPlan(timeout_s=MAX_POLL_S)
         load: Load | None = None
         for link in self._links:
-            if link.phase is LinkPhase.GAVE_UP:
-                continue
             if not link.idle:
                 assert link.in_flight_since is not None
                 late_at = link.in_flight_since + link.reply_timeout_s
@@ -401,11 +401,10 @@ class Agent:
             except queue.Empty:
                 return
             for link in self._links:
-                if link.phase is not LinkPhase.GAVE_UP:
-                    if len(link.reports) == MAX_PENDING_REPORTS:
-                        logger.warning("[agent] %s: %d reports pending; dropping the oldest",
-                                       link.address, MAX_PENDING_REPORTS)
-                    link.reports.append(report)
+                if len(link.reports) == MAX_PENDING_REPORTS:
+                    logger.warning("[agent] %s: %d reports pending; dropping the oldest",
+                                   link.address, MAX_PENDING_REPORTS)
+                link.reports.append(report)
 
     def _read_load(self) -> Load:
         """The callback's load, validated; the last good one if it raises or is invalid."""

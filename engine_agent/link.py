@@ -13,6 +13,7 @@ and numbered with a `seq` that only grows, so no one else can speak for this mem
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import random
 from collections import deque
@@ -55,7 +56,6 @@ PendingReport = tuple[str, int, str]  # (member id, its incarnation, problem)
 class LinkPhase(enum.Enum):
     REGISTERING = "registering"  # next request is a Register
     HEARTBEATING = "heartbeating"  # registered; next request is a Heartbeat (or a Report)
-    GAVE_UP = "gave_up"  # STALE or a refused Register: this registry will not take us
 
 
 class Request(enum.Enum):
@@ -82,6 +82,8 @@ class Link:
     registered: bool = False  # the last reply was OK
     session: bytes = b""
     seq: int = 0
+    refusals: int = 0  # consecutive refused Registers (logged loudly only the first time)
+    _token: str = ""  # the fleet token the last Register was proved with
     reports: deque[PendingReport] = field(
         default_factory=lambda: deque(maxlen=MAX_PENDING_REPORTS))
 
@@ -101,8 +103,13 @@ class Link:
         """The next request's frames: a Register, a queued Report, or a Heartbeat."""
         if self.phase is LinkPhase.REGISTERING:
             self.in_flight = Request.REGISTER
-            return [encoder.encode(Register(spec=spec, nonce=self.nonce, state=state,
-                                            load=load, token=token))]
+            register = Register(spec=spec, nonce=self.nonce, state=state, load=load)
+            if token:
+                # The token never travels: the Register carries a proof made with it.
+                proof = sessions.register_proof(_token_key(token), encoder.encode(register))
+                register = msgspec.structs.replace(register, proof=proof)
+                self._token = token
+            return [encoder.encode(register)]
         self.seq += 1
         if self.reports:
             member, incarnation, problem = self.reports.popleft()
@@ -141,6 +148,10 @@ class Link:
                 return  # accepted (or about a member the registry no longer holds)
             if sent is Request.REGISTER:
                 self.session = reply.session
+                if reply.session_salt:  # sealed with the fleet token
+                    self.session = sessions.open_session(_token_key(self._token), self.nonce,
+                                                         reply.session_salt, reply.session)
+                self.refusals = 0
                 logger.info("[agent] registered id=%s at %s state=%s interval=%.2fs",
                             self.member_id, self.address,
                             sent_state.name.lower() if sent_state else "?", self.interval_s)
@@ -153,12 +164,17 @@ class Link:
                         self.address, self.member_id)
             self._register_again(now)
         elif status is ReplyStatus.STALE or sent is Request.REGISTER:
-            # STALE: a newer incarnation of this id exists, so this process is superseded.
-            # A refused Register (token, spec, ban, cap): retrying would only repeat it.
-            logger.error("[agent] registry %s refused id=%s: %s %s; no more heartbeats to "
-                         "it", self.address, self.member_id, status.name, reply.reason)
-            self.phase = LinkPhase.GAVE_UP
-            self.registered = False
+            # STALE: the registry holds a newer incarnation of this id. It may be an
+            # impostor's, or ours after a partition; either way this process still
+            # serves, so it keeps asking (the id comes back once the other one leaves).
+            # A refused Register (token, ban, cap, an id still held by a live process):
+            # the cause may pass (a token rotated, a ban or lease ran out). So register
+            # again, backing off to BACKOFF_MAX_S, and say so loudly once per streak.
+            self.refusals += 1
+            log = logger.error if self.refusals == 1 else logger.debug
+            log("[agent] registry %s refused id=%s: %s %s; registering again with backoff",
+                self.address, self.member_id, status.name, reply.reason)
+            self._register_again(now + backoff_delay_s(self.refusals, rng))
         elif sent is Request.REPORT:
             logger.warning("[agent] registry %s refused a report from id=%s: %s",
                            self.address, self.member_id, reply.reason)
@@ -205,6 +221,11 @@ class Link:
         if self.socket is not None:
             self.socket.close(linger=0)
             self.socket = None
+
+
+@functools.lru_cache(maxsize=4)
+def _token_key(token: str) -> bytes:
+    return sessions.token_key(token)
 
 
 @dataclass

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Gauges beyond this (or not finite) are an engine bug or a hostile /metrics: skipped and
+# counted, never rounded (round(inf) raises, and a count must fit Load's int32 fields).
+MAX_GAUGE_VALUE = float(2**31 - 1)
+# Samples skipped for a value that is not a finite number within MAX_GAUGE_VALUE, by name.
+skipped_values: Counter[str] = Counter()
 PROBE_TIMEOUT_S = 2.0  # one /health or /metrics call; a hung engine must not stall the loop
 CONNECT_TIMEOUT_S = 1.0
 
@@ -123,15 +130,40 @@ class EngineMetadata:
 Sample = tuple[dict[str, str], float]  # (labels, value)
 
 
+def usable(value: float) -> bool:
+    """Whether a gauge value can be counted: finite and within MAX_GAUGE_VALUE."""
+    return math.isfinite(value) and abs(value) <= MAX_GAUGE_VALUE
+
+
 def parse_gauges(text: str, names: Iterable[str]) -> dict[str, list[Sample]]:
-    """Samples of the wanted metric names from Prometheus text; others are skipped."""
+    """Samples of the wanted metric names from Prometheus text; others are skipped, and
+    so are values that are not `usable` (counted in `skipped_values`)."""
     wanted = set(names)
     found: dict[str, list[Sample]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
+                if not usable(sample.value):
+                    _skip(sample.name, sample.value)
+                    continue
                 found.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     return found
+
+
+def _skip(name: str, value: object) -> None:
+    if not skipped_values[name]:
+        logger.warning("[probe] %s=%r is not a usable number; skipping it (and any like it, "
+                       "counted in probes.skipped_values)", name, value)
+    skipped_values[name] += 1
+
+
+def _number(value: Any, name: str) -> float:
+    """A JSON figure as a float; 0 (counted, skipped) when it is not a usable number."""
+    number = float(value or 0)
+    if not usable(number):
+        _skip(name, value)
+        return 0.0
+    return number
 
 
 def _pick(samples: dict[str, list[Sample]], names: tuple[str, ...],
@@ -143,14 +175,19 @@ def _pick(samples: dict[str, list[Sample]], names: tuple[str, ...],
             values = [value for labels, value in samples[name]
                       if (not model or labels.get("model_name", model) == model)
                       and not labels.get("priority")]
-            return [v for v in values if v == v]  # drop NaN
+            return values  # parse_gauges dropped NaN, infinities and absurd values
     return []
 
 
 def _load(running: float, waiting: float, usage: list[float]) -> Load:
     kv_usage = sum(usage) / len(usage) if usage else 0.0
-    return Load(running=max(0, round(running)), waiting=max(0, round(waiting)),
+    # Sums of many usable values can still pass the int32 bound: clamp, never overflow.
+    return Load(running=_count(running), waiting=_count(waiting),
                 kv_usage=min(1.0, max(0.0, kv_usage)))
+
+
+def _count(value: float) -> int:
+    return int(min(MAX_GAUGE_VALUE, max(0.0, round(value))))
 
 
 def load_from_metrics(text: str, gauges: GaugeNames, model: str = "") -> Load:
@@ -168,7 +205,7 @@ def load_from_metrics(text: str, gauges: GaugeNames, model: str = "") -> Load:
     waiting += sum(sum(_pick(samples, (name,), model)) for name in gauges.queued)
     if gauges.http_active:
         open_posts = sum(value for labels, value in samples.get(gauges.http_active, [])
-                         if labels.get("method") == "POST" and value == value)
+                         if labels.get("method") == "POST")
         waiting = max(waiting, open_posts - running)
     return _load(running, waiting, _pick(samples, gauges.kv_usage, model))
 
@@ -184,13 +221,14 @@ def load_from_sglang_loads(body: Any) -> Load:
     """Load from SGLang's GET /v1/loads JSON: {"loads": [{"num_running_reqs",
     "num_waiting_reqs", "token_usage", "disaggregation": {queues}}, ...]} per DP rank."""
     ranks = body["loads"]
-    running = sum(float(rank.get("num_running_reqs") or 0) for rank in ranks)
+    running = sum(_number(rank.get("num_running_reqs"), "num_running_reqs") for rank in ranks)
     waiting = 0.0
     for rank in ranks:
         disaggregation = rank.get("disaggregation") or {}
-        waiting += float(rank.get("num_waiting_reqs") or 0)
-        waiting += sum(float(disaggregation.get(key) or 0) for key in SGLANG_LOADS_QUEUES)
-    usage = [float(rank["token_usage"]) for rank in ranks if rank.get("token_usage") is not None]
+        waiting += _number(rank.get("num_waiting_reqs"), "num_waiting_reqs")
+        waiting += sum(_number(disaggregation.get(key), key) for key in SGLANG_LOADS_QUEUES)
+    usage = [_number(rank["token_usage"], "token_usage") for rank in ranks
+             if rank.get("token_usage") is not None]
     return _load(running, waiting, usage)
 
 
@@ -240,7 +278,7 @@ class EngineProbe:
             if text is None:
                 return self._sglang_loads()
             return load_from_metrics(text, self._gauges, self.model)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, OverflowError) as exc:
             logger.debug("[probe] %s load: %s", self.base_url, exc)
             return None
 
@@ -254,7 +292,7 @@ class EngineProbe:
                 load = self._sglang_loads()
                 return load.running + load.waiting
             return in_flight_from_metrics(text, self._gauges, self.model)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, OverflowError) as exc:
             logger.debug("[probe] %s in-flight: %s", self.base_url, exc)
             return None
 

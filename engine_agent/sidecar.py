@@ -32,7 +32,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -301,7 +301,8 @@ class Sidecar:
         # Own process group: signals to the sidecar do not reach the engine; the sidecar
         # decides when the engine stops (after draining). The lifeline stops the group if
         # the sidecar cannot.
-        self._child = subprocess.Popen(list(self.config.command), start_new_session=True)
+        self._child = subprocess.Popen(list(self.config.command), start_new_session=True,
+                                       env=child_environment(os.environ))
         self._lifeline = Lifeline(self._child.pid, self.config.kill_grace_s).start()
         threading.Thread(target=self._watch_child, name="sidecar-child-waiter",
                          daemon=True).start()
@@ -342,6 +343,21 @@ class Sidecar:
         if self._agent is not None:
             period = min(period, self._agent.heartbeat_interval_s)  # load at heartbeat cadence
         return period
+
+
+# The engine sees none of pdreg's credentials. Model code runs inside the engine: with
+# the fleet token it would be an insider (it could register members), with the admin
+# token an operator, with a CURVE key file's path a trusted client. Every PDREG_*
+# variable that names a token, a key or a secret is removed (PDREG_TOKEN,
+# PDREG_ADMIN_TOKEN, PDREG_API_KEY, PDREG_CURVE_KEY, PDREG_CURVE_SECRET_KEY, ...).
+_CREDENTIAL_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without pdreg's credentials (see _CREDENTIAL_WORDS)."""
+    return {name: value for name, value in environ.items()
+            if not (name.startswith("PDREG_")
+                    and any(word in name for word in _CREDENTIAL_WORDS))}
 
 
 def _int_env(name: str, default: int) -> int:

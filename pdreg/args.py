@@ -8,22 +8,22 @@ work as files or as variables.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from registry.client import REGISTRY_ENV
-from registry.security import ClientCurve, KeyFileError, ServerCurve
+from registry.security import ClientCurve, KeyFileError, ServerCurve, is_loopback
 
 __all__ = [
-    "ADMIN_TOKEN", "ALLOWED_CLIENTS_ENV", "API_KEY", "CURVE_KEY_ENV", "CURVE_SECRET_KEY_ENV",
+    "ADMIN_TOKEN", "ALLOWED_CLIENTS_ENV", "API_KEY", "CA_FILE_ENV", "CURVE_KEY_ENV",
+    "CURVE_SECRET_KEY_ENV",
     "REGISTRY_PUBLIC_KEY_ENV", "TOKEN", "Secret", "add_client_curve_arguments",
-    "add_label_argument", "add_registry_argument", "add_secret_argument",
+    "add_label_argument", "add_registry_argument", "add_registry_http_arguments",
+    "add_secret_argument",
     "add_server_curve_arguments", "client_curve_of", "insecure_refusal", "is_loopback",
-    "labels_of", "secret_of", "server_curve_of",
+    "labels_of", "registry_http_of", "secret_of", "server_curve_of",
 ]
 
 REGISTRY_PUBLIC_KEY_ENV: Final = "PDREG_REGISTRY_PUBLIC_KEY"
@@ -81,8 +81,9 @@ API_KEY: Final = Secret("api-key", "PDREG_API_KEY",
 def add_secret_argument(parser: argparse.ArgumentParser, secret: Secret,
                         what: str | None = None) -> None:
     parser.add_argument(f"--{secret.flag}", dest=secret.dest, default=None, metavar="TEXT",
-                        help=f"{what or secret.what} (or --{secret.flag}-file, or "
-                             f"${secret.env})")
+                        help=f"{what or secret.what}. On the command line it shows in `ps` "
+                             f"to every user of the machine: prefer --{secret.flag}-file "
+                             f"or ${secret.env}")
     parser.add_argument(f"--{secret.flag}-file", dest=f"{secret.dest}_file", default=None,
                         metavar="FILE", help=f"read --{secret.flag} from FILE (a mounted "
                                              f"Secret); trailing newlines are ignored")
@@ -159,28 +160,36 @@ def server_curve_of(args: argparse.Namespace) -> ServerCurve | None:
         raise SystemExit(str(exc)) from None
 
 
+# --- the registry's HTTP side ---------------------------------------------------------
+
+CA_FILE_ENV: Final = "PDREG_CA_FILE"
+
+
+def add_registry_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--https` / `--ca-file`: reach a registry that serves HTTPS (--tls-cert)."""
+    parser.add_argument("--https", action="store_true",
+                        help="the registry's HTTP side serves HTTPS (its --tls-cert), "
+                             "checked against the system's CAs")
+    parser.add_argument("--ca-file", default=None, metavar="FILE",
+                        help=f"HTTPS, checked against this CA bundle (PEM), e.g. a "
+                             f"self-signed --tls-cert (or ${CA_FILE_ENV})")
+
+
+def registry_http_of(args: argparse.Namespace) -> tuple[str, str | bool]:
+    """(scheme, httpx `verify`) for the registry's HTTP side."""
+    ca_file = getattr(args, "ca_file", None) or os.environ.get(CA_FILE_ENV, "")
+    if ca_file:
+        return "https", ca_file
+    return ("https", True) if getattr(args, "https", False) else ("http", True)
+
+
 # --- exposure --------------------------------------------------------------------------
 
 
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` exposes nothing beyond this machine."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
-                                   for a in addresses)
-
-
-def insecure_refusal(command: str, host: str, *, secured: bool, insecure: bool) -> str | None:
-    """The one-line reason `command` ("registry" or "router") must not start, or None.
+def insecure_refusal(command: str, host: str, *, secured: bool, insecure: bool,
+                     what: str = "with neither CURVE nor a token") -> str | None:
+    """The one-line reason `command` ("registry", "registry-admin", "registry-curve" or
+    "router") must not start, or None.
 
     Bound beyond loopback with no credential at all, anyone who reaches the port could
     change membership or use the fleet; `--insecure` is the explicit way to want that.
@@ -188,13 +197,20 @@ def insecure_refusal(command: str, host: str, *, secured: bool, insecure: bool) 
     if secured or insecure or is_loopback(host):
         return None
     risk, fix = _EXPOSURE[command]
-    return (f"pdreg {command}: refusing to listen on {host} with neither CURVE nor a token: "
-            f"{risk}; add {fix}, or --insecure to run it anyway")
+    name = command.partition("-")[0]
+    return (f"pdreg {name}: refusing to listen on {host} {what}: {risk}; add {fix}, or "
+            f"--insecure to run it anyway")
 
 
 _EXPOSURE = {
     "registry": ("anyone who can reach it could register an engine and receive prompts",
                  "--token and/or --curve-secret-key"),
+    # CURVE with any client key: the registry's public key is handed to every client, so
+    # a key pair made up on the spot would register an engine.
+    "registry-curve": ("anyone with a key pair of their own could register an engine",
+                       "--allowed-clients DIR and/or --token"),
+    "registry-admin": ("anyone who can reach its HTTP port could drain, evict and ban "
+                       "members", "--admin-token (or --admin-token-file), or --http-port -1"),
     "router": ("anyone who can reach it could send it prompts",
                "--api-key (and --token or --registry-public-key/--curve-key)"),
 }

@@ -12,8 +12,10 @@ from pdreg.args import (
     ADMIN_TOKEN,
     add_client_curve_arguments,
     add_registry_argument,
+    add_registry_http_arguments,
     add_secret_argument,
     client_curve_of,
+    registry_http_of,
     secret_of,
 )
 from registry.client import http_base, parse_registries, request_snapshot
@@ -28,8 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def add_admin_arguments(parser: argparse.ArgumentParser) -> None:
     add_registry_argument(parser)
-    add_secret_argument(parser, ADMIN_TOKEN, "the registry's admin token")
+    add_secret_argument(parser, ADMIN_TOKEN, "the registry's admin token (sent over the "
+                                             "registry's HTTP side: over the network, use "
+                                             "--https or --ca-file)")
     add_client_curve_arguments(parser)
+    add_registry_http_arguments(parser)
 
 
 def admin_request(args: argparse.Namespace, command: str, method: str, path: str,
@@ -38,12 +43,14 @@ def admin_request(args: argparse.Namespace, command: str, method: str, path: str
     token = secret_of(args, ADMIN_TOKEN)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     curve = client_curve_of(args)
+    scheme, verify = registry_http_of(args)
     failures = 0
     for address in parse_registries(args.registry):
         try:
-            base = http_base(address, request_snapshot(address, curve=curve))
+            snapshot = request_snapshot(address, curve=curve, token=token)
+            base = http_base(address, snapshot, scheme)
             response = httpx.request(method, f"{base}{path}", headers=headers, params=params,
-                                     timeout=10.0)
+                                     timeout=10.0, verify=verify)
         except (OSError, RuntimeError, httpx.HTTPError) as exc:
             print(f"pdreg {command}: {address}: {exc}", file=sys.stderr)
             failures += 1

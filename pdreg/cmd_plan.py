@@ -10,7 +10,14 @@ from typing import Any
 
 import httpx
 
-from pdreg.args import add_client_curve_arguments, add_registry_argument, client_curve_of
+from pdreg.args import (
+    TOKEN,
+    add_client_curve_arguments,
+    add_registry_argument,
+    add_secret_argument,
+    client_curve_of,
+    secret_of,
+)
 from pdreg.cmd_status import fetch_members
 from planner.inputs import PLANNER_PROTOCOL
 from registry.security import ClientCurve
@@ -24,6 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="show the planner's decisions")
     add_registry_argument(p)
     add_client_curve_arguments(p)
+    add_secret_argument(p, TOKEN, "the fleet token, to find the planner through a registry "
+                                  "listening beyond loopback")
     p.add_argument("--planner", default="", metavar="URL",
                    help="the planner's HTTP address (default: found through the registry)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -31,9 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def find_planner(registries: str | None, curve: ClientCurve | None = None) -> str:
+def find_planner(registries: str | None, curve: ClientCurve | None = None,
+                 token: str = "") -> str:
     """The HTTP address of a ready planner registered with the registry."""
-    planners = [m for m in fetch_members(registries, curve=curve)
+    planners = [m for m in fetch_members(registries, curve=curve, token=token)
                 if m["role"] == "api_server" and m["protocol"] == PLANNER_PROTOCOL
                 and m["routable"]]
     if not planners:
@@ -70,7 +80,8 @@ def render(plan: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        url = args.planner or find_planner(args.registry, client_curve_of(args))
+        url = args.planner or find_planner(args.registry, client_curve_of(args),
+                                           secret_of(args, TOKEN))
         if not args.watch:
             plan = fetch_plan(url)
             print(json.dumps(plan, indent=2) if args.json else render(plan))

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    view = MembershipView(args.registry, curve=curve).start()
+    view = MembershipView(args.registry, curve=curve, token=token).start()
     server: PlannerServer | None = None
     agent: Agent | None = None
     try:

@@ -32,7 +32,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_secret_argument(p, ADMIN_TOKEN)
     add_server_curve_arguments(p)
     p.add_argument("--insecure", action="store_true",
-                   help="listen beyond loopback with neither CURVE nor a token")
+                   help="listen beyond loopback without every credential: no CURVE "
+                        "allowlist nor token, or no --admin-token for the HTTP side")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="serve the HTTP side over HTTPS with this certificate (PEM; with "
+                        "--tls-key), so admin tokens do not cross the network in clear")
+    p.add_argument("--tls-key", default=None, metavar="FILE",
+                   help="the private key of --tls-cert (PEM)")
     p.add_argument("--max-members", type=int, default=MAX_MEMBERS, metavar="N",
                    help="refuse registrations beyond N members")
     p.add_argument("--max-members-per-model", type=int, default=0, metavar="N",
@@ -49,18 +55,31 @@ def run(args: argparse.Namespace) -> int:
     lease = args.lease if args.lease is not None else LEASE_INTERVALS * args.heartbeat_interval
     token = secret_of(args, TOKEN)
     curve = server_curve_of(args)
-    refusal = insecure_refusal("registry", args.host, secured=bool(token or curve),
-                               insecure=args.insecure)
+    admin_token = secret_of(args, ADMIN_TOKEN)
+    refusal = (
+        insecure_refusal("registry", args.host, secured=bool(token or curve),
+                         insecure=args.insecure)
+        # CURVE that lets in any key authenticates nobody: not enough on its own.
+        or insecure_refusal("registry-curve", args.host,
+                            secured=bool(token or curve is None or curve.allowed_clients),
+                            insecure=args.insecure,
+                            what="with CURVE open to any client key and no token")
+        or insecure_refusal("registry-admin", args.host,
+                            secured=bool(admin_token) or args.http_port < 0,
+                            insecure=args.insecure, what="with HTTP but no admin token"))
     if refusal:
         print(refusal, file=sys.stderr)
+        return 2
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("pdreg registry: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     try:
         config = RegistryConfig(
             host=args.host, port=args.port, events_port=args.events_port,
             http_port=args.http_port, heartbeat_interval_s=args.heartbeat_interval,
-            lease_s=lease, token=token, admin_token=secret_of(args, ADMIN_TOKEN),
+            lease_s=lease, token=token, admin_token=admin_token,
             max_members=args.max_members, max_members_per_model=args.max_members_per_model,
-            curve=curve)
+            curve=curve, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "")
         server = RegistryServer(config)
     except ValueError as exc:
         print(f"pdreg registry: {exc}", file=sys.stderr)

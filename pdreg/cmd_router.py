@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
-    view = MembershipView(args.registry, curve=curve).start()
+    view = MembershipView(args.registry, curve=curve, token=token).start()
     server: RouterServer | None = None
     agent: Agent | None = None
     try:

@@ -10,7 +10,16 @@ from typing import Any
 
 import httpx
 
-from pdreg.args import add_client_curve_arguments, add_registry_argument, client_curve_of
+from pdreg.args import (
+    TOKEN,
+    add_client_curve_arguments,
+    add_registry_argument,
+    add_registry_http_arguments,
+    add_secret_argument,
+    client_curve_of,
+    registry_http_of,
+    secret_of,
+)
 from registry.client import http_base, parse_registries, request_snapshot
 from registry.security import ClientCurve
 
@@ -23,20 +32,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the live membership")
     add_registry_argument(p)
     add_client_curve_arguments(p)
+    add_secret_argument(p, TOKEN, "the fleet token: a registry listening beyond loopback "
+                                  "shows its members only to holders of it")
+    add_registry_http_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON list of members")
     p.add_argument("--watch", action="store_true", help="refresh the table in place")
     p.set_defaults(func=run)
 
 
 def fetch_members(registries: str | list[str] | None, *,
-                  curve: ClientCurve | None = None) -> list[dict[str, Any]]:
+                  curve: ClientCurve | None = None, token: str = "",
+                  scheme: str = "http", verify: str | bool = True) -> list[dict[str, Any]]:
     """Members from every registry; per id the newest incarnation wins."""
     merged: dict[str, dict[str, Any]] = {}
     errors = []
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     for address in parse_registries(registries):
         try:
-            base = http_base(address, request_snapshot(address, curve=curve))
-            response = httpx.get(f"{base}/v1/members", timeout=5.0)
+            snapshot = request_snapshot(address, curve=curve, token=token)
+            base = http_base(address, snapshot, scheme)
+            response = httpx.get(f"{base}/v1/members", timeout=5.0, headers=headers,
+                                 verify=verify)
             response.raise_for_status()
         except (OSError, RuntimeError, httpx.HTTPError) as exc:
             errors.append(f"{address}: {exc}")
@@ -85,13 +101,20 @@ def _duration(seconds: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     curve = client_curve_of(args)
+    scheme, verify = registry_http_of(args)
+    token = secret_of(args, TOKEN)
+
+    def fetch() -> list[dict[str, Any]]:
+        return fetch_members(args.registry, curve=curve, token=token, scheme=scheme,
+                             verify=verify)
+
     try:
         if not args.watch:
-            members = fetch_members(args.registry, curve=curve)
+            members = fetch()
             print(json.dumps(members, indent=2) if args.json else render(members))
             return 0
         while True:
-            members = fetch_members(args.registry, curve=curve)
+            members = fetch()
             text = json.dumps(members) if args.json else render(members)
             # Home the cursor and clear below: the table refreshes in place.
             sys.stdout.write(f"\x1b[H\x1b[J{time.strftime('%H:%M:%S')}  pdreg status\n{text}\n")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from registry import sessions
 from registry.protocol import Snapshot, Sync, make_encoder, reply_decoder
 from registry.security import ClientCurve
 
@@ -47,8 +48,9 @@ def parse_registries(text: str | Sequence[str] | None) -> list[str]:
 
 
 def request_snapshot(address: str, *, timeout_s: float = 2.0, models: Sequence[str] = (),
-                     curve: ClientCurve | None = None) -> Snapshot:
-    """One Sync round trip (for CLIs): the snapshot, which also names the HTTP port."""
+                     curve: ClientCurve | None = None, token: str = "") -> Snapshot:
+    """One Sync round trip (for CLIs): the snapshot, which also names the HTTP port.
+    `token`: the fleet (or admin) token, which a registry beyond loopback asks for."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -56,7 +58,8 @@ def request_snapshot(address: str, *, timeout_s: float = 2.0, models: Sequence[s
         curve.apply(sock)
     try:
         sock.connect(f"tcp://{address}")
-        sock.send(make_encoder().encode(Sync(models=list(models))))
+        encode = make_encoder().encode
+        sock.send(encode(sessions.prove_sync(Sync(models=list(models)), token, encode)))
         if not sock.poll(timeout_s * 1e3):
             hint = ("" if curve is not None else "; if it runs CURVE, give "
                     "--registry-public-key and --curve-key")
@@ -70,8 +73,9 @@ def request_snapshot(address: str, *, timeout_s: float = 2.0, models: Sequence[s
     return reply
 
 
-def http_base(address: str, snapshot: Snapshot) -> str:
-    """The registry's HTTP base URL: its control host with the HTTP port it announced."""
+def http_base(address: str, snapshot: Snapshot, scheme: str = "http") -> str:
+    """The registry's HTTP base URL: its control host with the HTTP port it announced
+    (`scheme` "https" where it serves --tls-cert)."""
     if not snapshot.http_port:
         raise RuntimeError(f"registry {address} runs without HTTP")
-    return f"http://{address.rpartition(':')[0]}:{snapshot.http_port}"
+    return f"{scheme}://{address.rpartition(':')[0]}:{snapshot.http_port}"

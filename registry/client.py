@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from registry import sessions
 from registry.addresses import (
     DEFAULT_REGISTRY,
     REGISTRY_ENV,
@@ -108,11 +109,13 @@ class MembershipView:
 
     def __init__(self, registries: str | Sequence[str] | None = None, *,
                  models: Sequence[str] = (), curve: ClientCurve | None = None,
-                 reporter: Callable[[str, int, str], None] | None = None) -> None:
+                 reporter: Callable[[str, int, str], None] | None = None,
+                 token: str = "") -> None:
         self.addresses = parse_registries(registries)
         self.models = tuple(models)
         self.curve = curve
         self.reporter = reporter
+        self.token = token  # proves Syncs to a registry beyond loopback (sessions.prove_sync)
         self._ctx = zmq.Context()
         self._links = [_Link(address, Replica(address)) for address in self.addresses]
         self._members: Mapping[str, LiveMember] = types.MappingProxyType({})
@@ -241,7 +244,9 @@ class MembershipView:
             link.dealer = self._socket(zmq.DEALER)
             link.dealer.connect(f"tcp://{link.address}")
             self._poller.register(link.dealer, zmq.POLLIN)
-        link.dealer.send(self._encoder.encode(Sync(models=list(self.models))), zmq.NOBLOCK)
+        encode = self._encoder.encode
+        sync = sessions.prove_sync(Sync(models=list(self.models)), self.token, encode)
+        link.dealer.send(encode(sync), zmq.NOBLOCK)
         link.sync_sent_at = now
         link.next_sync_at = now + link.backoff_s
         link.buffered.clear()

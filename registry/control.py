@@ -15,11 +15,13 @@ from typing import Final
 import msgspec
 import zmq
 
+from registry import sessions
 from registry.membership import OK, Membership, Outcome
 from registry.metrics import LoopStats
 from registry.outcome import refused
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
+    NO_PROOF,
     PROTOCOL_VERSION,
     Bye,
     ControlMessage,
@@ -44,12 +46,17 @@ REJECT_LOG_EVERY_S: Final = 5.0
 
 class ControlChannel:
     def __init__(self, sock: zmq.Socket, membership: Membership, stats: LoopStats, *,
-                 epoch: int, token: str) -> None:
+                 epoch: int, token: str, admin_token: str = "",
+                 syncs_need_token: bool = False) -> None:
         self.sock = sock
         self.membership = membership
         self.stats = stats
         self.epoch = epoch
         self.token = token.encode()
+        self._token_key = sessions.token_key(token) if token else b""
+        # Beyond loopback, snapshots go only to holders of the fleet or admin token.
+        self._sync_keys = [sessions.token_key(t) for t in (token, admin_token) if t] \
+            if syncs_need_token and token else []
         self.events_port = 0  # announced in replies, set once bound
         self.http_port = 0
         self._encoder = make_encoder()
@@ -95,6 +102,9 @@ class ControlChannel:
         elif type(message) is Register:
             outcome = self._register(message, now)
             stats.count_registration(outcome)
+            if outcome.session and self._token_key:
+                self._reply_sealed(identity, outcome, message.nonce)
+                return
         elif type(message) is Bye:
             outcome = membership.bye(message, payload)
         elif type(message) is Report:
@@ -111,8 +121,16 @@ class ControlChannel:
         self._reply(identity, outcome)
 
     def _register(self, message: Register, now: float) -> Outcome:
-        if self.token and not hmac.compare_digest(message.token.encode(), self.token):
-            return refused("bad or missing token", "token")
+        if self.token:
+            # The token never travels: a Register proves it (see registry.sessions). One
+            # sent in clear is refused too, so no client keeps leaking it.
+            if message.token:
+                return refused("bad or missing token (a token sent in clear is refused: "
+                               "the Register's proof carries it)", "token")
+            unsealed = self._encoder.encode(msgspec.structs.replace(message, proof=NO_PROOF))
+            if not hmac.compare_digest(sessions.register_proof(self._token_key, unsealed),
+                                       message.proof):
+                return refused("bad or missing token", "token")
         if message.protocol_version != PROTOCOL_VERSION:
             return refused(f"protocol version {message.protocol_version}; this registry "
                            f"speaks {PROTOCOL_VERSION}", "version")
@@ -127,6 +145,10 @@ class ControlChannel:
             self._reject(identity, "version", f"protocol version {sync.protocol_version}; "
                          f"this registry speaks {PROTOCOL_VERSION}")
             return
+        if self._sync_keys and not self._sync_proved(sync):
+            self._reject(identity, "token", "snapshots need the fleet token (a Sync proved "
+                         "with it: MembershipView(token=...), pdreg --token-file)")
+            return
         membership = self.membership
         wait_s = self._syncs.wait_s(identity, membership.count(sync.models), now)
         if wait_s > 0:
@@ -138,6 +160,13 @@ class ControlChannel:
                             events_port=self.events_port, http_port=self.http_port)
         self.stats.syncs += 1
         self._send(identity, self._encoder.encode(snapshot))
+
+    def _sync_proved(self, sync: Sync) -> bool:
+        unsealed = self._encoder.encode(msgspec.structs.replace(sync, proof=NO_PROOF))
+        matched = False
+        for key in self._sync_keys:  # every key, so which one matched is not timed
+            matched |= hmac.compare_digest(sessions.sync_proof(key, unsealed), sync.proof)
+        return matched
 
     def _reply(self, identity: bytes, outcome: Outcome) -> None:
         interval = self.membership.timing.heartbeat_interval_s
@@ -153,6 +182,19 @@ class ControlChannel:
         if outcome is OK:
             self._ok_reply = (interval, payload)
         self._send(identity, payload)
+
+    def _reply_sealed(self, identity: bytes, outcome: Outcome, nonce: bytes) -> None:
+        """An accepted Register's reply, its session sealed with the fleet token: whoever
+        replays the Register gets bytes it cannot open."""
+        salt = sessions.new_salt()
+        reply = Reply(status=outcome.status, epoch=self.epoch,
+                      heartbeat_interval_s=self.membership.timing.heartbeat_interval_s,
+                      reason=outcome.reason, events_port=self.events_port,
+                      http_port=self.http_port, session_salt=salt,
+                      session=sessions.seal_session(self._token_key, nonce, salt,
+                                                    outcome.session),
+                      drain=outcome.drain)
+        self._send(identity, self._encoder.encode(reply))
 
     def _reject(self, identity: bytes, reason: str, detail: str, about: str = "", *,
                 banned_s: float = 0.0) -> None:

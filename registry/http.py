@@ -8,17 +8,21 @@ names, not on the server module: arrows run server -> http, never back.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
+import ipaddress
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
-from fastapi import FastAPI, Header, HTTPException, Query
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from registry.dashboard import dashboard_router
+from registry.http_guard import BodyLimit
 from registry.metrics import LoopStats, make_metrics_registry
 from registry.protocol import ReplyStatus, parse_role
 from registry.published import Published
@@ -44,18 +48,42 @@ class RegistryHandle(Protocol):
     def loop_stall_limit_s(self) -> float: ...
 
 
-def create_app(server: RegistryHandle, *, admin_token: str = "") -> FastAPI:
+def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str = "",
+               exposed: bool = False) -> FastAPI:
+    """The registry's HTTP app.
+
+    Who may do what (the README's threat model):
+    - admin actions (drain, evict): the admin token when one is set; without one, only
+      clients on this machine (a loopback peer). Never a browser: a request carrying
+      `Origin` or a cross-site `Sec-Fetch-Site` is refused, so no web page an operator
+      visits can fire one (CSRF), not even through DNS rebinding.
+    - reads (members, bans, dashboard): with `exposed` (bound beyond loopback) and a
+      fleet token, the fleet or admin token, as `Authorization: Bearer T` or as the
+      password of HTTP Basic (so a browser prompts for it once and the dashboard works).
+      /healthz and /metrics stay open for probes and Prometheus.
+    """
     app = FastAPI(title="pdreg registry", version="2",
                   description="Live membership of a prefill/decode serving fleet.")
     metrics_registry = make_metrics_registry(server.stats, lambda: server.published)
+    readers = [t.encode() for t in (read_token, admin_token) if t] if exposed else []
 
-    def require_admin(authorization: str | None) -> None:
-        expected = admin_token
-        if not expected:
+    def require_admin(request: Request) -> None:
+        _refuse_browsers(request)
+        if not admin_token:
+            if not _from_loopback(request):
+                raise HTTPException(403, "admin actions from another machine need the "
+                                         "registry's --admin-token")
             return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not _token_matches(request, [admin_token.encode()]):
             raise HTTPException(401, "admin token required: Authorization: Bearer <token>")
+
+    def require_reader(request: Request) -> None:
+        if readers and not _token_matches(request, readers):
+            raise HTTPException(401, "the fleet token is required: Authorization: Bearer "
+                                     "<token>", headers={"WWW-Authenticate": 'Basic '
+                                                         'realm="pdreg registry"'})
+
+    reader = [Depends(require_reader)]
 
     async def run_on_loop(action: Any) -> Outcome:
         future = server.submit(action)
@@ -80,7 +108,7 @@ def create_app(server: RegistryHandle, *, admin_token: str = "") -> FastAPI:
             return JSONResponse(body, status_code=503)
         return JSONResponse(body)
 
-    @app.get("/v1/members")
+    @app.get("/v1/members", dependencies=reader)
     def list_members(
         role: Annotated[str | None, Query(description="prefill, decode, mixed, api_server")] = None,
         model: str | None = None,
@@ -98,39 +126,33 @@ def create_app(server: RegistryHandle, *, admin_token: str = "") -> FastAPI:
         return [member_json(record, now) for record in server.published.members
                 if matches(record, role=wanted_role, model=model, state=state)]
 
-    @app.get("/v1/members/{member_id}")
+    @app.get("/v1/members/{member_id}", dependencies=reader)
     def get_member(member_id: str) -> dict[str, Any]:
         for record in server.published.members:
             if record.spec.id == member_id:
                 return member_json(record, time.time())
         raise HTTPException(404, f"no member {member_id!r}")
 
-    @app.post("/v1/members/{member_id}/drain")
-    async def drain_member(member_id: str,
-                           authorization: Annotated[str | None, Header()] = None) -> Any:
-        require_admin(authorization)
-
+    @app.post("/v1/members/{member_id}/drain", dependencies=[Depends(require_admin)])
+    async def drain_member(member_id: str) -> Any:
         def drain(membership: Membership, now: float) -> Outcome:
             return membership.drain(member_id)
 
         return _admin_result(await run_on_loop(drain), member_id, "draining")
 
-    @app.delete("/v1/members/{member_id}")
+    @app.delete("/v1/members/{member_id}", dependencies=[Depends(require_admin)])
     async def evict_member(
         member_id: str,
         ban: Annotated[float, Query(ge=0, le=MAX_BAN_S, description=(
             "seconds during which the id may not register again (0: no ban)"))] = 0.0,
-        authorization: Annotated[str | None, Header()] = None,
     ) -> Any:
-        require_admin(authorization)
-
         def evict(membership: Membership, now: float) -> Outcome:
             return membership.evict(member_id, now, ban_s=ban)
 
         return _admin_result(await run_on_loop(evict), member_id,
                              f"evicted, banned for {ban:g}s" if ban else "evicted")
 
-    @app.get("/v1/bans")
+    @app.get("/v1/bans", dependencies=reader)
     def bans() -> list[dict[str, Any]]:
         """Ids an operator evicted with a ban, and the seconds each ban has left."""
         published = server.published
@@ -142,8 +164,47 @@ def create_app(server: RegistryHandle, *, admin_token: str = "") -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(dashboard_router(lambda: server.published))
+    app.include_router(dashboard_router(lambda: server.published), dependencies=reader)
+    # Outermost: a body is refused before anything reads it (no endpoint takes one).
+    app.add_middleware(BodyLimit)
     return app
+
+
+def _refuse_browsers(request: Request) -> None:
+    """403 for what a web page can send: browsers set `Origin` on every POST and DELETE
+    (and `Sec-Fetch-Site`); pdreg, curl and scripts set neither."""
+    site = request.headers.get("sec-fetch-site", "none")
+    if "origin" in request.headers or site != "none":
+        raise HTTPException(403, "admin actions are not taken from web pages (a request "
+                                 "with Origin or Sec-Fetch-Site); use pdreg drain/evict "
+                                 "or curl")
+
+
+def _from_loopback(request: Request) -> bool:
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _token_matches(request: Request, tokens: list[bytes]) -> bool:
+    """Whether `Authorization` carries one of `tokens` (Bearer, or Basic's password)."""
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    given = value.strip().encode()
+    if scheme.lower() == "basic":
+        try:
+            given = base64.b64decode(given, validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return False
+    elif scheme.lower() != "bearer":
+        return False
+    # Every token compared, in constant time each: which one matched is not timed either.
+    matched = False
+    for token in tokens:
+        matched |= hmac.compare_digest(given, token)
+    return matched
 
 
 def _admin_result(outcome: Outcome, member_id: str, done: str) -> JSONResponse:

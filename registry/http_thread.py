@@ -11,16 +11,23 @@ STOP_TIMEOUT_S = 5.0
 
 
 class HttpThread:
-    def __init__(self, app: object, host: str, port: int, *, name: str) -> None:
+    def __init__(self, app: object, host: str, port: int, *, name: str,
+                 tls: tuple[str, str] | None = None) -> None:
+        """`tls`: (certificate file, key file) to serve HTTPS instead of HTTP."""
         import uvicorn
+
+        from registry.http_guard import guarded_protocol
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self._sock.listen(512)
+        certfile, keyfile = tls or (None, None)
+        # The guarded protocol: a request must arrive whole within a deadline (slowloris).
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, http=guarded_protocol(),
+                                ssl_certfile=certfile, ssl_keyfile=keyfile)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._sock]}, name=name,

@@ -52,6 +52,16 @@ from registry.protocol import (
 logger = logging.getLogger(__name__)
 
 LAG_WARNING_S = 0.5  # a loop stall this long is logged as a warning (always compensated)
+# A seq may jump ahead of the last one accepted by at most this much. An agent adds one
+# per request (2**32 is over a year of requests at 100/s), so only a forger jumps
+# further, and what it sends is refused without moving `last_seq`: nobody is locked out.
+MAX_SEQ_STEP = 2**32
+# Reports (see `report`). A member whose own heartbeat is this many intervals old or
+# less is "fresh": one reporter alone cannot quarantine it.
+REPORT_FRESH_INTERVALS = 1.5
+REPORT_WINDOW_INTERVALS = 3.0  # reports from distinct routers within this many intervals add up
+REPORTERS_TO_OVERRULE = 2  # distinct routers that outweigh a fresh heartbeat
+MAX_REPORTERS_TRACKED = 16  # per member; the oldest report is forgotten first
 
 __all__ = ["OK", "UNKNOWN", "Limits", "Membership", "Outcome"]
 
@@ -73,6 +83,7 @@ class _Entry:
     # the first lease ran out).
     seen_before: float = 0.0
     admin_draining: bool = False  # an operator's drain sticks whatever the member says
+    reports: dict[str, float] | None = None  # reporter id -> when it last reported this one
 
     def record(self, wall_offset: float) -> MemberRecord:
         return MemberRecord(
@@ -178,6 +189,9 @@ class Membership:
                                kind="stale")
             if spec.incarnation == held:
                 return self._register_again(current, spec, nonce)
+            contested = self._contested(current, spec, now)
+            if contested is not None:
+                return contested
             cap = self.admission.cap_problem(len(self), spec.model, current.spec)
             if cap is not None:
                 return cap
@@ -206,7 +220,7 @@ class Membership:
         # The hot path checks what `_authenticate` checks, inline; any refusal goes there
         # to be told apart (it changes nothing either).
         if (entry is None or entry.spec.incarnation != beat.incarnation
-                or beat.seq <= entry.last_seq
+                or not entry.last_seq < beat.seq <= entry.last_seq + MAX_SEQ_STEP
                 or not sessions.verify(entry.session, payload, beat.proof)):
             refusal = self._authenticate(beat.id, beat.incarnation, beat.seq, payload,
                                          beat.proof)
@@ -245,12 +259,46 @@ class Membership:
         if entry is None or entry.spec.incarnation != report.member_incarnation:
             return Outcome(ReplyStatus.OK, "ignored: no such member incarnation",
                            kind="ignored")
+        weighed = self._weigh_report(entry, report.id, now)
+        if weighed is not None:
+            return weighed
         if not entry.suspect:
             entry.suspect = True
             self._publish_update(entry)
             logger.info("[registry] suspect id=%s reported by %s: %s", report.member,
                         report.id, report.problem[:200].encode("unicode_escape").decode())
         return Outcome(ReplyStatus.OK, kind="accepted")
+
+    def _weigh_report(self, entry: _Entry, reporter: str, now: float) -> Outcome | None:
+        """Why a report about `entry` does not suspect it (answered OK), or None.
+
+        Reports come from routers, and one router can be wrong or hostile: a stream of
+        reports from it alone must not keep a member out that says it is alive.
+        - Rate: one report per (reporter, member) per heartbeat interval; more are noted
+          and dropped (the member's state cannot flap faster than it heartbeats anyway).
+        - Weight: while the member's own heartbeats are fresh, it takes reports from
+          REPORTERS_TO_OVERRULE distinct routers within the window to suspect it. A member
+          that stopped heartbeating is suspected on one report, as before.
+        """
+        interval = self.timing.heartbeat_interval_s
+        reports = entry.reports if entry.reports is not None else {}
+        entry.reports = reports
+        last = reports.get(reporter)
+        if last is not None and now - last < interval:
+            return Outcome(ReplyStatus.OK, "limited: one report per member and interval",
+                           kind="limited")
+        reports[reporter] = now
+        window = REPORT_WINDOW_INTERVALS * interval
+        for other, at in list(reports.items()):
+            if now - at > window:
+                del reports[other]
+        while len(reports) > MAX_REPORTERS_TRACKED:
+            del reports[min(reports, key=reports.__getitem__)]
+        fresh = now - entry.last_seen <= REPORT_FRESH_INTERVALS * interval
+        if fresh and len(reports) < REPORTERS_TO_OVERRULE:
+            return Outcome(ReplyStatus.OK, "outweighed: its own heartbeats are fresh",
+                           kind="outweighed")
+        return None
 
     def drain(self, member_id: str) -> Outcome:
         entry = self._members.get(member_id)
@@ -378,8 +426,30 @@ class Membership:
             return BAD_PROOF
         if seq <= entry.last_seq:
             return refused(f"seq {seq} is not above {entry.last_seq} (a replay?)", "replay")
+        if seq > entry.last_seq + MAX_SEQ_STEP:
+            return refused(f"seq {seq} is more than {MAX_SEQ_STEP} above {entry.last_seq}",
+                           "seq")
         entry.last_seq = seq
         return entry
+
+    def _contested(self, current: _Entry, spec: MemberSpec, now: float) -> Outcome | None:
+        """Why the newer incarnation `spec` may not replace `current` yet, or None.
+
+        An incarnation is whatever its registrant says, so a fleet-token holder could
+        claim any live member's id with a higher one and take its traffic. A newer
+        incarnation therefore replaces only a process that is evidently gone: silent past
+        its lease (it crashed; the lease bounds how long a real restart waits, and its
+        agent keeps registering until then). One that left said bye: its entry is gone
+        already. While the holder heartbeats, the claim is refused as "contested",
+        counted and logged, and the holder notices nothing.
+        """
+        silent_s = now - current.last_seen
+        if silent_s > self.timing.lease_s:
+            return None
+        return refused(f"id {spec.id!r} is held by incarnation {current.spec.incarnation}, "
+                       f"which heartbeat {silent_s:.1f}s ago; a newer incarnation takes an "
+                       f"id over only after its holder said bye or went silent for "
+                       f"{self.timing.lease_s:.1f}s (contested)", "contested")
 
     def _register_again(self, entry: _Entry, spec: MemberSpec, nonce: bytes) -> Outcome:
         """The same (id, incarnation) again: a retry by its registrant, or an impostor.

@@ -13,7 +13,9 @@ secret over every byte of the encoded message before the proof itself
 Their `seq` must be above the last one accepted, so nobody else can speak for the member
 and nothing can be replayed. A Register carries `nonce`, the registrant's own secret: a retried
 Register (the first reply was lost) with the same nonce gets the same session back; one
-without it cannot take over the (id, incarnation).
+without it cannot take over the (id, incarnation). With a fleet token, a Register proves
+it (`Register.proof`) instead of carrying it, and the session comes back sealed with it
+(`Reply.session_salt`): a replayed Register yields nothing its sender can use.
 
 Event channel (registry PUB socket), two frames per message:
 
@@ -189,8 +191,14 @@ class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults
 
 
 class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
-    """Join (or re-join) the fleet. `nonce`: the registrant's random secret, kept for the
-    life of the process; a retry with the same (id, incarnation) must repeat it."""
+    """Join (or re-join) the fleet. `nonce`: the registrant's random value, kept for the
+    life of the process; a retry with the same (id, incarnation) must repeat it.
+
+    The fleet token never travels: `proof` is a MAC with it over the message
+    (`registry.sessions.register_proof`), and the Reply's session comes back sealed with
+    it (`Reply.session_salt`), so a replayed Register returns nothing its sender can use.
+    `token` is the old clear-text form, refused by a registry that has a token.
+    """
 
     spec: MemberSpec
     nonce: Nonce
@@ -198,6 +206,7 @@ class Register(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defa
     load: Load = Load()
     token: Token = ""
     protocol_version: int = PROTOCOL_VERSION
+    proof: Proof = NO_PROOF
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -220,10 +229,13 @@ class Bye(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class Sync(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
-    """Ask for a snapshot. `models` empty = all models."""
+    """Ask for a snapshot. `models` empty = all models. `proof`: a MAC with the fleet (or
+    admin) token over the message (`registry.sessions.sync_proof`), which a registry
+    listening beyond loopback with a token requires."""
 
     models: Annotated[list[Name], msgspec.Meta(max_length=1024)] = []
     protocol_version: int = PROTOCOL_VERSION
+    proof: Proof = NO_PROOF
 
 
 class Report(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
@@ -264,6 +276,8 @@ class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_default
     # `banned_s`: a Register refused because an operator banned this id here, for this
     # long; the member says bye to every registry and stops registering.
     banned_s: Seconds = 0.0
+    # Set when `session` is sealed with the fleet token (`registry.sessions.open_session`).
+    session_salt: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):

@@ -13,9 +13,12 @@ Nothing here is cryptography of our own: libzmq does CURVE, pyzmq the ZAP protoc
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -24,7 +27,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-__all__ = ["ClientCurve", "CurveServer", "ServerCurve", "generate_keys", "load_public_keys"]
+__all__ = ["ClientCurve", "ConnectionLimiter", "CurveServer", "ServerCurve", "generate_keys",
+           "is_loopback", "load_public_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +106,82 @@ class ServerCurve:
         return cls(public, secret, allowed)
 
 
-class CurveServer:
-    """The ZAP handler for one context, and the CURVE settings for its server sockets."""
+# New connections per source address (ZAP, below). A ZeroMQ identity is one connection,
+# so this is what keeps per-identity limits (syncs) from being dodged with fresh
+# identities: one address gets a burst, then a few new connections a second. Loopback
+# peers are not limited (this machine's own clients and benchmarks).
+CONNECT_BURST: Final = 32
+CONNECTS_PER_S: Final = 1.0
+MAX_ADDRESSES_TRACKED: Final = 10_000
+REFUSAL_LOG_EVERY_S: Final = 5.0
 
-    def __init__(self, context: zmq.Context, curve: ServerCurve) -> None:
+
+class ConnectionLimiter:
+    """A token bucket of new connections per source address. Pure: the clock is passed."""
+
+    def __init__(self, burst: float | None = None, per_s: float | None = None) -> None:
+        self.burst = CONNECT_BURST if burst is None else burst
+        self.per_s = CONNECTS_PER_S if per_s is None else per_s
+        self.refused = 0
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, at)
+
+    def allow(self, address: str, now: float) -> bool:
+        try:
+            if ipaddress.ip_address(address).is_loopback:
+                return True
+        except ValueError:
+            pass  # not an IP (ipc://): limit it by name like any other
+        tokens, at = self._buckets.get(address, (self.burst, now))
+        tokens = min(self.burst, tokens + max(0.0, now - at) * self.per_s)
+        if len(self._buckets) >= MAX_ADDRESSES_TRACKED and address not in self._buckets:
+            # Forget the fullest buckets first: they are the ones that lose nothing.
+            self._buckets = {a: b for a, b in self._buckets.items() if b[0] < self.burst - 1}
+        if tokens < 1.0:
+            self._buckets[address] = (tokens, now)
+            self.refused += 1
+            return False
+        self._buckets[address] = (tokens - 1.0, now)
+        return True
+
+
+class _GuardedAuthenticator(ThreadAuthenticator):
+    """pyzmq's authenticator, first asking the limiter (ZAP thread only)."""
+
+    limiter: ConnectionLimiter
+    _logged_at = 0.0
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) >= 6:
+            address = msg[3].decode("utf-8", "replace")
+            now = time.monotonic()
+            if not self.limiter.allow(address, now):
+                if now - self._logged_at > REFUSAL_LOG_EVERY_S:
+                    self._logged_at = now
+                    logger.warning("[registry] refusing new connections from %s: more than "
+                                   "%d at once or %.0f/s (%d refused so far)", address,
+                                   self.limiter.burst, self.limiter.per_s,
+                                   self.limiter.refused)
+                self._send_zap_reply(msg[1], b"400", b"too many connections")
+                return
+        await super().handle_zap_message(msg)
+
+
+class CurveServer:
+    """The ZAP handler for one context, and the CURVE settings for its server sockets.
+
+    With `curve` None it only limits new connections per address (`ConnectionLimiter`),
+    for sockets without CURVE.
+    """
+
+    def __init__(self, context: zmq.Context, curve: ServerCurve | None,
+                 limiter: ConnectionLimiter | None = None) -> None:
         self.curve = curve
-        self._auth = ThreadAuthenticator(context, log=logger)
+        self.limiter = limiter or ConnectionLimiter()
+        self._auth = _GuardedAuthenticator(context, log=logger)
+        self._auth.limiter = self.limiter
         self._auth.start()
+        if curve is None:
+            return
         if curve.allowed_clients is None:
             self._auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
             logger.info("[registry] CURVE on; any client key may connect (no --allowed-clients)")
@@ -119,10 +192,12 @@ class CurveServer:
                         len(load_public_keys(curve.allowed_clients)), curve.allowed_clients)
 
     def secure(self, sock: zmq.Socket) -> None:
-        """Make `sock` a CURVE server; call before `bind`."""
-        sock.curve_secretkey = self.curve.secret
-        sock.curve_publickey = self.curve.public
-        sock.curve_server = True
+        """Make `sock` a CURVE server (with a curve) whose connections pass the ZAP
+        handler; call before `bind`."""
+        if self.curve is not None:
+            sock.curve_secretkey = self.curve.secret
+            sock.curve_publickey = self.curve.public
+            sock.curve_server = True
         sock.zap_domain = ZAP_DOMAIN.encode()
 
     def stop(self) -> None:
@@ -150,3 +225,20 @@ def generate_keys(directory: str | os.PathLike[str], name: str, *,
         os.replace(secret, secret_file)
         os.replace(public, public_file)
     return public_file, secret_file
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` exposes nothing beyond this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                   for a in addresses)

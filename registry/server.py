@@ -36,7 +36,7 @@ from registry.metrics import LoopStats
 from registry.protocol import MAX_MESSAGE_BYTES, MemberRecord, ReplyStatus, control_decoder
 from registry.published import Published
 from registry.publisher import Publisher
-from registry.security import CurveServer, ServerCurve
+from registry.security import CurveServer, ServerCurve, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class RegistryConfig:
     max_members: int = MAX_MEMBERS
     max_members_per_model: int = 0  # 0: only the total cap
     curve: ServerCurve | None = None  # CURVE on both ZeroMQ sockets when set
+    tls_cert: str = ""  # with tls_key: HTTPS on the HTTP side (uvicorn's certificate/key)
+    tls_key: str = ""
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(heartbeat_interval_s=self.heartbeat_interval_s,
@@ -100,6 +102,8 @@ class RegistryServer:
                                       wall_offset=time.time() - time.monotonic())
         self._ctx = zmq.Context()
         self._curve = CurveServer(self._ctx, self.config.curve) if self.config.curve else None
+        # Without CURVE the same ZAP handler still limits new connections per address.
+        self._zap = self._curve or CurveServer(self._ctx, None)
         self._control = self._ctx.socket(zmq.ROUTER)
         self._events = self._ctx.socket(zmq.PUB)
         wake_address = f"inproc://pdreg-wake-{id(self)}"
@@ -118,11 +122,13 @@ class RegistryServer:
             sock.setsockopt(zmq.LINGER, 0)
         self._control.setsockopt(zmq.MAXMSGSIZE, HARD_MESSAGE_CAP_BYTES)
         self._channel = ControlChannel(self._control, self._membership, self.stats,
-                                       epoch=self.epoch, token=self.config.token)
+                                       epoch=self.epoch, token=self.config.token,
+                                       admin_token=self.config.admin_token,
+                                       syncs_need_token=not is_loopback(self.config.host))
         self._publisher = Publisher(self._events, self.stats, self.epoch)
-        if self._curve is not None:
-            for sock in (self._control, self._events):
-                self._curve.secure(sock)
+        for sock in (self._control, self._events):
+            self._zap.secure(sock)
+            if self._curve is not None:
                 self._monitors.append(sock.get_monitor_socket(_HANDSHAKE_FAILURES))
         self._wake_rx.bind(wake_address)
         self._wake_tx.connect(wake_address)
@@ -139,9 +145,12 @@ class RegistryServer:
         if self.config.http_port >= 0:
             from registry.http import create_app  # FastAPI only when HTTP is wanted
 
-            self._http = HttpThread(create_app(self, admin_token=self.config.admin_token), host,
-                                    self.config.http_port,
-                                    name="pdreg-registry-http")
+            config = self.config
+            app = create_app(self, admin_token=config.admin_token, read_token=config.token,
+                             exposed=not is_loopback(host))
+            tls = (config.tls_cert, config.tls_key) if config.tls_cert else None
+            self._http = HttpThread(app, host, config.http_port, name="pdreg-registry-http",
+                                    tls=tls)
             self.http_port = self._http.start()
         self._channel.events_port, self._channel.http_port = self.events_port, self.http_port
         self._published = self._publisher.snapshot(self._membership, time.monotonic())
@@ -169,7 +178,7 @@ class RegistryServer:
         if self._curve is not None:
             for sock in (self._control, self._events):
                 sock.disable_monitor()
-            self._curve.stop()
+        self._zap.stop()
         self._ctx.destroy(linger=0)
         logger.info("[shutdown] registry: done")
 
@@ -185,7 +194,8 @@ class RegistryServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{_url_host(self.config.host)}:{self.http_port}" if self._http else ""
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{_url_host(self.config.host)}:{self.http_port}" if self._http else ""
 
     @property
     def curve_public_key(self) -> bytes:

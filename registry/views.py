@@ -40,7 +40,9 @@ def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:
             "running": load.running,
             "waiting": load.waiting,
             "kv_usage": load.kv_usage,
-            **load.extra,
+            # Engine-specific figures stay apart: merged in, an `extra` named "running"
+            # would overwrite the real count in /v1/members, the dashboard and status.
+            "extra": dict(load.extra),
         },
         "heartbeat_age_s": round(max(0.0, now_wall - record.heartbeat_at), 3),
         "registered_at": record.registered_at,

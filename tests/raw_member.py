@@ -99,14 +99,31 @@ class RawMember:
 
     # --- what an agent sends ----------------------------------------------------------
 
+    def register_message(self, state: MemberState = MemberState.READY,
+                         load: Load | None = None, spec: MemberSpec | None = None) -> Register:
+        """The Register an agent sends: the token proved, never sent (registry.sessions)."""
+        register = Register(spec=spec or self.spec, nonce=self.nonce, state=state,
+                            load=load or Load())
+        if not self.token:
+            return register
+        proof = sessions.register_proof(sessions.token_key(self.token),
+                                        self._encoder.encode(register))
+        return msgspec.structs.replace(register, proof=proof)
+
     def register(self, state: MemberState = MemberState.READY, load: Load | None = None,
                  spec: MemberSpec | None = None) -> Reply:
-        reply = self.ask(Register(spec=spec or self.spec, nonce=self.nonce, state=state,
-                                  load=load or Load(), token=self.token))
+        reply = self.ask(self.register_message(state, load, spec))
         assert isinstance(reply, Reply)
         if reply.status is ReplyStatus.OK:
-            self.session = reply.session
+            self.session = self.open(reply)
         return reply
+
+    def open(self, reply: Reply) -> bytes:
+        """The session in `reply`, opened with this member's token and nonce if sealed."""
+        if not reply.session_salt:
+            return reply.session
+        return sessions.open_session(sessions.token_key(self.token), self.nonce,
+                                     reply.session_salt, reply.session)
 
     def heartbeat(self, load: Load | None = None,
                   state: MemberState = MemberState.READY) -> Reply:

@@ -104,7 +104,7 @@ def test_only_routers_may_report_and_only_with_their_own_secret():
     forged = Report(ROUTER, 1, 2, "p0", 1, "forged")
     assert m.report(*signed(b"z" * 32, forged), 0.1).kind == "proof"
     assert not m.get("p0").suspect
-    assert m.accuse("p0", 1, 0.2).kind == "accepted"
+    assert m.accuse("p0", 1, 2.0).kind == "accepted"  # p0 silent for 2 intervals
     assert m.get("p0").suspect
 
 
@@ -141,11 +141,14 @@ def test_an_incarnation_that_said_bye_cannot_be_brought_back():
     assert m.join(spec(incarnation=2), now=1.0).status is ReplyStatus.OK
 
 
-def test_a_newer_incarnation_still_replaces_at_once_visibly():
+def test_a_newer_incarnation_waits_for_a_live_holder_then_replaces_visibly():
     m = fresh()
     m.join(spec(incarnation=1))
     m.take_events()
-    assert m.join(spec(incarnation=2), now=0.1).status is ReplyStatus.OK
+    contested = m.join(spec(incarnation=2), now=0.1)
+    assert contested.kind == "contested" and m.get("p0").spec.incarnation == 1
+    assert m.take_events() == []
+    assert m.join(spec(incarnation=2), now=3.5).status is ReplyStatus.OK  # holder silent
     left = m.take_events()[0]
     assert isinstance(left, MemberLeft) and left.reason is LeaveReason.REPLACED
     assert m.beat("p0", 1).status is ReplyStatus.STALE  # the old process is told
@@ -180,7 +183,7 @@ def test_member_caps_name_the_cap():
     total = m.join(spec("d", model="z"))
     assert total.kind == "cap" and "--max-members" in total.reason and "3 members" in total.reason
     # A restart of a member already held is no new member: the caps let it through.
-    assert m.join(spec("a", incarnation=2, model="x"), now=0.1).status is ReplyStatus.OK
+    assert m.join(spec("a", incarnation=2, model="x"), now=3.5).status is ReplyStatus.OK
     m.leave("c", 1)
     assert m.join(spec("d", model="z")).status is ReplyStatus.OK
 

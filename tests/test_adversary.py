@@ -13,8 +13,18 @@ changed that member's record.
 from __future__ import annotations
 
 import contextlib
+import http.server
+import ipaddress
 import json
+import logging
 import math
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -28,9 +38,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from raw_member import RawMember, member_spec
 
+from engine_agent import probes
 from engine_agent.agent import Agent, new_incarnation
-from pdreg.testing import wait_until
-from registry import dashboard, sessions
+from engine_agent.probes import EngineKind, EngineProbe
+from pdreg.cmd_status import fetch_members, render
+from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
+from registry import dashboard, http_guard, security, sessions
 from registry.client import MembershipView, request_snapshot
 from registry.protocol import (
     NO_PROOF,
@@ -44,6 +57,7 @@ from registry.protocol import (
     ReplyStatus,
     Report,
     Role,
+    Sync,
     make_encoder,
 )
 from registry.security import ClientCurve, ServerCurve, generate_keys
@@ -141,8 +155,14 @@ def test_a_forged_report_suspects_nobody(registry, victim, attacker):
         as_nobody = Report("ghost", 1, 1, victim.id, target, "x", FORGED_PROOF)
         assert attacker.ask(as_nobody).status is ReplyStatus.UNKNOWN
         assert not record(registry, victim.id).suspect
-        # The real router's report does count.
-        assert router.report(victim.id, target, "connect refused").status is ReplyStatus.OK
+        # The real routers' reports do count: two of them outweigh a fresh heartbeat.
+        second = RawMember(registry.control_address, member_id="api_server-10.0.0.2-8000",
+                           role=Role.API_SERVER, token=TOKEN)
+        assert second.register().status is ReplyStatus.OK
+        for reporter in (router, second):
+            assert reporter.report(victim.id, target, "connect refused").status is \
+                ReplyStatus.OK
+        second.close()
         assert record(registry, victim.id).suspect
         assert registry.stats.reports["accepted"] == 1
     finally:
@@ -202,22 +222,32 @@ def test_an_insider_cannot_take_over_an_id(registry, victim):
         insider.close()
 
 
-def test_a_restarted_member_still_takes_its_id_back_at_once(registry, victim):
-    with MembershipView(registry.control_address) as view:
-        assert view.wait_for(lambda m: victim.id in m, WAIT_S)
-        restarted = RawMember(registry.control_address, token=TOKEN,
-                              spec=msgspec.structs.replace(victim.spec,
-                                                           incarnation=new_incarnation()))
-        try:
-            assert restarted.register().status is ReplyStatus.OK
-            assert view.wait_for(  # left (replaced), then joined again
-                lambda m: victim.id in m
-                and m[victim.id].record.spec.incarnation == restarted.spec.incarnation,
-                WAIT_S)
-            assert registry.stats.departures["replaced"] == 1
-            assert victim.heartbeat().status is ReplyStatus.STALE  # the old one is told
-        finally:
-            restarted.close()
+def test_a_restarted_member_takes_its_id_back_once_the_old_process_is_silent():
+    server = secure_registry(heartbeat_interval_s=0.2, lease_s=1.0)
+    crashed = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
+                        role=Role.DECODE, token=TOKEN)
+    try:
+        assert crashed.register().status is ReplyStatus.OK  # then never heartbeats again
+        with MembershipView(server.control_address) as view:
+            restarted = RawMember(server.control_address, token=TOKEN,
+                                  spec=msgspec.structs.replace(crashed.spec,
+                                                               incarnation=new_incarnation()))
+            try:
+                assert wait_until(lambda: restarted.register().status is ReplyStatus.OK,
+                                  WAIT_S, poll_s=0.2)
+                assert view.wait_for(  # left (replaced), then joined again
+                    lambda m: crashed.id in m
+                    and m[crashed.id].record.spec.incarnation == restarted.spec.incarnation,
+                    WAIT_S)
+                # The lease that frees the id also expires the old one: either way it left.
+                departures = server.stats.departures
+                assert departures["expired"] + departures["replaced"] == 1
+                assert crashed.heartbeat().status in (ReplyStatus.STALE, ReplyStatus.UNKNOWN)
+            finally:
+                restarted.close()
+    finally:
+        crashed.close()
+        server.close()
 
 
 def test_an_insider_is_capped_and_the_refusal_names_the_cap():
@@ -250,8 +280,10 @@ def test_non_finite_numbers_are_refused_and_json_stays_valid(registry, victim, w
     state = httpx.get(f"{registry.http_url}/v1/dashboard").text
     assert "NaN" not in state and "Infinity" not in state
     json.loads(state)
-    assert all(math.isfinite(v) for m in httpx.get(f"{registry.http_url}/v1/members").json()
-               for v in m["load"].values())
+    for m in httpx.get(f"{registry.http_url}/v1/members").json():
+        load = m["load"]
+        figures = [load["running"], load["waiting"], load["kv_usage"], *load["extra"].values()]
+        assert all(math.isfinite(v) for v in figures)
 
 
 @pytest.mark.parametrize("http", ["http://169.254.169.254:80", "http://[fe80::1]:8000"])
@@ -403,6 +435,375 @@ def test_curve_end_to_end_with_an_agent_and_a_view(curve_registry, keys):
         assert not blind.synced and blind.members() == {}
 
 
+# --- issue 17: the doors the secured configurations left open ------------------------------
+
+
+def _outside_address() -> str | None:
+    """This machine's address on its first non-loopback interface, or None."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+OUTSIDE = _outside_address()
+needs_outside = pytest.mark.skipif(OUTSIDE is None, reason="no non-loopback address")
+BEARER = {"Authorization": f"Bearer {ADMIN}"}
+
+
+@needs_outside
+def test_1_admin_actions_without_an_admin_token_come_only_from_this_machine():
+    """Bound beyond loopback with only a fleet token, a plain POST or DELETE from the
+    network drains, evicts and bans nobody (not even ids that do not exist yet)."""
+    server = secure_registry(host=OUTSIDE, admin_token="")
+    victim = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
+                       role=Role.DECODE, token=TOKEN)
+    try:
+        assert victim.register().status is ReplyStatus.OK
+        base = f"{server.http_url}/v1/members"
+        assert httpx.post(f"{base}/{victim.id}/drain").status_code == 403
+        for target in (victim.id, "decode-10.0.0.9-8200"):
+            assert httpx.delete(f"{base}/{target}", params={"ban": 2592000}).status_code == 403
+        assert record(server, victim.id).state is MemberState.READY
+        assert victim.heartbeat().status is ReplyStatus.OK
+        assert not server.submit(lambda m, now: m.admission.banned(now)).result(WAIT_S)
+    finally:
+        victim.close()
+        server.close()
+
+
+@pytest.mark.parametrize("headers", [
+    {"Origin": "http://evil.example"},
+    {"Origin": "null"},
+    {"Sec-Fetch-Site": "cross-site"},
+], ids=["origin", "null-origin", "sec-fetch"])
+def test_1_a_web_page_cannot_fire_admin_actions(registry, victim, headers):
+    """What a browser sends cross-site (a form POST, a fetch) is refused, with or without
+    the admin token (a rebinding page would reach loopback with a matching Host)."""
+    url = f"{registry.http_url}/v1/members/{victim.id}"
+    for extra in ({}, BEARER):
+        assert httpx.post(f"{url}/drain", headers={**headers, **extra}).status_code == 403
+        assert httpx.delete(url, headers={**headers, **extra}).status_code == 403
+    assert record(registry, victim.id).state is MemberState.READY
+    assert httpx.post(f"{url}/drain", headers=BEARER).status_code == 200  # the operator's
+
+
+def test_3_a_replayed_register_returns_no_session_anyone_can_use(registry):
+    victim = RawMember(registry.control_address, member_id="decode-10.0.0.7-8200",
+                       role=Role.DECODE, token=TOKEN)
+    sniffer = RawMember(registry.control_address, member_id="attacker-1")
+    try:
+        assert victim.register().status is ReplyStatus.OK
+        sniffed = victim.last_frames
+        assert TOKEN.encode() not in sniffed[0]  # the token never crosses the wire
+        reply = sniffer.send_frames(sniffed)
+        assert reply.status is ReplyStatus.OK and reply.session_salt
+        # What came back is sealed with the token: as a session it proves nothing.
+        for session in (reply.session, sessions.open_session(
+                sessions.token_key("guess"), victim.nonce, reply.session_salt,
+                reply.session)):
+            sniffer.session = session
+            for seq in (1, 2**63 - 1):
+                forged = Heartbeat(victim.id, victim.spec.incarnation, seq,
+                                   MemberState.DRAINING, Load())
+                assert sniffer.ask_signed(forged).status is ReplyStatus.REJECTED
+        assert record(registry, victim.id).state is MemberState.READY
+        assert victim.heartbeat().status is ReplyStatus.OK
+    finally:
+        victim.close()
+        sniffer.close()
+
+
+def test_3_a_seq_far_ahead_locks_nobody_out(registry, victim):
+    """Even the session holder's own seq = 2^63-1 is refused without moving the last
+    seq, so the member's next ordinary heartbeat still counts; re-registering with its
+    nonce hands the member its session again."""
+    far = Heartbeat(victim.id, victim.spec.incarnation, 2**63 - 1, MemberState.READY, Load())
+    reply = victim.ask_signed(far)
+    assert reply.status is ReplyStatus.REJECTED and "seq" in reply.reason
+    assert victim.heartbeat(Load(running=4)).status is ReplyStatus.OK
+    session = victim.session
+    assert victim.register().status is ReplyStatus.OK and victim.session == session
+    assert victim.heartbeat(Load(running=5)).status is ReplyStatus.OK
+    assert record(registry, victim.id).load.running == 5
+    assert rejections(registry)["seq"] == 1
+
+
+def test_3_a_token_in_clear_is_refused(registry, attacker):
+    clear = Register(spec=member_spec("decode-6.6.6.6-80", role=Role.DECODE), nonce=b"n" * 16,
+                     token=TOKEN, state=MemberState.READY)
+    reply = attacker.ask(clear)
+    assert reply.status is ReplyStatus.REJECTED and "token" in reply.reason
+    assert registry.members() == {}
+
+
+@needs_outside
+def test_4_reads_beyond_loopback_need_the_fleet_token():
+    server = secure_registry(host=OUTSIDE)
+    victim = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
+                       role=Role.DECODE, token=TOKEN)
+    try:
+        assert victim.register().status is ReplyStatus.OK
+        base = server.http_url
+        for path in ("/v1/members", f"/v1/members/{victim.id}", "/v1/bans", "/v1/dashboard",
+                     "/"):
+            refused = httpx.get(f"{base}{path}")
+            assert refused.status_code == 401 and victim.id not in refused.text
+            assert refused.headers["www-authenticate"].startswith("Basic")
+        assert httpx.get(f"{base}/v1/members", headers={"Authorization": "Bearer guess"}
+                         ).status_code == 401
+        for auth in ({"Authorization": f"Bearer {TOKEN}"}, BEARER):
+            members = httpx.get(f"{base}/v1/members", headers=auth).json()
+            assert [m["id"] for m in members] == [victim.id]
+        basic = httpx.get(f"{base}/v1/dashboard", auth=("operator", TOKEN))  # a browser's
+        assert basic.status_code == 200 and victim.id in basic.text
+        assert httpx.get(f"{base}/healthz").status_code == 200  # probes stay open
+    finally:
+        victim.close()
+        server.close()
+
+
+@needs_outside
+def test_4_snapshots_beyond_loopback_need_the_fleet_token():
+    server = secure_registry(host=OUTSIDE)
+    victim = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
+                       role=Role.DECODE, token=TOKEN)
+    address = server.control_address
+    try:
+        assert victim.register().status is ReplyStatus.OK
+        with pytest.raises(RuntimeError, match="fleet token"):
+            request_snapshot(address)
+        with pytest.raises(RuntimeError, match="fleet token"):
+            request_snapshot(address, token="guess")
+        for token in (TOKEN, ADMIN):  # pdreg drain/evict prove theirs with the admin token
+            assert [r.spec.id for r in request_snapshot(address, token=token).members] == [
+                victim.id]
+        with MembershipView(address) as blind, MembershipView(address, token=TOKEN) as view:
+            assert view.wait_for(lambda m: victim.id in m, WAIT_S)
+            assert not blind.synced and blind.members() == {}
+        # pdreg status takes the token the way every command does.
+        assert [m["id"] for m in fetch_members(address, token=TOKEN)] == [victim.id]
+        assert victim.heartbeat().status is ReplyStatus.OK
+    finally:
+        victim.close()
+        server.close()
+
+
+@needs_outside
+def test_4_fresh_identities_from_one_address_do_not_multiply_snapshots(
+        monkeypatch: pytest.MonkeyPatch):
+    """Each ZeroMQ connection is an identity with its own sync budget: new connections
+    from one address are limited (a burst, then CONNECTS_PER_S), so a flood of fresh
+    identities (here an insider's, holding the token) gets few snapshots, and the
+    member already connected is served."""
+    monkeypatch.setattr(security, "CONNECT_BURST", 8)
+    monkeypatch.setattr(security, "CONNECTS_PER_S", 0.01)
+    server = secure_registry(host=OUTSIDE)
+    victim = RawMember(server.control_address, member_id="decode-10.0.0.7-8200",
+                       role=Role.DECODE, token=TOKEN)
+    flood = []
+    proved_sync = _encode(sessions.prove_sync(Sync(), TOKEN, _encode))  # an insider's
+    try:
+        assert victim.register().status is ReplyStatus.OK  # its connection: one of 8
+        for _ in range(40):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{server.control_address}")
+            flood.append(sock)
+            with contextlib.suppress(zmq.Again):
+                sock.send(proved_sync, zmq.NOBLOCK)
+        assert wait_until(lambda: server.stats.syncs >= 7, WAIT_S)  # the rest of the burst
+        time.sleep(0.5)  # give the refused ones every chance to be answered after all
+        answered = sum(bool(sock.poll(0)) for sock in flood)
+        assert answered == server.stats.syncs == 7
+        assert victim.heartbeat().status is ReplyStatus.OK
+    finally:
+        for sock in flood:
+            sock.close(linger=0)
+        victim.close()
+        server.close()
+
+
+@pytest.mark.parametrize(("address", "events", "allowed"), [
+    ("10.0.0.1", [0.0] * 3, [True, True, False]),  # burst of 2
+    ("10.0.0.1", [0.0, 0.0, 1.0], [True, True, True]),  # refilled after a second
+    ("127.0.0.1", [0.0] * 5, [True] * 5),  # this machine's own clients: never limited
+])
+def test_connection_limiter_table(address, events, allowed):
+    limiter = security.ConnectionLimiter(burst=2, per_s=1.0)
+    assert [limiter.allow(address, at) for at in events] == allowed
+
+
+def test_5_trickling_requests_are_cut_off_and_real_ones_served(
+        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(http_guard, "REQUEST_READ_TIMEOUT_S", 1.0)
+    server = secure_registry()
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    slow = []
+    try:
+        before = http_guard.guard_stats.read_timeouts
+        for _ in range(60):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(b"GET /v1/members HTTP/1.1\r\nHost: x\r\nX-a: ")
+            slow.append(sock)
+        # A real request is answered while the slow ones hang...
+        assert httpx.get(f"{server.http_url}/v1/members", timeout=WAIT_S).status_code == 200
+        # ...and each slow one is closed once its deadline passes, however it trickles.
+        for sock in slow:
+            sock.settimeout(WAIT_S)
+            with contextlib.suppress(OSError):
+                sock.sendall(b"b")
+            # Closed with unread bytes may read as a reset: as good as a close.
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(100) == b""
+        assert http_guard.guard_stats.read_timeouts - before >= 60
+    finally:
+        for sock in slow:
+            sock.close()
+        server.close()
+
+
+@pytest.mark.parametrize("body", [b"[" * 5000, b"{" * 5000, b"x" * 200_000],
+                         ids=["nested-list", "nested-object", "large"])
+def test_6_hostile_bodies_get_4xx_and_no_traceback(registry, victim, body, caplog):
+    caplog.set_level(logging.ERROR)
+    url = f"{registry.http_url}/v1/members/{victim.id}"
+    for method in ("POST", "DELETE"):
+        target = f"{url}/drain" if method == "POST" else url
+        response = httpx.request(method, target, content=body,
+                                 headers={"Content-Type": "application/json"})
+        assert 400 <= response.status_code < 500
+    chunked = httpx.post(f"{url}/drain", content=iter([body]), headers=BEARER)
+    assert chunked.status_code in (200, 413)
+    assert not [r for r in caplog.records if r.exc_info]
+    assert record(registry, victim.id).state in (MemberState.READY, MemberState.DRAINING)
+
+
+def test_7_an_insider_cannot_hijack_a_live_id_with_a_newer_incarnation(registry, victim):
+    before = record(registry, victim.id)
+    insider = RawMember(registry.control_address, token=TOKEN, spec=msgspec.structs.replace(
+        victim.spec, incarnation=new_incarnation() + 30 * 10**9,
+        endpoints=msgspec.structs.replace(victim.spec.endpoints, http="http://6.6.6.6:8200")))
+    try:
+        for _ in range(3):
+            reply = insider.register()
+            assert reply.status is ReplyStatus.REJECTED and "contested" in reply.reason
+            assert reply.session == b""
+            assert victim.heartbeat().status is ReplyStatus.OK
+        assert record(registry, victim.id).spec == before.spec
+        assert rejections(registry)["contested"] == 3
+        assert registry.stats.departures.get("replaced", 0) == 0
+        # Its bye about the id (with its own incarnation) removes nothing either.
+        assert insider.bye().status is ReplyStatus.UNKNOWN
+        assert record(registry, victim.id).spec == before.spec
+    finally:
+        insider.close()
+
+
+def test_8_one_router_cannot_keep_a_healthy_member_out(registry, victim):
+    router = RawMember(registry.control_address, member_id="api_server-10.0.0.1-8000",
+                       role=Role.API_SERVER, token=TOKEN)
+    try:
+        assert router.register().status is ReplyStatus.OK
+        target = victim.spec.incarnation
+        for _ in range(40):  # 20 a second for two seconds, as in the issue
+            assert router.report(victim.id, target, "refused").status is ReplyStatus.OK
+            assert not record(registry, victim.id).suspect
+        reports = registry.stats.reports
+        assert reports["outweighed"] == 1 and reports["limited"] == 39
+        assert reports.get("accepted", 0) == 0
+        assert public(registry, victim.id)["routable"]
+    finally:
+        router.close()
+
+
+def test_15_load_extras_never_overwrite_the_named_figures(registry, victim):
+    fake = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "tok_s": 12.5}
+    assert victim.heartbeat(Load(running=500, waiting=900, kv_usage=0.99,
+                                 extra=fake)).status is ReplyStatus.OK
+    assert wait_until(lambda: public(registry, victim.id)["load"]["running"] == 500, WAIT_S)
+    load = public(registry, victim.id)["load"]
+    assert (load["running"], load["waiting"], load["kv_usage"]) == (500, 900, 0.99)
+    assert load["extra"] == fake
+    dashboard_state = httpx.get(f"{registry.http_url}/v1/dashboard").json()
+    shown = next(m for m in dashboard_state["members"] if m["id"] == victim.id)["load"]
+    assert (shown["running"], shown["waiting"], shown["kv_usage"]) == (500, 900, 0.99)
+    table = render(fetch_members(registry.control_address))
+    row = next(line for line in table.splitlines() if line.startswith(victim.id))
+    assert row.split()[5:8] == ["500", "900", "99"]
+
+
+def test_12_the_engine_never_sees_pdregs_credentials(registry, tmp_path):
+    """Model code runs inside the engine: it must not find the fleet token (an insider's
+    credential) or any other pdreg secret in its environment."""
+    seen = tmp_path / "engine-env"
+    port = free_low_port()
+    engine = (f"env > {shlex.quote(str(seen))}; exec {shlex.quote(sys.executable)} -m "
+              f"engine_agent.standins --kind vllm --port {port} --model tiny")
+    secrets_env = {"PDREG_TOKEN": TOKEN, "PDREG_ADMIN_TOKEN": ADMIN,
+                   "PDREG_API_KEY": "client-key", "PDREG_REGISTRY": registry.control_address}
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "pdreg", "agent", "--engine", "vllm", "--engine-url",
+         f"http://127.0.0.1:{port}", "--role", "decode", "--health-interval", "0.1",
+         "--", "bash", "-c", engine],
+        env={**os.environ, **secrets_env}, preexec_fn=die_with_parent)
+    try:
+        member_id = f"decode-127.0.0.1-{port}"
+        assert wait_until(lambda: (m := registry.members().get(member_id)) is not None
+                          and m.state is MemberState.READY, WAIT_S * 3)
+        names = {line.partition("=")[0] for line in seen.read_text().splitlines()}
+        assert not names & {"PDREG_TOKEN", "PDREG_ADMIN_TOKEN", "PDREG_API_KEY"}
+        assert "PDREG_REGISTRY" in names and "PATH" in names  # the rest is the engine's
+        assert TOKEN not in seen.read_text()
+    finally:
+        assert stop_process(sidecar, 30) == 0
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("running", ["+Inf", "-Inf", "NaN", "1e300"])
+def test_14_a_hostile_gauge_is_skipped_and_counted_never_fatal(running):
+    _Metrics.body = (
+        '# TYPE vllm:num_requests_running gauge\n'
+        f'vllm:num_requests_running{{model_name="tiny",engine="0"}} {running}\n'
+        'vllm:num_requests_running{model_name="tiny",engine="1"} 3.0\n'
+        '# TYPE vllm:num_requests_waiting gauge\n'
+        'vllm:num_requests_waiting{model_name="tiny",engine="0"} 2.0\n'
+        '# TYPE vllm:kv_cache_usage_perc gauge\n'
+        'vllm:kv_cache_usage_perc{model_name="tiny",engine="0"} 0.5\n').encode()
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    thread.start()
+    probe = EngineProbe(EngineKind.VLLM, f"http://127.0.0.1:{engine.server_address[1]}")
+    try:
+        before = probes.skipped_values["vllm:num_requests_running"]
+        load = probe.load()
+        assert load == Load(running=3, waiting=2, kv_usage=0.5)  # the good engine's figures
+        assert probe.in_flight() == 5
+        assert probes.skipped_values["vllm:num_requests_running"] - before == 2
+    finally:
+        probe.close()
+        engine.shutdown()
+        engine.server_close()
+
+
 # --- the state machine ------------------------------------------------------------------
 
 MEMBERS = 3
@@ -526,3 +927,116 @@ class LegitimateMembersAndAnAttacker(RuleBasedStateMachine):
 LegitimateMembersAndAnAttacker.TestCase.settings = settings(
     max_examples=25, stateful_step_count=30, deadline=None)
 test_no_message_without_a_secret_changes_a_record = LegitimateMembersAndAnAttacker.TestCase
+
+
+# --- the insider state machine (issue 17: items 7 and 8) --------------------------------
+
+VICTIM_ID = "decode-10.0.0.7-8200"
+EVIL_HTTP = "http://6.6.6.6:8200"
+
+
+class LegitimateAgentAndAnInsider(RuleBasedStateMachine):
+    """A legitimate member heartbeats; an insider holding the fleet token, with a router
+    (api_server) of its own and members of its own, tries to displace it: newer
+    incarnations of its id, the same incarnation with another nonce, floods of failure
+    reports, forged and replayed heartbeats and byes. CURVE is assumed (as the README
+    says for token holders on the same network): the insider sniffs the victim's sealed
+    heartbeats, not the Register exchange.
+
+    After every step: the id is held by the victim's own incarnation and spec, in the
+    state and with the load it last announced, and not suspect (one router alone cannot
+    outweigh its fresh heartbeats).
+    """
+
+    @initialize()
+    def start(self) -> None:
+        self.registry = secure_registry(http_port=-1)
+        address = self.registry.control_address
+        self.victim = RawMember(address, token=TOKEN, spec=member_spec(
+            VICTIM_ID, new_incarnation(), Role.DECODE, http="http://10.0.0.7:8200"))
+        assert self.victim.register().status is ReplyStatus.OK
+        self.said: tuple[MemberState, Load] = (MemberState.READY, Load())
+        self.router = RawMember(address, member_id="api_server-6.6.6.6-8000",
+                                role=Role.API_SERVER, token=TOKEN)
+        assert self.router.register().status is ReplyStatus.OK
+        self.insider = RawMember(address, token=TOKEN, spec=member_spec(
+            VICTIM_ID, self.victim.spec.incarnation, Role.DECODE, http=EVIL_HTTP))
+        self.own = 0
+        self.sniffed: list[list[bytes]] = []
+
+    def teardown(self) -> None:
+        for member in (self.victim, self.router, self.insider):
+            member.close()
+        self.registry.close()
+
+    # -- the legitimate agent ------------------------------------------------------------
+
+    @rule(state=st.sampled_from([MemberState.READY, MemberState.JOINING]), load=loads)
+    def heartbeat(self, state: MemberState, load: Load) -> None:
+        assert self.victim.heartbeat(load, state).status is ReplyStatus.OK
+        self.sniffed.append(self.victim.last_frames)
+        self.said = (state, load)
+
+    # -- the insider ---------------------------------------------------------------------
+
+    @rule(ahead_s=st.floats(-5.0, 59.0), nonce=st.binary(min_size=16, max_size=16),
+          same_spec=st.booleans())
+    def claim_the_id(self, ahead_s: float, nonce: bytes, same_spec: bool) -> None:
+        """A Register for the victim's id: an incarnation near now (a newer one within
+        what admission allows, or the very same one) under the insider's own nonce."""
+        incarnation = max(self.victim.spec.incarnation,
+                          new_incarnation() + int(ahead_s * 1e9))
+        spec = self.victim.spec if same_spec else self.insider.spec
+        self.insider.nonce = nonce
+        reply = self.insider.register(spec=msgspec.structs.replace(spec,
+                                                                   incarnation=incarnation))
+        assert reply.status is not ReplyStatus.OK, reply
+        assert not reply.session
+
+    @rule(count=st.integers(1, 25))
+    def flood_reports(self, count: int) -> None:
+        for _ in range(count):
+            reply = self.router.report(VICTIM_ID, self.victim.spec.incarnation, "refused")
+            assert reply.status is ReplyStatus.OK  # noted, limited or outweighed
+
+    @rule(state=st.sampled_from(list(MemberState)), seq=st.integers(0, 2**63 - 1),
+          proof=st.sampled_from([NO_PROOF, FORGED_PROOF]), bye=st.booleans())
+    def forge(self, state: MemberState, seq: int, proof: bytes, bye: bool) -> None:
+        spec = self.victim.spec
+        message: object = (Bye(spec.id, spec.incarnation, seq, ByeReason.CRASHED, proof)
+                           if bye else Heartbeat(spec.id, spec.incarnation, seq, state,
+                                                 Load(), proof))
+        assert self.insider.ask(message).status is ReplyStatus.REJECTED
+
+    @precondition(lambda self: self.sniffed)
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        reply = self.insider.send_frames(data.draw(st.sampled_from(self.sniffed)))
+        assert reply.status is ReplyStatus.REJECTED
+
+    @rule()
+    def register_own_member(self) -> None:
+        """What the token is for: members of its own, which change nobody else."""
+        self.own += 1
+        own = RawMember(self.registry.control_address, token=TOKEN, spec=member_spec(
+            f"decode-6.6.6.{self.own}-8000", new_incarnation(), Role.DECODE, http=EVIL_HTTP))
+        try:
+            assert own.register().status is ReplyStatus.OK
+        finally:
+            own.close()
+
+    # -- what must hold ------------------------------------------------------------------
+
+    @invariant()
+    def the_victim_holds_its_id(self) -> None:
+        if not hasattr(self, "registry"):
+            return
+        held = record(self.registry, VICTIM_ID)
+        assert held is not None and held.spec == self.victim.spec
+        assert (held.state, held.load, held.suspect) == (*self.said, False)
+
+
+LegitimateAgentAndAnInsider.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=25, deadline=None)
+test_an_insider_never_displaces_a_member_that_heartbeats = (
+    LegitimateAgentAndAnInsider.TestCase)

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from engine_agent.agent import (
@@ -26,6 +27,7 @@ from registry.protocol import (
     Load,
     MemberSpec,
     MemberState,
+    ReplyStatus,
     Role,
 )
 from registry.server import RegistryConfig, RegistryServer
@@ -176,23 +178,41 @@ def test_unreachable_or_silent_registry_never_blocks_the_caller() -> None:
         ctx.term()
 
 
-def test_newer_incarnation_makes_the_older_agent_give_up(
-        server: RegistryServer, agents: list[Agent], caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="engine_agent")
+def test_a_newer_incarnation_waits_while_the_holder_heartbeats(
+        server: RegistryServer, agents: list[Agent]) -> None:
     old_spec = make_spec(incarnation=1000)
     old = Agent(old_spec, registries=server.control_address).start()
     agents.append(old)
     assert wait_until(lambda: old.registered, TIMEOUT_S)
     new = Agent(make_spec(incarnation=2000), registries=server.control_address).start()
     agents.append(new)
-    assert wait_until(
-        lambda: server.members().get(old_spec.id) is not None
-        and server.members()[old_spec.id].spec.incarnation == 2000, TIMEOUT_S)
-    assert wait_until(lambda: not old.registered, TIMEOUT_S)
+    assert wait_until(lambda: server.stats.rejections.get("contested", 0) >= 2, TIMEOUT_S)
+    assert server.members()[old_spec.id].spec.incarnation == 1000 and not new.registered
+    old.stop()  # said bye: the id is free, and the waiting agent takes it
+    assert wait_until(lambda: new.registered and server.members().get(old_spec.id)
+                      is not None and server.members()[old_spec.id].spec.incarnation
+                      == 2000, TIMEOUT_S)
+
+
+def test_an_agent_told_stale_registers_again_until_its_id_is_free(
+        server: RegistryServer, agents: list[Agent], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="engine_agent")
+    spec = make_spec(incarnation=1000)
+    agent = Agent(spec, registries=server.control_address).start()
+    agents.append(agent)
+    assert wait_until(lambda: agent.registered, TIMEOUT_S)
+    newer = msgspec.structs.replace(spec, incarnation=2000)
+
+    def usurp(membership, now):  # a newer incarnation that never heartbeats
+        membership.evict(spec.id, now)
+        return membership.register(newer, MemberState.READY, Load(), now, nonce=b"u" * 16)
+
+    assert server.submit(usurp).result(TIMEOUT_S).status is ReplyStatus.OK
     assert wait_until(lambda: "STALE" in caplog.text, TIMEOUT_S)
-    assert new.registered
-    old.stop()  # its bye must not remove the newer incarnation
-    assert not wait_until(lambda: old_spec.id not in server.members(), 3 * INTERVAL_S)
+    # The usurper expires after its lease; the agent, still trying, is back.
+    assert wait_until(lambda: server.members().get(spec.id) is not None
+                      and server.members()[spec.id].spec.incarnation == 1000
+                      and agent.registered, TIMEOUT_S + LEASE_S)
 
 
 def test_bad_token_is_rejected_and_logged(agents: list[Agent],

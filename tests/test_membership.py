@@ -14,6 +14,7 @@ from membership_ops import (
     essence,
     fresh,
     ops,
+    signed,
     spec,
     ticks,
 )
@@ -28,6 +29,8 @@ from registry.protocol import (
     MemberRecord,
     MemberUpdated,
     ReplyStatus,
+    Report,
+    Role,
 )
 
 # --- one rule at a time ------------------------------------------------------------------
@@ -43,23 +46,24 @@ def test_register_then_ready_emits_joined_then_updated():
     assert m.get("p0").routable
 
 
-@pytest.mark.parametrize(("held", "sent", "expected"), [
-    (5, 4, ReplyStatus.STALE),    # an older process must not come back
-    (5, 5, ReplyStatus.OK),       # a retried registration
-    (5, 6, ReplyStatus.OK),       # a restart replaces
+@pytest.mark.parametrize(("held", "sent", "at", "expected", "holder"), [
+    (5, 4, 0.1, ReplyStatus.STALE, 5),    # an older process must not come back
+    (5, 5, 0.1, ReplyStatus.OK, 5),       # a retried registration
+    (5, 6, 0.1, ReplyStatus.REJECTED, 5),  # contested: the holder heartbeats
+    (5, 6, 3.5, ReplyStatus.OK, 6),       # a restart replaces a holder silent past its lease
 ])
-def test_register_incarnation_rules(held, sent, expected):
+def test_register_incarnation_rules(held, sent, at, expected, holder):
     m = fresh()
     m.join(spec(incarnation=held), READY, Load(), 0.0)
-    assert m.join(spec(incarnation=sent), READY, Load(), 0.1).status is expected
-    assert m.get("p0").spec.incarnation == max(held, sent)
+    assert m.join(spec(incarnation=sent), READY, Load(), at).status is expected
+    assert m.get("p0").spec.incarnation == holder
 
 
 def test_newer_incarnation_leaves_as_replaced_and_joins_again():
     m = fresh()
     m.join(spec(incarnation=1), READY, Load(), 0.0)
     m.take_events()
-    m.join(spec(incarnation=2), READY, Load(), 0.1)
+    m.join(spec(incarnation=2), READY, Load(), 3.5)  # the first one went silent
     left, joined = m.take_events()
     assert isinstance(left, MemberLeft) and left.reason is LeaveReason.REPLACED
     assert left.incarnation == 1
@@ -147,12 +151,38 @@ def test_heartbeat_clears_suspicion():
 def test_router_report_suspects_until_next_heartbeat():
     m = fresh()
     m.join(spec(), READY, Load(), 0.0)
-    assert m.accuse("p0", 1, 0.1).status is ReplyStatus.OK
+    # Its heartbeat is 2 s old (over 1.5 intervals): one router's word is enough.
+    assert m.accuse("p0", 1, 2.0).status is ReplyStatus.OK
     assert m.get("p0").suspect
-    outcome = m.accuse("p0", 9, 0.1)  # about another incarnation: nothing to do
+    outcome = m.accuse("p0", 9, 2.0)  # about another incarnation: nothing to do
     assert outcome.status is ReplyStatus.OK and outcome.kind == "ignored"
-    m.beat("p0", 1, READY, Load(), 0.2)
+    m.beat("p0", 1, READY, Load(), 2.1)
     assert not m.get("p0").suspect
+
+
+@pytest.mark.parametrize(("reports", "heartbeat_age_s", "suspect", "kinds"), [
+    ([("r1", 0.5)], 0.5, False, ["outweighed"]),  # one router against a fresh heartbeat
+    ([("r1", 0.5), ("r1", 0.7)], 0.7, False, ["outweighed", "limited"]),  # rate
+    ([("r1", 0.5), ("r2", 0.6)], 0.6, True, ["outweighed", "accepted"]),  # two routers
+    ([("r1", 0.5), ("r2", 4.0)], 0.0, False, ["outweighed", "outweighed"]),  # out of window
+    ([("r1", 2.0)], 2.0, True, ["accepted"]),  # its heartbeats stopped
+])
+def test_reports_are_weighed_against_fresh_heartbeats(reports, heartbeat_age_s, suspect,
+                                                       kinds):
+    m = fresh()
+    m.join(spec(), READY, Load(), 0.0)
+    for router in {r for r, _ in reports}:
+        m.join(spec(router, 1, role=Role.API_SERVER), now=0.0)
+    seqs = {}
+    got = []
+    for router, at in reports:
+        if at - heartbeat_age_s > 0:
+            m.beat("p0", 1, READY, Load(), at - heartbeat_age_s)
+        seqs[router] = seqs.get(router, 0) + 1
+        report = Report(router, 1, seqs[router], "p0", 1, "refused")
+        got.append(m.report(*signed(m.sessions[(router, 1)], report), at).kind)
+    assert got == kinds
+    assert m.get("p0").suspect is suspect
 
 
 def test_loop_lag_moves_deadlines():
