@@ -14,6 +14,7 @@ It lives on one event loop; nothing here is shared across threads except `view`,
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import logging
@@ -57,6 +58,11 @@ MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
 MAX_MIGRATIONS: Final = 3  # times one stream may continue on a new pair
 MAX_KNOWN_MODELS: Final = 10_000  # models remembered for 404-vs-503 (registry-bounded)
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a client's request body
+# A client has this long to send a request's headers (from connecting, or from the end of
+# its previous answer on a keep-alive connection), and this long for its body: a client
+# trickling bytes (slowloris) holds a connection for seconds, not for ever.
+HEADER_TIMEOUT_S: Final = 10.0
+BODY_TIMEOUT_S: Final = 30.0
 # Failures kept local: a slow engine is not a dead one, and a hung one stops heartbeating,
 # which the registry sees for itself. Reporting them would make a loaded fleet suspect.
 _NOT_REPORTED: Final = frozenset({"idle_timeout", "first_byte_timeout"})
@@ -96,7 +102,7 @@ class Router:
                  timeouts: Timeouts | None = None,
                  upstream_policy: UpstreamPolicy | None = None,
                  adapters: Adapters | None = None, rng: random.Random | None = None,
-                 latency_decay_s: float = DECAY_S,
+                 latency_decay_s: float = DECAY_S, body_timeout_s: float = BODY_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view = view
         self.policy = policy
@@ -113,6 +119,7 @@ class Router:
         self.member_id = member_id
         self.timeouts = timeouts or Timeouts()
         self.upstream_policy = upstream_policy or UpstreamPolicy.build()
+        self.body_timeout_s = body_timeout_s
         self.draining = False
         self._api_key = f"Bearer {api_key}".encode() if api_key else b""
         self._clock = clock
@@ -206,19 +213,34 @@ class Router:
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         if not self._authorized(request):
-            return _unauthorized()
+            return self._refuse("unauthorized", _unauthorized())
         if HOP_HEADER in request.headers:
             # Sent by a router: some member's URL leads back to a router. Refuse, so the
             # request cannot circle; the sender quarantines that member.
-            return openai_error(508, "request loop: this router was reached through a "
-                                "router", "invalid_request_error", "loop_detected")
+            return self._refuse("loop", openai_error(
+                508, "request loop: this router was reached through a router",
+                "invalid_request_error", "loop_detected"))
         try:
-            body = _decode(await request.read())
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            response = self._refuse("body_timeout", openai_error(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                "invalid_request_error", "body_timeout"))
+            response.force_close()
+            return response
+        try:
+            body = _decode(raw)
         except msgspec.DecodeError as exc:
-            return openai_error(400, f"request body is not JSON: {exc}", "invalid_request_error")
+            return self._refuse("not_json", openai_error(
+                400, f"request body is not JSON: {exc}", "invalid_request_error"))
+        except RecursionError:  # msgspec's answer to [[[[... a thousand levels deep
+            return self._refuse("too_deep", openai_error(
+                400, "request body is nested too deeply", "invalid_request_error"))
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model:
-            return openai_error(400, "'model' is required", "invalid_request_error")
+            return self._refuse("no_model", openai_error(400, "'model' is required",
+                                                         "invalid_request_error"))
         stripped = strip_internal_fields(body)
         if stripped:
             logger.debug("[router] stripped client fields %s", stripped)
@@ -296,6 +318,10 @@ class Router:
     @staticmethod
     def error(status: int, message: str, kind: str, code: str) -> web.Response:
         return openai_error(status, message, kind, code)
+
+    def _refuse(self, reason: str, response: web.Response) -> web.Response:
+        self.metrics.refused_of(reason).inc()
+        return response
 
     def count(self, model: str, outcome: str) -> None:
         # Clients name the model: only models the fleet serves get a series of their own,

@@ -135,6 +135,10 @@ class RouterMetrics:
         # Per member and role rather than per (P, D) pair: P x D series do not scale.
         self.picks = Counter("pdreg_router_picks", "Times a member was chosen, by role",
                              ("member", "role"), registry=r)
+        self.refused = Counter(
+            "pdreg_router_refused", "Client requests refused before pairing, by reason "
+            "(not_json, too_deep, no_model, body_timeout, loop, unauthorized)", ("reason",),
+            registry=r)
         # The request path's children, cached.
         self.requests_of = LabelCache(self.requests)
         self.ttft_of = LabelCache(self.ttft)
@@ -142,6 +146,7 @@ class RouterMetrics:
         self.itl_of = self.itl.labels
         self.in_flight_of = LabelCache(self.in_flight)
         self.picks_of = LabelCache(self.picks)
+        self.refused_of = LabelCache(self.refused)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,7 +21,14 @@ import uvloop
 from aiohttp import web
 
 from router.adapters import Adapters
-from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS, MembershipSource, Router
+from router.app import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    MAX_ATTEMPTS,
+    MAX_MIGRATIONS,
+    MembershipSource,
+    Router,
+)
 from router.guard import UpstreamPolicy
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S
@@ -58,10 +65,12 @@ class RouterConfig:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
     stream_idle_timeout_s: float = IDLE_READ_TIMEOUT_S
-    allow_upstream: str = ""  # CIDRs; "" = every address but link-local and metadata
+    allow_upstream: str = ""  # CIDRs; "" = public addresses only (guard.DEFAULT_DENY)
     drain_delay_s: float = DRAIN_DELAY_S
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     latency_decay_s: float = DECAY_S
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
 
 
 class RouterServer:
@@ -78,7 +87,8 @@ class RouterServer:
                               first_byte_s=config.first_byte_timeout_s,
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
-            latency_decay_s=config.latency_decay_s, adapters=adapters)
+            latency_decay_s=config.latency_decay_s, body_timeout_s=config.body_timeout_s,
+            adapters=adapters)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -104,8 +114,11 @@ class RouterServer:
         return self
 
     async def _serve(self) -> None:
+        # aiohttp closes a connection that has not delivered a whole request head within
+        # keepalive_timeout of connecting or of its previous answer: the header deadline.
         runner = web.AppRunner(self.router.build_app(), handler_cancellation=True,
-                               access_log=None, shutdown_timeout=self.config.drain_timeout_s)
+                               access_log=None, shutdown_timeout=self.config.drain_timeout_s,
+                               keepalive_timeout=self.config.header_timeout_s)
         await runner.setup()
         self._runner = runner
         site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)

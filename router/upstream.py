@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from router.guard import HOP_HEADER, UpstreamPolicy
+from router.guard import HOP_HEADER, UpstreamPolicy, kv_address_problem
 from router.upstream_bounds import MAX_BODY_BYTES, FailureKind, Timeouts, UpstreamError
 
 __all__ = ["UpstreamPool", "UpstreamResponse"]
@@ -49,6 +49,9 @@ KEEPALIVE_S: Final = 4.0
 # A stream the client reads slower than the engine writes: stop reading the engine's
 # socket above this many buffered bytes (TCP then slows the engine), resume below half.
 READ_HIGH_WATER_BYTES: Final = 2 * 1024 * 1024
+# A KV host name's check (resolved, every address against the policy) is kept this long.
+KV_HOST_CHECK_TTL_S: Final = 30.0
+MAX_KV_HOST_CHECKS: Final = 4096
 
 
 _HOP: Final = HOP_HEADER.encode()
@@ -311,7 +314,45 @@ class UpstreamPool:
         self.policy = policy or UpstreamPolicy.build()
         self.max_body_bytes = MAX_BODY_BYTES
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._kv_checks: dict[str, tuple[float, str | None]] = {}
         self._closed = False
+
+    async def kv_host_problem(self, host: str) -> str | None:
+        """Why a KV host from a member's record may not be handed to an engine, or None.
+
+        An IP literal must be canonical and allowed (`kv_address_problem`). A name must
+        not be a number in disguise (glibc's inet_aton reads `2852039166` and
+        `0xa9fea9fe` as 169.254.169.254) and must resolve, here, only to allowed
+        addresses; the answer is kept for KV_HOST_CHECK_TTL_S."""
+        if _is_ip(host.strip("[]")):
+            return kv_address_problem(host, self.policy)
+        now = time.monotonic()
+        cached = self._kv_checks.get(host)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        problem = await self._check_kv_name(host)
+        if len(self._kv_checks) >= MAX_KV_HOST_CHECKS:
+            self._kv_checks.clear()
+        self._kv_checks[host] = (now + KV_HOST_CHECK_TTL_S, problem)
+        return problem
+
+    async def _check_kv_name(self, host: str) -> str | None:
+        try:
+            socket.inet_aton(host)
+        except OSError:
+            pass
+        else:
+            return f"KV host {host!r} is an IPv4 address in non-canonical form"
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None,
+                                                                 type=socket.SOCK_STREAM)
+        except OSError as exc:
+            return f"KV host {host!r} does not resolve: {exc}"
+        for info in infos:
+            problem = kv_address_problem(str(info[4][0]), self.policy)
+            if problem is not None:
+                return f"KV host {host!r} resolves to {info[4][0]}: {problem}"
+        return None
 
     async def post(self, base_url: str, path: str, body: bytes,
                    request_id: str) -> UpstreamResponse:

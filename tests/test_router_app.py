@@ -19,6 +19,7 @@ from pdreg.testing import wait_until
 from registry.protocol import Handshake, MemberState, Role
 from router import upstream
 from router.adapters import default_adapters
+from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
@@ -44,6 +45,7 @@ class RouterFixture:
 
     def __call__(self, fleet: Fleet, **config: object) -> RouterServer:
         config.setdefault("port", 0)
+        config.setdefault("allow_upstream", LOOPBACK_ALLOW)
         server = RouterServer(RouterConfig(**config), fleet.view).start()  # type: ignore[arg-type]
         self.servers.append(server)
         return server
@@ -277,7 +279,7 @@ def test_bootstrap_rooms_come_from_the_adapters_rng(loop_thread: LoopThread) -> 
         fleet = Fleet(loop_thread, Handshake.SGLANG)
         fleet.add("p1", P)
         d = fleet.add("d1", D)
-        with RouterServer(RouterConfig(port=0), fleet.view,
+        with RouterServer(RouterConfig(port=0, allow_upstream=LOOPBACK_ALLOW), fleet.view,
                           adapters=default_adapters(random.Random(7))) as server:
             client(server).completions.create(model="m", prompt="x", max_tokens=1)
         rooms.append(d.requests[0][1]["bootstrap_room"])
