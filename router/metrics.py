@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
-__all__ = ["LabelCache", "LoopHistogram", "RouterMetrics"]
+__all__ = [
+    "UNKNOWN_MODEL_LABEL",
+    "LabelCache",
+    "LoopHistogram",
+    "RequestRecorder",
+    "RouterMetrics",
+]
 
 MAX_CACHED_CHILDREN: Final = 4096  # per metric; models come from clients, so bound it
+UNKNOWN_MODEL_LABEL: Final = "unknown"  # the model label of models no member serves
 
 # Seconds. TTFT spans a prefill; end-to-end spans a whole generation.
 TTFT_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -147,6 +154,42 @@ class RouterMetrics:
         self.in_flight_of = LabelCache(self.in_flight)
         self.picks_of = LabelCache(self.picks)
         self.refused_of = LabelCache(self.refused)
+        self.quarantines_of = LabelCache(self.quarantines)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestRecorder:
+    """What one request records, through one object: the request path's only view of
+    the metrics. `serves(model)`: whether a model gets a series of its own (clients name
+    the model, so a typo or a scan cannot grow the metrics without bound)."""
+
+    __slots__ = ("_metrics", "_serves")
+
+    def __init__(self, metrics: RouterMetrics, serves: Callable[[str], bool]) -> None:
+        self._metrics = metrics
+        self._serves = serves
+
+    def outcome(self, model: str, outcome: str) -> None:
+        label = model if self._serves(model) else UNKNOWN_MODEL_LABEL
+        self._metrics.requests_of(label, outcome).inc()
+
+    def retry(self, reason: str) -> None:
+        self._metrics.retries.labels(reason).inc()
+
+    def migration(self, reason: str) -> None:
+        self._metrics.migrations.labels(reason).inc()
+
+    def unmigratable(self, why: str) -> None:
+        self._metrics.unmigratable.labels(why).inc()
+
+    def ttft(self, model: str, seconds: float) -> None:
+        self._metrics.ttft_of(model).observe(seconds)
+
+    def e2e(self, model: str, seconds: float) -> None:
+        self._metrics.e2e_of(model).observe(seconds)
+
+    def itl(self, model: str) -> Callable[[float], None]:
+        """The observer of one stream's gaps between reads (called per read)."""
+        return self._metrics.itl_of(model).observe

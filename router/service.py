@@ -26,11 +26,11 @@ from router.app import (
     HEADER_TIMEOUT_S,
     MAX_ATTEMPTS,
     MAX_MIGRATIONS,
-    MembershipSource,
     Router,
 )
 from router.guard import UpstreamPolicy
 from router.latency import DECAY_S
+from router.pairing import MembershipSource
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S
 from router.quarantine import QUARANTINE_S
 from router.upstream_bounds import (

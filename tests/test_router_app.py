@@ -350,8 +350,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_reused(nixl: Fleet,
             for transport in engine.connections.values():
                 transport.close()
     nixl.loop.run(close_idle())
-    pool = server.router.session
-    assert pool is not None
+    pool = server.router.upstream()
     assert wait_until(lambda: not any(conn.usable for idle in pool._idle.values()
                                       for conn in idle), 10)
     got = c.completions.create(model="m", prompt="b", max_tokens=2)
@@ -397,8 +396,7 @@ def test_connections_idle_past_keepalive_are_not_reused(nixl: Fleet,
     p = nixl.add("p1", P)
     nixl.add("d1", D)
     server = router(nixl)
-    assert server.router.session is not None
-    server.router.session.keepalive_s = 0.0  # every idle connection is too old at once
+    server.router.upstream().keepalive_s = 0.0  # every idle connection is too old at once
     c = client(server)
     for i in range(2):
         c.completions.create(model="m", prompt=str(i), max_tokens=1)
