@@ -12,7 +12,6 @@ block the engine.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import math
 import queue
@@ -36,6 +35,7 @@ from engine_agent.link import (
     Request,
 )
 from registry.client import parse_registries
+from registry.lifecycle import ShutdownState
 from registry.protocol import (
     MAX_PROBLEM_CHARS,
     ByeReason,
@@ -83,12 +83,6 @@ def api_server_spec(advertise_host: str, port: int, protocol: str) -> MemberSpec
         id=default_member_id(Role.API_SERVER, advertise_host, port),
         incarnation=new_incarnation(), role=Role.API_SERVER, model="", protocol=protocol,
         endpoints=Endpoints(http=f"http://{advertise_host}:{port}"), started_at=time.time())
-
-
-class ShutdownState(enum.Enum):
-    RUNNING = "running"
-    REQUESTED = "requested"  # stop() was called; the loop says bye and exits
-    STOPPED = "stopped"
 
 
 class Agent:

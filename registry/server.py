@@ -13,7 +13,6 @@ the loop and never touches a member.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import queue
@@ -30,7 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 from registry.admission import MAX_MEMBERS, Limits
 from registry.control import ControlChannel
 from registry.detector import DetectorConfig
-from registry.http_thread import HttpThread
+from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
 from registry.metrics import LoopStats
 from registry.protocol import MAX_MESSAGE_BYTES, MemberRecord, ReplyStatus, control_decoder
@@ -76,12 +75,6 @@ class RegistryConfig:
                       max_members_per_model=self.max_members_per_model)
 
 
-class ShutdownState(enum.Enum):
-    RUNNING = 0
-    REQUESTED = 1
-    STOPPED = 2
-
-
 @dataclass(slots=True)
 class _AdminRequest:
     action: Callable[[Membership, float], Outcome]
@@ -109,7 +102,7 @@ class RegistryServer:
         self._admin: queue.SimpleQueue[_AdminRequest] = queue.SimpleQueue()
         self._state = ShutdownState.RUNNING
         self._loop_thread: threading.Thread | None = None
-        self._http: HttpThread | None = None
+        self._http: ServingThread | None = None
         self._published = Published(self.epoch, 0, (), self.config.heartbeat_interval_s,
                                     self.config.lease_s, False, time.time())
         self._turned_at = time.monotonic()  # the loop's last turn, for /healthz
@@ -139,10 +132,10 @@ class RegistryServer:
         if self.config.http_port >= 0:
             from registry.http import create_app  # FastAPI only when HTTP is wanted
 
-            self._http = HttpThread(create_app(self, admin_token=self.config.admin_token), host,
-                                    self.config.http_port,
-                                    name="pdreg-registry-http")
-            self.http_port = self._http.start()
+            self._http = ServingThread(create_app(self, admin_token=self.config.admin_token),
+                                       host, self.config.http_port,
+                                       name="pdreg-registry-http").start()
+            self.http_port = self._http.port
         self._channel.events_port, self._channel.http_port = self.events_port, self.http_port
         self._published = self._publisher.snapshot(self._membership, time.monotonic())
         self._turned_at = time.monotonic()
@@ -164,7 +157,7 @@ class RegistryServer:
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=5)
         if self._http is not None:
-            self._http.stop()
+            self._http.close()
         self._state = ShutdownState.STOPPED
         if self._curve is not None:
             for sock in (self._control, self._events):

@@ -1,7 +1,7 @@
-"""Run a `Router` on its own uvloop event loop in a background thread.
+"""Run a `Router` on its own event loop in a background thread (`ServingThread`).
 
 The same class serves tests (port 0, start/close) and `pdreg router` (the main thread
-waits for a signal, then drains and closes). Shape follows `registry.server.RegistryServer`.
+waits for a signal, then drains and closes).
 
 Shutdown is two steps, so load balancers take the router out before it stops:
 `drain()` fails readiness and closes each keep-alive connection after its next answer,
@@ -11,15 +11,11 @@ included) finish for at most `drain_timeout_s`, cancels the rest, and stops the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Final
 
-import uvloop
-from aiohttp import web
-
+from registry.lifecycle import ServingThread, ShutdownState
 from router.adapters import Adapters
 from router.app import (
     BODY_TIMEOUT_S,
@@ -44,8 +40,6 @@ __all__ = ["RouterConfig", "RouterServer"]
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S: Final = 30.0
-STOP_TIMEOUT_S: Final = 10.0
 DRAIN_DELAY_S: Final = 5.0  # after SIGTERM: serve on, unready, so balancers take us out
 DRAIN_TIMEOUT_S: Final = 30.0  # then: in-flight requests get this long to finish
 
@@ -89,10 +83,17 @@ class RouterServer:
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
             latency_decay_s=config.latency_decay_s, body_timeout_s=config.body_timeout_s,
             adapters=adapters)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
-        self.port = 0
+        # aiohttp closes a connection that has not delivered a whole request head within
+        # keepalive_timeout of connecting or of its previous answer: the header deadline.
+        self._serving = ServingThread(
+            self.router.build_app(), config.host, config.port, name="pdreg-router",
+            runner_options={"handler_cancellation": True, "access_log": None,
+                            "shutdown_timeout": config.drain_timeout_s,
+                            "keepalive_timeout": config.header_timeout_s})
+
+    @property
+    def port(self) -> int:
+        return self._serving.port
 
     @property
     def url(self) -> str:
@@ -100,57 +101,23 @@ class RouterServer:
 
     def start(self) -> RouterServer:
         """Bind and serve; returns once the socket accepts connections."""
-        loop = self._loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=loop.run_forever, name="pdreg-router",
-                                        daemon=True)
-        self._thread.start()
-        future = asyncio.run_coroutine_threadsafe(self._serve(), loop)
-        try:
-            future.result(START_TIMEOUT_S)
-        except BaseException:
-            self.close()
-            raise
+        self._serving.start()
         logger.info("[router] serving url=%s policy=%s", self.url, self.config.policy)
         return self
-
-    async def _serve(self) -> None:
-        # aiohttp closes a connection that has not delivered a whole request head within
-        # keepalive_timeout of connecting or of its previous answer: the header deadline.
-        runner = web.AppRunner(self.router.build_app(), handler_cancellation=True,
-                               access_log=None, shutdown_timeout=self.config.drain_timeout_s,
-                               keepalive_timeout=self.config.header_timeout_s)
-        await runner.setup()
-        self._runner = runner
-        site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
-        await site.start()
-        self.port = runner.addresses[0][1]
 
     def drain(self) -> None:
         """Fail readiness; keep serving (each keep-alive connection closes after its next
         answer). From any thread; safe twice."""
-        loop = self._loop
-        if loop is not None and not self.router.draining:
-            loop.call_soon_threadsafe(setattr, self.router, "draining", True)
+        if not self.router.draining:
+            self._serving.call_soon(setattr, self.router, "draining", True)
             logger.info("[router] draining: /ready answers 503")
 
     def close(self) -> None:
         """Stop accepting, let requests finish (up to drain_timeout_s), stop the loop.
         Safe twice."""
-        loop, self._loop = self._loop, None
-        if loop is None:
+        if self._serving.state is ShutdownState.STOPPED:
             return
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            try:
-                asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(
-                    self.config.drain_timeout_s + STOP_TIMEOUT_S)
-            except Exception:
-                logger.exception("[router] cleanup failed")
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(STOP_TIMEOUT_S)
-        if not loop.is_running():
-            loop.close()
+        self._serving.close()
         logger.info("[router] stopped")
 
     def __enter__(self) -> RouterServer:
