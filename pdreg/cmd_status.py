@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 import httpx
 
 from pdreg.args import add_client_curve_arguments, add_registry_argument, client_curve_of
+from pdreg.watch import show
 from registry.client import http_base, parse_registries, request_snapshot
 from registry.security import ClientCurve
 
-WATCH_PERIOD_S = 1.0
 COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "ADDRESS", "RUN", "WAIT", "KV%", "HB AGE", "UPTIME")
 ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}
 
@@ -86,17 +85,13 @@ def _duration(seconds: float) -> str:
 def run(args: argparse.Namespace) -> int:
     curve = client_curve_of(args)
     try:
-        if not args.watch:
+        def table(once: bool) -> str:
             members = fetch_members(args.registry, curve=curve)
-            print(json.dumps(members, indent=2) if args.json else render(members))
-            return 0
-        while True:
-            members = fetch_members(args.registry, curve=curve)
-            text = json.dumps(members) if args.json else render(members)
-            # Home the cursor and clear below: the table refreshes in place.
-            sys.stdout.write(f"\x1b[H\x1b[J{time.strftime('%H:%M:%S')}  pdreg status\n{text}\n")
-            sys.stdout.flush()
-            time.sleep(WATCH_PERIOD_S)
+            if args.json:
+                return json.dumps(members, indent=2 if once else None)
+            return render(members)
+        show(table, title="pdreg status", watch=args.watch)
+        return 0
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError, ValueError) as exc:
