@@ -27,7 +27,7 @@ from pdreg.args import (
     secret_of,
 )
 from registry.client import MembershipView
-from registry.protocol import MemberState
+from registry.protocol import ROUTER_PROTOCOL, MemberState
 from router.app import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_ATTEMPTS, MAX_MIGRATIONS
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, parse_networks
 from router.latency import DECAY_S
@@ -42,7 +42,6 @@ from router.upstream_bounds import (
 
 logger = logging.getLogger(__name__)
 
-ROUTER_PROTOCOL = "openai"  # what an api_server member speaks to its clients
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

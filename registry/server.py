@@ -28,7 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from registry.admission import MAX_MEMBERS, Limits
 from registry.control import ControlChannel
-from registry.detector import DetectorConfig
+from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
 from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
 from registry.metrics import LoopStats
@@ -57,7 +57,7 @@ class RegistryConfig:
     port: int = 7600
     events_port: int = 7601
     http_port: int = 7680  # -1 disables HTTP
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     lease_s: float = 3.0
     token: str = ""  # registrations must carry it when set
     admin_token: str = ""  # drain/evict must carry it when set

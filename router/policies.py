@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import msgspec
 
+from registry.detector import HEARTBEAT_INTERVAL_S
 from registry.protocol import Role
 from router.choosers import (
     SATURATED_SCORE,
@@ -50,8 +51,7 @@ __all__ = [
 # A member whose load report is older than this many heartbeat intervals is treated as
 # saturated: we cannot see its queue, so we assume the worst and prefer anyone we can see.
 STALE_LOAD_INTERVALS: Final = 3
-DEFAULT_HEARTBEAT_INTERVAL_S: Final = 1.0
-DEFAULT_STALE_LOAD_S: Final = STALE_LOAD_INTERVALS * DEFAULT_HEARTBEAT_INTERVAL_S
+DEFAULT_STALE_LOAD_S: Final = STALE_LOAD_INTERVALS * HEARTBEAT_INTERVAL_S
 # A full KV cache costs as much as this many queued requests: a member near 100% KV
 # usage is about to preempt, so it should lose to a slightly longer queue elsewhere.
 KV_FULL_PENALTY_REQS: Final = 16.0
