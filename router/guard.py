@@ -18,8 +18,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
@@ -39,6 +38,7 @@ logger = logging.getLogger(__name__)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 HOP_HEADER: Final = "X-Pdreg-Hop"
+MAX_REMEMBERED_ADDRESSES: Final = 4096
 
 # By default an engine may be anywhere public. Loopback, private and link-local ranges
 # are denied unless --allow-upstream names them: an insider registering
@@ -100,6 +100,10 @@ class UpstreamPolicy:
 
     allow: tuple[Network, ...]
     deny: tuple[Network, ...]
+    # address -> allowed: every new connection and KV address asks, with a handful of
+    # distinct addresses (a dict lookup, not a walk over the networks).
+    _answers: dict[str, bool] = field(default_factory=dict, compare=False, hash=False,
+                                      repr=False)
 
     @classmethod
     def build(cls, allow: str | Sequence[str] = "", *,
@@ -109,23 +113,27 @@ class UpstreamPolicy:
         return cls(allow=networks, deny=parse_networks(deny))
 
     def allows(self, address: str) -> bool:
-        return _allows(self, address)
+        allowed = self._answers.get(address)
+        if allowed is None:
+            allowed = _allows(self.allow, self.deny, address)
+            if len(self._answers) < MAX_REMEMBERED_ADDRESSES:
+                self._answers[address] = allowed
+        return allowed
 
     def describe(self) -> str:
         return (f"allow {', '.join(map(str, self.allow))}; "
                 f"deny {', '.join(map(str, self.deny))}")
 
 
-@lru_cache(maxsize=4096)
-def _allows(policy: UpstreamPolicy, address: str) -> bool:
+def _allows(allow: Sequence[Network], deny: Sequence[Network], address: str) -> bool:
     try:
         ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone
     except ValueError:
         return False
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped  # ::ffff:169.254.169.254 is 169.254.169.254
-    best_allow = _longest(policy.allow, ip)
-    best_deny = _longest(policy.deny, ip)
+    best_allow = _longest(allow, ip)
+    best_deny = _longest(deny, ip)
     return best_allow >= 0 and best_allow >= best_deny
 
 

@@ -13,7 +13,7 @@ from typing import Final
 
 from router.adapters import LegFailure
 from router.latency import LatencyTracker
-from router.metrics import LabelCache
+from router.metrics import SeriesOf
 from router.pairing import MembershipSource
 from router.policies import DECODE_ROLE, PREFILL_ROLE
 from router.quarantine import Quarantine
@@ -31,7 +31,7 @@ _NOT_REPORTED: Final = frozenset({"idle_timeout", "first_byte_timeout"})
 
 class Outcomes:
     def __init__(self, view: MembershipSource, quarantine: Quarantine,
-                 latency: LatencyTracker | None, quarantines_of: LabelCache,
+                 latency: LatencyTracker | None, quarantines_of: SeriesOf,
                  clock: Callable[[], float]) -> None:
         """`latency`: the tracker the policy reads, None if it reads none."""
         self._view = view

@@ -15,7 +15,7 @@ from registry.client import LiveMember
 from registry.protocol import Role
 from router.inflight import Hold, InFlight
 from router.latency import LatencyTracker
-from router.metrics import LabelCache
+from router.metrics import SeriesOf
 from router.policies import Affinity, Pairer
 from router.quarantine import Quarantine
 from router.table import Pair, PairingTable
@@ -43,7 +43,7 @@ class MembershipSource(Protocol):
 class Pairing:
     def __init__(self, view: MembershipSource, pairer: Pairer, *, locality_label: str,
                  protocols: Collection[str], quarantine: Quarantine, in_flight: InFlight,
-                 picks_of: LabelCache, latency: LatencyTracker,
+                 picks_of: SeriesOf, latency: LatencyTracker,
                  clock: Callable[[], float]) -> None:
         self.view = view
         self.pairer = pairer

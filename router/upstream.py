@@ -49,6 +49,7 @@ KEEPALIVE_S: Final = 4.0
 # A stream the client reads slower than the engine writes: stop reading the engine's
 # socket above this many buffered bytes (TCP then slows the engine), resume below half.
 READ_HIGH_WATER_BYTES: Final = 2 * 1024 * 1024
+DEFAULT_CONTENT_TYPE: Final = "application/json"  # an answer that names none
 # A KV host name's check (resolved, every address against the policy) is kept this long.
 KV_HOST_CHECK_TTL_S: Final = 30.0
 MAX_KV_HOST_CHECKS: Final = 4096
@@ -89,8 +90,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        self._header_names: list[bytes] = []
-        self._header_values: list[bytes] = []
+        self._content_type = b""
 
     @property
     def usable(self) -> bool:
@@ -128,18 +128,17 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_names.append(name)
-        self._header_values.append(value)
+        # Only Content-Type is read (relayed to the client); the rest is not kept.
+        if len(name) == 12 and name.lower() == b"content-type":
+            self._content_type = value
 
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
         response.status = self._parser.get_status_code()
-        response.headers = {n.decode("latin-1").lower(): v.decode("latin-1")
-                            for n, v in zip(self._header_names, self._header_values,
-                                            strict=True)}
-        self._header_names.clear()
-        self._header_values.clear()
+        if self._content_type:
+            response.content_type = self._content_type.decode("latin-1")
+            self._content_type = b""
         response._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -175,13 +174,13 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamResponse:
-    """An engine's answer: `status` and `headers` (names lower-case) once `post` returns,
-    the body through `read()` or `readany()`. Always `release()` or `close()` it."""
+    """An engine's answer: `status` and `content_type` once `post` returns, the body
+    through `read()` or `readany()`. Always `release()` or `close()` it."""
 
     def __init__(self, pool: UpstreamPool, connection: _Connection) -> None:
         self.idle_timeout_s = pool.timeouts.idle_read_s  # 0 = wait for ever
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self.content_type = DEFAULT_CONTENT_TYPE
         self._pool = pool
         self._connection: _Connection | None = connection
         self._chunks: deque[bytes] = deque()
@@ -191,10 +190,6 @@ class UpstreamResponse:
         self._keep_alive = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "application/json")
 
     # --- reading ------------------------------------------------------------------------
 
@@ -324,13 +319,14 @@ class UpstreamPool:
         not be a number in disguise (glibc's inet_aton reads `2852039166` and
         `0xa9fea9fe` as 169.254.169.254) and must resolve, here, only to allowed
         addresses; the answer is kept for KV_HOST_CHECK_TTL_S."""
-        if _is_ip(host.strip("[]")):
-            return kv_address_problem(host, self.policy)
         now = time.monotonic()
         cached = self._kv_checks.get(host)
         if cached is not None and cached[0] > now:
             return cached[1]
-        problem = await self._check_kv_name(host)
+        if _is_ip(host.strip("[]")):
+            problem = kv_address_problem(host, self.policy)
+        else:
+            problem = await self._check_kv_name(host)
         if len(self._kv_checks) >= MAX_KV_HOST_CHECKS:
             self._kv_checks.clear()
         self._kv_checks[host] = (now + KV_HOST_CHECK_TTL_S, problem)
