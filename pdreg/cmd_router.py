@@ -39,6 +39,7 @@ from router.upstream_bounds import (
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
 )
+from router.warmup import WARM_CONNECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "long (of connecting, or of its previous answer)")
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
                    help="and its body within this long (else 408)")
+    p.add_argument("--warm-connections", type=int, default=WARM_CONNECTIONS, metavar="N",
+                   help="connections opened to each engine when it becomes routable, so "
+                        "its first requests do not wait for a connect (0: none)")
     p.add_argument("--drain-delay", type=float, default=DRAIN_DELAY_S, metavar="S",
                    help="after SIGTERM, keep serving this long while /ready fails")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
@@ -143,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
             stream_idle_timeout_s=args.stream_idle_timeout,
             allow_upstream=args.allow_upstream, drain_delay_s=args.drain_delay,
             drain_timeout_s=args.drain_timeout, latency_decay_s=args.latency_decay,
-            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout),
+            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+            warm_connections=args.warm_connections),
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())

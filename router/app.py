@@ -44,6 +44,7 @@ from router.proxy import Call, Proxy
 from router.quarantine import QUARANTINE_S, Quarantine
 from router.upstream import UpstreamPool
 from router.upstream_bounds import Timeouts
+from router.warmup import WARM_CONNECTIONS, Warmer
 
 __all__ = ["MAX_ATTEMPTS", "MAX_MIGRATIONS", "MembershipSource", "Router"]
 
@@ -73,6 +74,7 @@ class Router:
                  upstream_policy: UpstreamPolicy | None = None,
                  adapters: Adapters | None = None, rng: random.Random | None = None,
                  latency_decay_s: float = DECAY_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 warm_connections: int = WARM_CONNECTIONS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view = view
         self.policy = policy
@@ -102,6 +104,8 @@ class Router:
         self._id_prefix = os.urandom(4).hex()
         self._pool: UpstreamPool | None = None
         self._ports: ProxyPorts | None = None
+        self._warmer: Warmer | None = None
+        self._warm_connections = warm_connections
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -123,8 +127,27 @@ class Router:
             pairing=self.pairing, outcomes=self.outcomes, record=self.record,
             adapters=self.adapters, pool=pool, max_attempts=self.max_attempts,
             max_migrations=self.max_migrations, clock=time.monotonic)
+        if self._warm_connections > 0:
+            self._warmer = Warmer(self.pairing, pool, connections=self._warm_connections)
+            self._warmer.start()
+        self._rehearse()
+
+    def _rehearse(self) -> None:
+        """Run the first request's own code paths (admission's parsing and stripping,
+        the policy, the table, the metrics page) before the router says it is ready, so
+        the first client does not pay for them. Nothing is counted."""
+        body = _decode(_encode({"model": "", "prompt": "", "stream": True,
+                                "vllm_xargs": {"kv_transfer_params": None}}))
+        strip_internal_fields(body)
+        why_not_migratable("/v1/completions", body)
+        self.pairing.pairer.affinity("", body)
+        self.pairing.choose("", self.pairing.pairer.affinity("", body), ())
+        self.pairing.models()
+        self.metrics.render()
 
     async def _close_pool(self, app: web.Application) -> None:
+        if self._warmer is not None:
+            await self._warmer.stop()
         if self._pool is not None:
             await self._pool.close()
 
@@ -203,8 +226,11 @@ class Router:
                 508, "request loop: this router was reached through a router",
                 INVALID_REQUEST, "loop_detected"))
         try:
-            async with asyncio.timeout(self.body_timeout_s):
+            if request.content.is_eof():  # the whole body came with the head: no wait
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.body_timeout_s):
+                    raw = await request.read()
         except TimeoutError:
             response = self._refuse("body_timeout", openai_error(
                 408, f"the request body did not arrive within {self.body_timeout_s:g} s",

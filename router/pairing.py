@@ -57,6 +57,7 @@ class Pairing:
         self._seen: Mapping[str, LiveMember] | None = None
         self._table = PairingTable({})
         self._known_models: set[str] = set()
+        self._urls: frozenset[str] = frozenset()
 
     def table(self) -> PairingTable:
         """The pairing table for the current membership.
@@ -74,12 +75,19 @@ class Pairing:
             self._table = self._table.with_loads(changed)
         else:
             self._table = PairingTable.build(members, self._locality_label, self._protocols)
+            self._urls = frozenset(c.http for pools in self._table.pools.values()
+                                   for pool in pools for c in (*pool.prefills, *pool.decodes))
             if len(self._known_models) < MAX_KNOWN_MODELS:
                 self._known_models.update(m.record.spec.model for m in members.values()
                                           if m.record.spec.role is not Role.API_SERVER)
             self._latency.retain(members.keys())
         self._seen = members
         return self._table
+
+    def routable_urls(self) -> frozenset[str]:
+        """The base URLs of the members pairing may choose (routable, ready)."""
+        self.table()
+        return self._urls
 
     def serves(self, model: str) -> bool:
         """A member serves `model` now (it has a pool in the table)."""

@@ -201,9 +201,10 @@ class Pairer:
                 s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s, confirmed_at)
                 if s >= SATURATED_SCORE:
                     return s
-                if latency.probe_due(role, c.id, c.incarnation, now):
+                weight = latency.weight(role, c.id, c.incarnation, now)
+                if weight < 0.0:
                     return -1.0  # due a probe: it wins when sampled, once
-                return (s + 1.0) * latency.cost(role, c.id, c.incarnation)
+                return (s + 1.0) * weight
             return load
         return Loads(base, weighted(PREFILL_ROLE), weighted(DECODE_ROLE))
 

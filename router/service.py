@@ -35,6 +35,7 @@ from router.upstream_bounds import (
     IDLE_READ_TIMEOUT_S,
     Timeouts,
 )
+from router.warmup import WARM_CONNECTIONS
 
 __all__ = ["RouterConfig", "RouterServer"]
 
@@ -65,6 +66,7 @@ class RouterConfig:
     latency_decay_s: float = DECAY_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    warm_connections: int = WARM_CONNECTIONS  # opened to each member that becomes routable
 
 
 class RouterServer:
@@ -82,7 +84,7 @@ class RouterServer:
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
             latency_decay_s=config.latency_decay_s, body_timeout_s=config.body_timeout_s,
-            adapters=adapters)
+            warm_connections=config.warm_connections, adapters=adapters)
         # aiohttp closes a connection that has not delivered a whole request head within
         # keepalive_timeout of connecting or of its previous answer: the header deadline.
         self._serving = ServingThread(

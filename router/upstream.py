@@ -413,6 +413,25 @@ class UpstreamPool:
         assert error is not None
         raise error
 
+    async def warm(self, base_url: str, count: int) -> int:
+        """Open connections to an engine until `count` are idle in the pool, so its first
+        requests do not pay for connecting; how many were opened. A failure is logged
+        and ends the warm-up (a request will meet it, and handle it, for itself)."""
+        host, port, _ = _address(base_url)
+        key = (host, port)
+        loop = asyncio.get_running_loop()
+        opened = 0
+        while len(self._idle.get(key, ())) < count and not self._closed:
+            try:
+                _, connection = await asyncio.wait_for(self._connect(loop, key),
+                                                       self.timeouts.connect_s)
+            except OSError as exc:  # incl. a connect timeout and a forbidden address
+                logger.debug("[router] warm-up of %s stopped: %s", base_url, exc)
+                break
+            self._put(connection)
+            opened += 1
+        return opened
+
     def _put(self, connection: _Connection) -> None:
         if self._closed or not connection.usable:
             connection.close()

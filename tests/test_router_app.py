@@ -341,7 +341,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_reused(nixl: Fleet,
                                                              router: RouterFixture) -> None:
     p = nixl.add("p1", P)
     d = nixl.add("d1", D)
-    server = router(nixl)
+    server = router(nixl, warm_connections=0)  # only the connections requests opened
     c = client(server)
     c.completions.create(model="m", prompt="a", max_tokens=1)
 
@@ -430,3 +430,22 @@ def test_session_policy_keeps_a_conversation_on_one_pair(nixl: Fleet,
              if line.startswith("pdreg_router_picks_total{")]
     # One prefill and one decode took every turn, whatever the prompt.
     assert sorted(float(line.rsplit(" ", 1)[1]) for line in picks) == [turns, turns]
+
+
+def test_a_member_gets_warm_connections_when_it_becomes_routable(
+        nixl: Fleet, router: RouterFixture) -> None:
+    """The pool holds idle connections to every routable member before any request, and
+    to one that joins later, within moments of its joining."""
+    nixl.add("p1", P)
+    nixl.add("d1", D)
+    server = router(nixl, warm_connections=3)
+    pool = server.router.upstream()
+
+    def idle_to(url: str) -> int:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        return sum(c.usable for c in pool._idle.get((host, int(port)), ()))
+    assert wait_until(lambda: all(idle_to(e.url) == 3 for e in nixl.engines.values()), 10)
+    late = nixl.add("d2", D)
+    assert wait_until(lambda: idle_to(late.url) == 3, 10)
+    c = client(server)
+    assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
