@@ -382,7 +382,8 @@ def test_a_prefill_cannot_send_the_decode_to_pull_from_elsewhere(
 
 
 @pytest.mark.parametrize("kv_host", ["2130706433", "0x7f000001", "0177.0.0.1", "127.1",
-                                     "169.254.169.254", "[::ffff:127.0.0.1]"])
+                                     "2852039166", "0xa9fea9fe", "169.254.169.254",
+                                     "[::ffff:127.0.0.1]"])
 @pytest.mark.parametrize("protocol", [Handshake.SGLANG, Handshake.VLLM_NIXL])
 def test_a_kv_address_in_disguise_is_never_handed_to_an_engine(
         loop_thread: LoopThread, routers: list[RouterServer], protocol: str,
