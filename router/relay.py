@@ -56,7 +56,7 @@ class EventBuffer:
         if not pending:  # the common case: a read that starts at an event's start
             self.scanned += len(chunk)
             cut = chunk.rfind(EVENT_END)
-            if cut + 2 == len(chunk):
+            if cut >= 0 and cut + 2 == len(chunk):
                 return chunk
             pending += chunk
             if cut < 0:

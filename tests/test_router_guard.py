@@ -428,6 +428,19 @@ def test_vllm_xargs_cannot_carry_handshake_fields(
 
 # --- a rogue engine's stream (item 13) -------------------------------------------------------
 
+@pytest.mark.parametrize(("reads", "events"), [
+    ([b"d"], []),  # one byte is not an event
+    ([b"data: a\n\n"], [b"data: a\n\n"]),
+    ([b"data: a\n", b"\ndata: b\n\n"], [b"data: a\n\n", b"data: b\n\n"]),
+    ([b"data: a\n\nda", b"ta: b\n\n"], [b"data: a\n\n", b"data: b\n\n"]),
+    ([b"\n", b"\n"], [b"\n\n"]),
+])
+def test_event_buffer_cuts_whole_events(reads: list[bytes], events: list[bytes]) -> None:
+    buffer = EventBuffer()
+    out = [piece for read in reads if (piece := buffer.push(read))]
+    assert b"".join(out) == b"".join(events)
+
+
 def test_event_buffer_scans_each_byte_a_bounded_number_of_times() -> None:
     """3 MB of one event, then a byte at a time: the work is linear in the bytes."""
     buffer = EventBuffer()
