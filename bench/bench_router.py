@@ -311,7 +311,8 @@ def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None =
     # its log goes to a file: a client that hangs up after [DONE] makes aiohttp log a
     # traceback per request, which would drown the bench's own output
     log = tempfile.NamedTemporaryFile(prefix="pdreg-bench-router-", suffix=".log")  # noqa: SIM115
-    extra = [] if src else ["--drain-delay", "0", *ROUTER_ARGS]
+    extra = [] if src else ["--drain-delay", "0", "--allow-upstream", "127.0.0.0/8,::1/128",
+                            *ROUTER_ARGS]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
          registry, "--port", str(port), "--policy", policy, "--no-register", *extra],

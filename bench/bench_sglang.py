@@ -200,7 +200,8 @@ def start_pdreg_router(registry: str) -> tuple[subprocess.Popen[bytes], Target]:
                                       delete=False)
     proc = subprocess.Popen(
         [*harness.PDREG, "--log-level", "WARNING", "router", "--registry", registry,
-         "--port", str(free_low_port()), "--policy", "round_robin", "--no-register"],
+         "--port", str(free_low_port()), "--policy", "round_robin", "--no-register",
+         "--allow-upstream", "127.0.0.0/8,::1/128"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     assert proc.stdout is not None

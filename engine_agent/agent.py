@@ -14,7 +14,6 @@ block the engine.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import math
 import queue
@@ -38,6 +37,7 @@ from engine_agent.link import (
     Request,
 )
 from registry.client import parse_registries
+from registry.lifecycle import ShutdownState
 from registry.protocol import (
     MAX_PROBLEM_CHARS,
     ByeReason,
@@ -85,12 +85,6 @@ def api_server_spec(advertise_host: str, port: int, protocol: str) -> MemberSpec
         id=default_member_id(Role.API_SERVER, advertise_host, port),
         incarnation=new_incarnation(), role=Role.API_SERVER, model="", protocol=protocol,
         endpoints=Endpoints(http=f"http://{advertise_host}:{port}"), started_at=time.time())
-
-
-class ShutdownState(enum.Enum):
-    RUNNING = "running"
-    REQUESTED = "requested"  # stop() was called; the loop says bye and exits
-    STOPPED = "stopped"
 
 
 class Agent:

@@ -25,6 +25,7 @@ import zmq
 
 from engine_agent.backoff import backoff_delay_s
 from registry import sessions
+from registry.detector import HEARTBEAT_INTERVAL_S
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
     Bye,
@@ -42,7 +43,8 @@ from registry.security import ClientCurve
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_INTERVAL_S: Final = 1.0  # until the registry's first reply says otherwise
+# Until the registry's first reply says otherwise: the registry's own default.
+DEFAULT_HEARTBEAT_INTERVAL_S: Final = HEARTBEAT_INTERVAL_S
 MIN_HEARTBEAT_INTERVAL_S: Final = 0.01  # guards against a registry dictating a busy loop
 MAX_HEARTBEAT_INTERVAL_S: Final = 60.0
 MIN_REPLY_TIMEOUT_S: Final = 0.5  # a reply later than this means the registry is unreachable

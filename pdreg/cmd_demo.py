@@ -8,12 +8,11 @@ completions through the router. Exit code 0 when every expectation held, 1 other
 from __future__ import annotations
 
 import argparse
-import signal
-from types import FrameType
 
 from pdreg.demo.cluster import ClusterConfig
 from pdreg.demo.display import TerminalDisplay
 from pdreg.demo.scenario import Scenario, ScenarioConfig
+from pdreg.signals import interrupt_on_signals
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,30 +51,21 @@ def run(args: argparse.Namespace) -> int:
         clients=args.clients, max_tokens=args.max_tokens)
     display = TerminalDisplay()
     scenario = Scenario(config, display)
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        scenario.interrupt()  # sticks even if the exception below is swallowed
-        raise KeyboardInterrupt
-
-    # SIGTERM stops the demo the way Ctrl-C does; SIGINT is set even when started in the
-    # background, where a shell leaves it ignored.
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
     ok = False
     try:
-        ok = scenario.play()
-        display.message(f"\npdreg demo: {'every expectation held' if ok else 'FAILED'}")
-        if args.keep_running:
-            if scenario.traffic is not None:
-                scenario.traffic.stop()  # the cluster is yours now
-            where = "\n".join(f"  {k}: {v}" for k, v in scenario.endpoints().items())
-            display.message(f"Cluster left running (Ctrl-C stops it):\n{where}")
-            scenario.wait_for_interrupt()
-    except KeyboardInterrupt:
-        display.message("\npdreg demo: interrupted; stopping every process")
+        with interrupt_on_signals(scenario.interrupt):
+            try:
+                ok = scenario.play()
+                display.message(f"\npdreg demo: {'every expectation held' if ok else 'FAILED'}")
+                if args.keep_running:
+                    if scenario.traffic is not None:
+                        scenario.traffic.stop()  # the cluster is yours now
+                    where = "\n".join(f"  {k}: {v}" for k, v in scenario.endpoints().items())
+                    display.message(f"Cluster left running (Ctrl-C stops it):\n{where}")
+                    scenario.wait_for_interrupt()
+            except KeyboardInterrupt:
+                display.message("\npdreg demo: interrupted; stopping every process")
     finally:
-        # A second Ctrl-C must not cut the clean-up short and leave processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         scenario.close()
         if ok and not args.keep_logs:
             scenario.cluster.remove_logs()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -19,10 +18,10 @@ from pdreg.args import (
     secret_of,
 )
 from pdreg.cmd_status import fetch_members
+from pdreg.watch import show
 from planner.inputs import PLANNER_PROTOCOL
 from registry.security import ClientCurve
 
-WATCH_PERIOD_S = 1.0
 HTTP_TIMEOUT_S = 5.0
 COLUMNS = ("MODEL", "ROLE", "NOW", "DESIRED", "WHY")
 
@@ -82,17 +81,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = args.planner or find_planner(args.registry, client_curve_of(args),
                                            secret_of(args, TOKEN))
-        if not args.watch:
+
+        def table(once: bool) -> str:
             plan = fetch_plan(url)
-            print(json.dumps(plan, indent=2) if args.json else render(plan))
-            return 0
-        while True:
-            plan = fetch_plan(url)
-            text = json.dumps(plan) if args.json else render(plan)
-            sys.stdout.write(f"\x1b[H\x1b[J{time.strftime('%H:%M:%S')}  pdreg plan  "
-                             f"({url})\n{text}\n")
-            sys.stdout.flush()
-            time.sleep(WATCH_PERIOD_S)
+            if args.json:
+                return json.dumps(plan, indent=2 if once else None)
+            return render(plan)
+        show(table, title=f"pdreg plan  ({url})", watch=args.watch)
+        return 0
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError, ValueError) as exc:

@@ -27,9 +27,9 @@ from pdreg.args import (
     secret_of,
 )
 from registry.client import MembershipView
-from registry.protocol import MemberState
-from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS
-from router.guard import DEFAULT_DENY, UpstreamPolicy, parse_networks
+from registry.protocol import ROUTER_PROTOCOL, MemberState
+from router.app import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_ATTEMPTS, MAX_MIGRATIONS
+from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, parse_networks
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
@@ -39,10 +39,10 @@ from router.upstream_bounds import (
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
 )
+from router.warmup import WARM_CONNECTIONS
 
 logger = logging.getLogger(__name__)
 
-ROUTER_PROTOCOL = "openai"  # what an api_server member speaks to its clients
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -75,10 +75,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    metavar="S", help="request sent to status line; a non-streaming answer "
                                      "comes whole, so this bounds a non-streaming generation")
     p.add_argument("--allow-upstream", default="", type=_networks, metavar="CIDR[,CIDR]",
-                   help="the only networks the router sends traffic to (checked on the "
-                        "resolved address of every engine connection). Default: every "
-                        f"address except {', '.join(DEFAULT_DENY)} (link-local, cloud "
-                        "metadata, multicast); a more specific entry here overrides those")
+                   help="the only networks the router sends traffic to, HTTP and the KV "
+                        "addresses it hands to engines (checked on the resolved address of "
+                        "every engine connection). Default: public addresses only; "
+                        "loopback, private (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7)"
+                        ", link-local and cloud metadata are denied unless named here: a "
+                        "cluster passes its pod network (e.g. 10.0.0.0/8), engines on this "
+                        f"host {LOOPBACK_ALLOW}. Of the entries that hold an address, the "
+                        "most specific decides")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                   help="a client connection must send a request's headers within this "
+                        "long (of connecting, or of its previous answer)")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                   help="and its body within this long (else 408)")
+    p.add_argument("--warm-connections", type=int, default=WARM_CONNECTIONS, metavar="N",
+                   help="connections opened to each engine when it becomes routable, so "
+                        "its first requests do not wait for a connect (0: none)")
     p.add_argument("--drain-delay", type=float, default=DRAIN_DELAY_S, metavar="S",
                    help="after SIGTERM, keep serving this long while /ready fails")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
@@ -138,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             stream_idle_timeout_s=args.stream_idle_timeout,
             allow_upstream=args.allow_upstream, drain_delay_s=args.drain_delay,
             drain_timeout_s=args.drain_timeout, latency_decay_s=args.latency_decay,
-            metrics_port=args.metrics_port),
+            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+            warm_connections=args.warm_connections, metrics_port=args.metrics_port),
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())

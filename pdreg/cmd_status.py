@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -20,10 +19,10 @@ from pdreg.args import (
     registry_http_of,
     secret_of,
 )
+from pdreg.watch import show
 from registry.client import http_base, parse_registries, request_snapshot
 from registry.security import ClientCurve
 
-WATCH_PERIOD_S = 1.0
 COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "ADDRESS", "RUN", "WAIT", "KV%", "HB AGE", "UPTIME")
 ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}
 
@@ -109,17 +108,13 @@ def run(args: argparse.Namespace) -> int:
                              verify=verify)
 
     try:
-        if not args.watch:
+        def table(once: bool) -> str:
             members = fetch()
-            print(json.dumps(members, indent=2) if args.json else render(members))
-            return 0
-        while True:
-            members = fetch()
-            text = json.dumps(members) if args.json else render(members)
-            # Home the cursor and clear below: the table refreshes in place.
-            sys.stdout.write(f"\x1b[H\x1b[J{time.strftime('%H:%M:%S')}  pdreg status\n{text}\n")
-            sys.stdout.flush()
-            time.sleep(WATCH_PERIOD_S)
+            if args.json:
+                return json.dumps(members, indent=2 if once else None)
+            return render(members)
+        show(table, title="pdreg status", watch=args.watch)
+        return 0
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError, ValueError) as exc:

@@ -21,13 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from registry.client import LiveMember
-from registry.protocol import MemberState, Role
+from registry.protocol import ROUTER_PROTOCOL, MemberState, Role
 
 __all__ = ["MAX_MODELS", "MODEL_NAME", "PLANNED_ROLES", "PLANNER_PROTOCOL", "ROUTER_PROTOCOL",
            "Fleet", "RoleFleet", "fleet_of", "routers_of"]
 
 PLANNER_PROTOCOL = "pdreg-planner"  # the planner's own api_server registration
-ROUTER_PROTOCOL = "openai"
 PLANNED_ROLES = (Role.PREFILL, Role.DECODE)
 # Letters first: a name like "--force" must never reach a hook's argv as an option.
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")

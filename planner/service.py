@@ -4,10 +4,10 @@
     GET /metrics   Prometheus (planner.metrics)
     GET /health    liveness: 200 while the loop answers
 
-Everything runs on one uvloop event loop in a background thread; the same class serves
-tests (port 0, start/close) and `pdreg planner`. The endpoints only read: what a
-stranger who reaches the port learns is what /metrics publishes anyway, and nothing it
-sends changes a decision. Shape follows `router.service.RouterServer`.
+Everything runs on one event loop in a background thread (`ServingThread`); the same
+class serves tests (port 0, start/close) and `pdreg planner`. The endpoints only read:
+what a stranger who reaches the port learns is what /metrics publishes anyway, and
+nothing it sends changes a decision.
 """
 
 from __future__ import annotations
@@ -16,25 +16,20 @@ import asyncio
 import contextlib
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import httpx
 import msgspec
-import uvloop
 from aiohttp import web
 
 from planner.tick import MembershipSource, Plan, PlannerConfig, PlanningLoop
+from registry.lifecycle import ServingThread, ShutdownState
 
 __all__ = ["PlannerServer", "plan_json"]
 
 logger = logging.getLogger(__name__)
-
-START_TIMEOUT_S: Final = 30.0
-STOP_TIMEOUT_S: Final = 10.0
-
 
 def plan_json(plan: Plan, config: PlannerConfig) -> dict[str, Any]:
     """The /v1/plan document (also what `pdreg plan --json` prints)."""
@@ -77,14 +72,21 @@ class PlannerServer:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.host = host
-        self.requested_port = port
         self.rounds = PlanningLoop(config, view)
         self._clock = clock
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
         self._task: asyncio.Task[None] | None = None
-        self.port = 0
+        app = web.Application()
+        app.router.add_get("/v1/plan", self._handle_plan)
+        app.router.add_get("/metrics", self._handle_metrics)
+        app.router.add_get("/health", self._handle_health)
+        app.on_startup.append(self._start_rounds)
+        app.on_cleanup.append(self._stop_rounds)
+        self._serving = ServingThread(app, host, port, name="pdreg-planner",
+                                      runner_options={"access_log": None})
+
+    @property
+    def port(self) -> int:
+        return self._serving.port
 
     @property
     def url(self) -> str:
@@ -92,29 +94,11 @@ class PlannerServer:
 
     def start(self) -> PlannerServer:
         """Bind, serve and start planning; returns once the socket accepts connections."""
-        loop = self._loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=loop.run_forever, name="pdreg-planner",
-                                        daemon=True)
-        self._thread.start()
-        try:
-            asyncio.run_coroutine_threadsafe(self._serve(), loop).result(START_TIMEOUT_S)
-        except BaseException:
-            self.close()
-            raise
+        self._serving.start()
         logger.info("[planner] serving url=%s interval=%.1fs", self.url, self.config.interval_s)
         return self
 
-    async def _serve(self) -> None:
-        app = web.Application()
-        app.router.add_get("/v1/plan", self._handle_plan)
-        app.router.add_get("/metrics", self._handle_metrics)
-        app.router.add_get("/health", self._handle_health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        self._runner = runner
-        site = web.TCPSite(runner, self.host, self.requested_port)
-        await site.start()
-        self.port = runner.addresses[0][1]
+    async def _start_rounds(self, app: web.Application) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run_rounds())
 
     async def _run_rounds(self) -> None:
@@ -143,29 +127,18 @@ class PlannerServer:
 
     def close(self) -> None:
         """Stop planning (a running hook is killed), stop serving. Safe twice."""
-        loop, self._loop = self._loop, None
-        if loop is None:
+        if self._serving.state is ShutdownState.STOPPED:
             return
-        try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(STOP_TIMEOUT_S)
-        except Exception:
-            logger.exception("[planner] shutdown failed")
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(STOP_TIMEOUT_S)
-        if not loop.is_running():
-            loop.close()
+        self._serving.close()
         logger.info("[planner] stopped")
 
-    async def _shutdown(self) -> None:
+    async def _stop_rounds(self, app: web.Application) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self.rounds.hook is not None:
             await self.rounds.hook.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     def __enter__(self) -> PlannerServer:
         return self.start()

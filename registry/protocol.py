@@ -460,6 +460,11 @@ def validate_spec(spec: MemberSpec) -> str | None:
 # --- P/D handshakes (appended by the router's owner; one definition for every part) ------
 
 
+# The `protocol` of a router's api_server member: what it speaks to its clients. The
+# planner finds the routers whose metrics it reads by it.
+ROUTER_PROTOCOL: Final = "openai"
+
+
 class Handshake(enum.StrEnum):
     """The P/D handshake a member speaks: the value of `MemberSpec.protocol` for engines.
 

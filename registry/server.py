@@ -13,7 +13,6 @@ the loop and never touches a member.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import queue
@@ -29,8 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from registry.admission import MAX_MEMBERS, Limits
 from registry.control import ControlChannel
-from registry.detector import DetectorConfig
-from registry.http_thread import HttpThread
+from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
+from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
 from registry.metrics import LoopStats
 from registry.protocol import MAX_MESSAGE_BYTES, MemberRecord, ReplyStatus, control_decoder
@@ -58,7 +57,7 @@ class RegistryConfig:
     port: int = 7600
     events_port: int = 7601
     http_port: int = 7680  # -1 disables HTTP
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     lease_s: float = 3.0
     token: str = ""  # registrations must carry it when set
     admin_token: str = ""  # drain/evict must carry it when set
@@ -76,12 +75,6 @@ class RegistryConfig:
     def limits(self) -> Limits:
         return Limits(max_members=self.max_members,
                       max_members_per_model=self.max_members_per_model)
-
-
-class ShutdownState(enum.Enum):
-    RUNNING = 0
-    REQUESTED = 1
-    STOPPED = 2
 
 
 @dataclass(slots=True)
@@ -113,7 +106,7 @@ class RegistryServer:
         self._admin: queue.SimpleQueue[_AdminRequest] = queue.SimpleQueue()
         self._state = ShutdownState.RUNNING
         self._loop_thread: threading.Thread | None = None
-        self._http: HttpThread | None = None
+        self._http: ServingThread | None = None
         self._published = Published(self.epoch, 0, (), self.config.heartbeat_interval_s,
                                     self.config.lease_s, False, time.time())
         self._turned_at = time.monotonic()  # the loop's last turn, for /healthz
@@ -144,14 +137,19 @@ class RegistryServer:
         self.events_port = _bind(self._events, host, self.config.events_port)
         if self.config.http_port >= 0:
             from registry.http import create_app  # FastAPI only when HTTP is wanted
+            from registry.http_guard import guarded_protocol
 
             config = self.config
             app = create_app(self, admin_token=config.admin_token, read_token=config.token,
                              exposed=not is_loopback(host))
-            tls = (config.tls_cert, config.tls_key) if config.tls_cert else None
-            self._http = HttpThread(app, host, config.http_port, name="pdreg-registry-http",
-                                    tls=tls)
-            self.http_port = self._http.start()
+            # The guarded protocol: a request must arrive whole within a deadline
+            # (slowloris); HTTPS when given a certificate and its key.
+            self._http = ServingThread(app, host, config.http_port, name="pdreg-registry-http",
+                                       runner_options={"http": guarded_protocol(),
+                                                       "ssl_certfile": config.tls_cert or None,
+                                                       "ssl_keyfile": config.tls_key or None},
+                                       ).start()
+            self.http_port = self._http.port
         self._channel.events_port, self._channel.http_port = self.events_port, self.http_port
         self._published = self._publisher.snapshot(self._membership, time.monotonic())
         self._turned_at = time.monotonic()
@@ -173,7 +171,7 @@ class RegistryServer:
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=5)
         if self._http is not None:
-            self._http.stop()
+            self._http.close()
         self._state = ShutdownState.STOPPED
         if self._curve is not None:
             for sock in (self._control, self._events):

@@ -6,12 +6,17 @@ prefill's part ended. Failures that a retry on another pair can fix raise `LegFa
 naming the member at fault; a 4xx from a prefill (the client's own mistake) raises
 `UpstreamRejected` to be relayed as is.
 
-Contracts (see /work/shared/notes/engines-and-peers.md):
+Contracts (each engine's documented request and response fields):
 - vllm-nixl: P gets the body with max_tokens=1, stream=false and the request-side
-  `kv_transfer_params`; P's response's top-level `kv_transfer_params` go verbatim to D.
+  `kv_transfer_params`; P's response's top-level `kv_transfer_params` go to D, with
+  the KV address (`remote_host`, `remote_port`) the prefill registered, not the one it
+  wrote: a prefill's answer cannot send a decode to pull from elsewhere.
 - sglang: the same body to P and D at once, plus bootstrap_host/port/room; the client
   gets D's response, P's is drained; either leg failing cancels both.
 - vllm-p2p: the pair rides in `X-Request-Id`; P (max_tokens=1) first, then D.
+
+Every KV address handed to an engine is checked by the pool (`kv_host_problem`): the
+same --allow-upstream policy as HTTP traffic, canonical forms only.
 """
 
 from __future__ import annotations
@@ -157,7 +162,7 @@ class Exchange:
 class Adapter(Protocol):
     name: str
 
-    async def open(self, session: UpstreamPool, pair: Pair, path: str,
+    async def open(self, pool: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange: ...
 
 
@@ -167,12 +172,12 @@ Adapters = Mapping[str, Adapter]
 # --- shared leg helpers -----------------------------------------------------------------
 
 
-async def _post(session: UpstreamPool, member: Candidate, role: str, path: str,
+async def _post(pool: UpstreamPool, member: Candidate, role: str, path: str,
                 payload: bytes, request_id: str, *,
                 quarantine_on_5xx: bool = True) -> UpstreamResponse:
     """POST and wait for the status line. Connection errors and 5xx become LegFailure."""
     try:  # OSError covers refused, dropped (UpstreamError) and connect timeouts
-        response = await session.post(member.http, path, payload, request_id)
+        response = await pool.post(member.http, path, payload, request_id)
     except OSError as exc:
         raise leg_failure(member, role, exc, "post") from None
     if response.status >= 500:
@@ -207,9 +212,9 @@ async def _reject_4xx(response: UpstreamResponse, member: Candidate, role: str) 
         raise UpstreamRejected(response.status, body, response.content_type)
 
 
-async def _prefill_json(session: UpstreamPool, member: Candidate, path: str,
+async def _prefill_json(pool: UpstreamPool, member: Candidate, path: str,
                         payload: bytes, request_id: str) -> Any:
-    response = await _post(session, member, "prefill", path, payload, request_id)
+    response = await _post(pool, member, "prefill", path, payload, request_id)
     await _reject_4xx(response, member, "prefill")
     raw = await _read_all(response, member, "prefill")
     try:
@@ -218,11 +223,38 @@ async def _prefill_json(session: UpstreamPool, member: Candidate, path: str,
         raise LegFailure(member, "prefill", "response is not JSON", kind="reply") from None
 
 
-def _kv_address(member: Candidate) -> str:
+async def _kv_endpoint(pool: UpstreamPool, member: Candidate, role: str = "prefill"
+                       ) -> tuple[str, int, int]:
+    """(host, kv_port, bootstrap_port) the member registered for its KV side, the host
+    checked by the pool's policy. LegFailure (forbidden) if it may not be used."""
     endpoints = member.member.record.spec.endpoints if member.member else None
+    host = (endpoints.kv_host if endpoints else "") or _http_host(member.http)
+    problem = await pool.kv_host_problem(host)
+    if problem is not None:
+        raise LegFailure(member, role, problem, kind="forbidden")
     if endpoints is None:
-        return ""
-    return f"{endpoints.kv_host or _http_host(member.http)}:{endpoints.kv_port}"
+        return host, 0, 0
+    return host, endpoints.kv_port, endpoints.bootstrap_port
+
+
+async def _kv_address(pool: UpstreamPool, member: Candidate, role: str) -> str:
+    host, port, _ = await _kv_endpoint(pool, member, role)
+    return f"{host}:{port}"
+
+
+def _registered_kv_params(params: dict[str, Any], prefill: Candidate, host: str,
+                          port: int) -> dict[str, Any]:
+    """P's `kv_transfer_params` with the KV address P registered. vLLM's side channel
+    is one port per data-parallel rank from the registered one up, so a reported port in
+    that range is kept; any other is replaced."""
+    if not port:
+        raise LegFailure(prefill, "prefill", "no KV port registered (endpoints.kv_port)",
+                         kind="reply")
+    dp_size = prefill.member.record.spec.parallel.dp_size if prefill.member else 1
+    reported = params.get("remote_port")
+    in_range = (isinstance(reported, int) and not isinstance(reported, bool)
+                and port <= reported < port + max(1, dp_size))
+    return {**params, "remote_host": host, "remote_port": reported if in_range else port}
 
 
 def _http_host(url: str) -> str:
@@ -237,17 +269,17 @@ class DirectAdapter:
 
     name = "direct"
 
-    async def open(self, session: UpstreamPool, pair: Pair, path: str,
+    async def open(self, pool: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
         started = time.monotonic()
-        return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
+        return Exchange(await _post(pool, pair.decode, "decode", path, _encode(body),
                                     request_id), decode_started=started)
 
 
 class VllmNixlAdapter:
     name = Handshake.VLLM_NIXL
 
-    async def open(self, session: UpstreamPool, pair: Pair, path: str,
+    async def open(self, pool: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
         prefill_body = dict(body)
         prefill_body["max_tokens"] = 1
@@ -256,8 +288,10 @@ class VllmNixlAdapter:
         prefill_body["stream"] = False
         prefill_body.pop("stream_options", None)  # vLLM refuses it when stream is false
         prefill_body["kv_transfer_params"] = NIXL_PREFILL_PARAMS
+        # Checked before any work: a prefill whose KV address may not be used does none.
+        kv_host, kv_port, _ = await _kv_endpoint(pool, pair.prefill)
         started = time.monotonic()
-        reply = await _prefill_json(session, pair.prefill, path, _encode(prefill_body),
+        reply = await _prefill_json(pool, pair.prefill, path, _encode(prefill_body),
                                     request_id)
         prefill_s = time.monotonic() - started
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
@@ -266,10 +300,11 @@ class VllmNixlAdapter:
                              "response has no kv_transfer_params (is a kv_producer "
                              "connector configured?)", kind="reply")
         decode_body = dict(body)
-        decode_body["kv_transfer_params"] = params  # verbatim: the decode pulls with these
+        decode_body["kv_transfer_params"] = _registered_kv_params(params, pair.prefill,
+                                                                  kv_host, kv_port)
         # The decode's 5xx may be the prefill's fault (KV gone): retry, quarantine neither.
         decode_started = time.monotonic()
-        return Exchange(await _post(session, pair.decode, "decode", path, _encode(decode_body),
+        return Exchange(await _post(pool, pair.decode, "decode", path, _encode(decode_body),
                                     request_id, quarantine_on_5xx=False), prefill_s=prefill_s,
                         prefill_started=started, decode_started=decode_started)
 
@@ -280,21 +315,18 @@ class SglangAdapter:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.SystemRandom()
 
-    async def open(self, session: UpstreamPool, pair: Pair, path: str,
+    async def open(self, pool: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
-        endpoints = pair.prefill.member.record.spec.endpoints if pair.prefill.member else None
-        bootstrap_host = (endpoints.kv_host if endpoints else "") or _http_host(
-            pair.prefill.http)
-        bootstrap_port = endpoints.bootstrap_port if endpoints else 0
+        bootstrap_host, _, bootstrap_port = await _kv_endpoint(pool, pair.prefill)
         both_body = dict(body)
         both_body["bootstrap_host"] = bootstrap_host
         both_body["bootstrap_port"] = bootstrap_port or None  # None: the engine's default
         both_body["bootstrap_room"] = self._rng.randrange(SGLANG_ROOM_LIMIT)
         payload = _encode(both_body)
         started = time.monotonic()
-        prefill = asyncio.ensure_future(_drain_leg(session, pair.prefill, path, payload,
+        prefill = asyncio.ensure_future(_drain_leg(pool, pair.prefill, path, payload,
                                                    request_id))
-        decode = asyncio.ensure_future(_post(session, pair.decode, "decode", path, payload,
+        decode = asyncio.ensure_future(_post(pool, pair.decode, "decode", path, payload,
                                              request_id, quarantine_on_5xx=False))
         try:
             done, _ = await asyncio.wait((prefill, decode),
@@ -326,9 +358,9 @@ class SglangAdapter:
         return exchange
 
 
-async def _drain_leg(session: UpstreamPool, member: Candidate, path: str,
+async def _drain_leg(pool: UpstreamPool, member: Candidate, path: str,
                      payload: bytes, request_id: str) -> None:
-    response = await _post(session, member, "prefill", path, payload, request_id)
+    response = await _post(pool, member, "prefill", path, payload, request_id)
     await _reject_4xx(response, member, "prefill")
     await _read_all(response, member, "prefill")
 
@@ -336,22 +368,23 @@ async def _drain_leg(session: UpstreamPool, member: Candidate, path: str,
 class VllmP2pAdapter:
     name = Handshake.VLLM_P2P
 
-    async def open(self, session: UpstreamPool, pair: Pair, path: str,
+    async def open(self, pool: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
-        pair_id = (f"___prefill_addr_{_kv_address(pair.prefill)}"
-                   f"___decode_addr_{_kv_address(pair.decode)}_{uuid.uuid4().hex}")
+        pair_id = (f"___prefill_addr_{await _kv_address(pool, pair.prefill, 'prefill')}"
+                   f"___decode_addr_{await _kv_address(pool, pair.decode, 'decode')}_"
+                   f"{uuid.uuid4().hex}")
         prefill_body = dict(body)
         prefill_body["max_tokens"] = 1
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         started = time.monotonic()
-        response = await _post(session, pair.prefill, "prefill", path, _encode(prefill_body),
+        response = await _post(pool, pair.prefill, "prefill", path, _encode(prefill_body),
                                pair_id)
         await _reject_4xx(response, pair.prefill, "prefill")
         await _read_all(response, pair.prefill, "prefill")
         decode_started = time.monotonic()
         prefill_s = decode_started - started
-        return Exchange(await _post(session, pair.decode, "decode", path, _encode(body),
+        return Exchange(await _post(pool, pair.decode, "decode", path, _encode(body),
                                     pair_id, quarantine_on_5xx=False), prefill_s=prefill_s,
                         prefill_started=started, decode_started=decode_started)
 

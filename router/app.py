@@ -1,90 +1,67 @@
 """The OpenAI-compatible HTTP front: admission, then a `Proxy` per request.
 
 Admission reads and decodes the body once, strips the fields the router owns, and
-refuses what it cannot serve: 401 (API key), 400 (not JSON, no model), 404
-`model_not_found` (no member serves or has served the model), 503 `no_capacity` (a known
-model, no routable pair now), 508 (a request from a router: a loop). `Proxy`
-(router/proxy.py) does the rest: pairing, retries, relaying and migration.
+refuses what it cannot serve: 401 (API key), 400 (not JSON, nested too deep, no model),
+408 (a body that does not arrive), 404 `model_not_found` (no member serves or has
+served the model), 503 `no_capacity` (a known model, no routable pair now), 508 (a
+request from a router: a loop). `Proxy` (router/proxy.py) does the rest: pairing,
+retries, relaying and migration.
 
-`Router` holds what requests share: the view and its pairing table, the policy, the
-router's own in-flight counts, local quarantine, per-member latency and the metrics.
-It lives on one event loop; nothing here is shared across threads except `view`, whose
+`Router` wires what requests share and hands each `Proxy` only the narrow ports it
+uses (router/ports.py): `Pairing` (view, table, policy, quarantine, in-flight counts),
+`Outcomes` (latency, quarantine, reports) and one `RequestRecorder` (metrics). It lives
+on one event loop; nothing here is shared across threads except `view`, whose
 `members()` is a reference swap and whose `report()` only queues (it never blocks).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import logging
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
-from typing import Final, Protocol
+from collections.abc import Callable
+from typing import Final
 
 import msgspec
 from aiohttp import web
 
-from registry.client import LiveMember
-from registry.protocol import Role
-from router.adapters import Adapters, LegFailure, UpstreamRejected, default_adapters
+from router.adapters import Adapters, UpstreamRejected, default_adapters
 from router.continuation import why_not_migratable
+from router.errors import INVALID_REQUEST, openai_error, unauthorized
 from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
-from router.inflight import Hold, InFlight
+from router.inflight import InFlight
 from router.latency import DECAY_S, LatencyTracker
-from router.metrics import RouterMetrics
-from router.policies import (
-    DECODE_ROLE,
-    DEFAULT_POLICY,
-    DEFAULT_STALE_LOAD_S,
-    PREFILL_ROLE,
-    make_pairer,
-)
+from router.metrics import RequestRecorder, RouterMetrics
+from router.outcomes import Outcomes
+from router.pairing import MembershipSource, Pairing
+from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, make_pairer
+from router.ports import ProxyPorts
 from router.proxy import Call, Proxy
 from router.quarantine import QUARANTINE_S, Quarantine
-from router.table import Candidate, Pair, PairingTable
 from router.upstream import UpstreamPool
 from router.upstream_bounds import Timeouts
+from router.warmup import WARM_CONNECTIONS, Warmer
 
 __all__ = ["MAX_ATTEMPTS", "MAX_MIGRATIONS", "MembershipSource", "Router"]
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER: Final = "X-Session-Id"  # the `session` policy keeps a session on one pair
-UNKNOWN_MODEL_LABEL: Final = "unknown"  # metrics label for models no member serves
 MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
 MAX_MIGRATIONS: Final = 3  # times one stream may continue on a new pair
-MAX_KNOWN_MODELS: Final = 10_000  # models remembered for 404-vs-503 (registry-bounded)
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a client's request body
-# Failures kept local: a slow engine is not a dead one, and a hung one stops heartbeating,
-# which the registry sees for itself. Reporting them would make a loaded fleet suspect.
-_NOT_REPORTED: Final = frozenset({"idle_timeout", "first_byte_timeout"})
+# A client has this long to send a request's headers (from connecting, or from the end of
+# its previous answer on a keep-alive connection), and this long for its body: a client
+# trickling bytes (slowloris) holds a connection for seconds, not for ever.
+HEADER_TIMEOUT_S: Final = 10.0
+BODY_TIMEOUT_S: Final = 30.0
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
-
-
-class MembershipSource(Protocol):
-    """What the router needs of `registry.client.MembershipView`."""
-
-    @property
-    def synced(self) -> bool:
-        """A registry has given a snapshot at least once (the view knows something)."""
-
-    def members(self) -> Mapping[str, LiveMember]: ...
-    def loads_confirmed_at(self, model: str) -> float:
-        """When a registry last confirmed `model`'s loads unchanged (monotonic)."""
-
-    def report(self, member_id: str, incarnation: int, problem: str) -> None:
-        """Queue a failure report for the registries; must not block (called on the loop)."""
-
-
-def openai_error(status: int, message: str, kind: str, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.Response(status=status, body=_encode(body), content_type="application/json",
-                        headers=headers)
 
 
 class Router:
@@ -96,32 +73,39 @@ class Router:
                  timeouts: Timeouts | None = None,
                  upstream_policy: UpstreamPolicy | None = None,
                  adapters: Adapters | None = None, rng: random.Random | None = None,
-                 latency_decay_s: float = DECAY_S,
+                 latency_decay_s: float = DECAY_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 warm_connections: int = WARM_CONNECTIONS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view = view
         self.policy = policy
-        self.latency = LatencyTracker(decay_s=latency_decay_s)
-        self.pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s,
-                                  latency=self.latency)
-        self.locality_label = locality_label
-        self.max_attempts = max(1, max_attempts)
-        self.max_migrations = max(0, max_migrations)
-        self.quarantine = Quarantine(quarantine_s)
+        self.member_id = member_id
         self.metrics = RouterMetrics()
+        self.quarantine = Quarantine(quarantine_s)
         self.in_flight = InFlight(self.metrics.in_flight_of)
         self.adapters: Adapters = adapters if adapters is not None else default_adapters()
-        self.member_id = member_id
+        latency = LatencyTracker(decay_s=latency_decay_s)
+        pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s, latency=latency)
+        self.pairing = Pairing(view, pairer, locality_label=locality_label,
+                               protocols=self.adapters, quarantine=self.quarantine,
+                               in_flight=self.in_flight, picks_of=self.metrics.picks_of,
+                               latency=latency, clock=clock)
+        # Only latency-aware policies read the samples; the others skip taking them.
+        self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
+                                 self.metrics.quarantines_of, clock)
+        self.record = RequestRecorder(self.metrics, self.pairing.serves)
+        self.max_attempts = max(1, max_attempts)
+        self.max_migrations = max(0, max_migrations)
         self.timeouts = timeouts or Timeouts()
         self.upstream_policy = upstream_policy or UpstreamPolicy.build()
+        self.body_timeout_s = body_timeout_s
         self.draining = False
         self._api_key = f"Bearer {api_key}".encode() if api_key else b""
-        self._clock = clock
-        self._seen: Mapping[str, LiveMember] | None = None
-        self._table = PairingTable({})
-        self._known_models: set[str] = set()
         self._request_ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self._pool: UpstreamPool | None = None
+        self._ports: ProxyPorts | None = None
+        self._warmer: Warmer | None = None
+        self._warm_connections = warm_connections
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -148,31 +132,38 @@ class Router:
         return app
 
     async def _open_pool(self, app: web.Application) -> None:
-        self._pool = UpstreamPool(timeouts=self.timeouts, policy=self.upstream_policy)
+        pool = self._pool = UpstreamPool(timeouts=self.timeouts, policy=self.upstream_policy)
+        self._ports = ProxyPorts(
+            pairing=self.pairing, outcomes=self.outcomes, record=self.record,
+            adapters=self.adapters, pool=pool, max_attempts=self.max_attempts,
+            max_migrations=self.max_migrations, clock=time.monotonic)
+        if self._warm_connections > 0:
+            self._warmer = Warmer(self.pairing, pool, connections=self._warm_connections)
+            self._warmer.start()
+        self._rehearse()
+
+    def _rehearse(self) -> None:
+        """Run the first request's own code paths (admission's parsing and stripping,
+        the policy, the table, the metrics page) before the router says it is ready, so
+        the first client does not pay for them. Nothing is counted."""
+        body = _decode(_encode({"model": "", "prompt": "", "stream": True,
+                                "vllm_xargs": {"kv_transfer_params": None}}))
+        strip_internal_fields(body)
+        why_not_migratable("/v1/completions", body)
+        self.pairing.pairer.affinity("", body)
+        self.pairing.choose("", self.pairing.pairer.affinity("", body), ())
+        self.pairing.models()
+        self.metrics.render()
 
     async def _close_pool(self, app: web.Application) -> None:
+        if self._warmer is not None:
+            await self._warmer.stop()
         if self._pool is not None:
             await self._pool.close()
 
     def upstream(self) -> UpstreamPool:
         assert self._pool is not None, "the app has not started"
         return self._pool
-
-    @property
-    def session(self) -> UpstreamPool | None:  # tests look at the pool
-        return self._pool
-
-    def table(self) -> PairingTable:
-        """The pairing table for the current membership; rebuilt only when it changed."""
-        members = self.view.members()
-        if members is not self._seen:
-            self._table = PairingTable.build(members, self.locality_label, self.adapters)
-            self._seen = members
-            if len(self._known_models) < MAX_KNOWN_MODELS:
-                self._known_models.update(m.record.spec.model for m in members.values()
-                                          if m.record.spec.role is not Role.API_SERVER)
-            self.latency.retain(members.keys())
-        return self._table
 
     # --- small handlers -----------------------------------------------------------------
 
@@ -184,10 +175,9 @@ class Router:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
-            return _unauthorized()
-        models = self.table().models(self.quarantine.active(self._clock()))
+            return self._refuse("unauthorized", unauthorized())
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdreg"}
-                for m in sorted(models)]
+                for m in sorted(self.pairing.models())]
         return web.Response(body=_encode({"object": "list", "data": data}),
                             content_type="application/json")
 
@@ -214,43 +204,19 @@ class Router:
     # --- the request path ---------------------------------------------------------------
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
-        started = time.monotonic()
-        if not self._authorized(request):
-            return _unauthorized()
-        if HOP_HEADER in request.headers:
-            # Sent by a router: some member's URL leads back to a router. Refuse, so the
-            # request cannot circle; the sender quarantines that member.
-            return openai_error(508, "request loop: this router was reached through a "
-                                "router", "invalid_request_error", "loop_detected")
+        admitted = await self._admit(request)
+        if isinstance(admitted, web.Response):
+            return admitted
+        assert self._ports is not None, "the app has not started"
+        proxy = Proxy(admitted, self._ports)
         try:
-            body = _decode(await request.read())
-        except msgspec.DecodeError as exc:
-            return openai_error(400, f"request body is not JSON: {exc}", "invalid_request_error")
-        model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str) or not model:
-            return openai_error(400, "'model' is required", "invalid_request_error")
-        stripped = strip_internal_fields(body)
-        if stripped:
-            logger.debug("[router] stripped client fields %s", stripped)
-        stream_options = body.get("stream_options")
-        call = Call(
-            path=request.path, body=body, model=model, stream=body.get("stream") is True,
-            key=self.pairer.affinity_key(request.headers.get(SESSION_HEADER, ""), body),
-            request_id=f"pdreg-{self._id_prefix}-{next(self._request_ids)}",
-            started=started, wants_ids=body.get("return_token_ids") is True,
-            include_usage=isinstance(stream_options, dict)
-            and stream_options.get("include_usage") is True,
-            migratable=why_not_migratable(request.path, body) if body.get("stream") is True
-            else "not streamed")
-        proxy = Proxy(self, call)
-        try:
-            response = await (proxy.stream(request) if call.stream else proxy.whole())
+            response = await (proxy.stream(request) if admitted.stream else proxy.whole())
         except UpstreamRejected as rejected:
-            self.count(model, "client_error")
+            self.record.outcome(admitted.model, "client_error")
             return web.Response(status=rejected.status, body=rejected.body,
                                 headers={"Content-Type": rejected.content_type})
         except BaseException:  # the client left (cancel, reset) while we waited upstream
-            self.count(model, "cancelled")
+            self.record.outcome(admitted.model, "cancelled")
             raise
         if self.draining:
             # Answer, then close the connection: a keep-alive client reconnects through
@@ -258,78 +224,56 @@ class Router:
             response.force_close()
         return response
 
-    # --- what a Proxy uses --------------------------------------------------------------
+    async def _admit(self, request: web.Request) -> Call | web.Response:
+        """The request as a `Call`, or the answer refusing it."""
+        started = time.monotonic()
+        if not self._authorized(request):
+            return self._refuse("unauthorized", unauthorized())
+        if HOP_HEADER in request.headers:
+            # Sent by a router: some member's URL leads back to a router. Refuse, so the
+            # request cannot circle; the sender quarantines that member.
+            return self._refuse("loop", openai_error(
+                508, "request loop: this router was reached through a router",
+                INVALID_REQUEST, "loop_detected"))
+        try:
+            if request.content.is_eof():  # the whole body came with the head: no wait
+                raw = await request.read()
+            else:
+                async with asyncio.timeout(self.body_timeout_s):
+                    raw = await request.read()
+        except TimeoutError:
+            response = self._refuse("body_timeout", openai_error(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                INVALID_REQUEST, "body_timeout"))
+            response.force_close()
+            return response
+        try:
+            body = _decode(raw)
+        except msgspec.DecodeError as exc:
+            return self._refuse("not_json", openai_error(
+                400, f"request body is not JSON: {exc}", INVALID_REQUEST))
+        except RecursionError:  # msgspec's answer to [[[[... a thousand levels deep
+            return self._refuse("too_deep", openai_error(
+                400, "request body is nested too deeply", INVALID_REQUEST))
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            return self._refuse("no_model", openai_error(400, "'model' is required",
+                                                         INVALID_REQUEST))
+        stripped = strip_internal_fields(body)
+        if stripped:
+            logger.debug("[router] stripped client fields %s", stripped)
+        stream = body.get("stream") is True
+        stream_options = body.get("stream_options")
+        return Call(
+            path=request.path, body=body, model=model, stream=stream,
+            affinity=self.pairing.pairer.affinity(request.headers.get(SESSION_HEADER, ""),
+                                                  body),
+            request_id=f"pdreg-{self._id_prefix}-{next(self._request_ids)}",
+            started=started, wants_ids=body.get("return_token_ids") is True,
+            include_usage=isinstance(stream_options, dict)
+            and stream_options.get("include_usage") is True,
+            migratable=why_not_migratable(request.path, body) if stream else "not streamed")
 
-    def choose(self, model: str, key: int, tried: list[str], *,
-               despite_quarantine: bool = False) -> Pair | None:
-        """A pair for the request; `despite_quarantine`: a stream already under way is
-        better continued on a member that failed a moment ago than ended."""
-        now = self._clock()
-        quarantined = None if despite_quarantine else self.quarantine.active(now)
-        return self.pairer.choose(self.table(), model, now=now,
-                                  in_flight=self.in_flight.counts, quarantined=quarantined,
-                                  key=key, exclude=tried,
-                                  loads_confirmed_at=self.view.loads_confirmed_at(model))
-
-    def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
-        """Count the pick; an in-flight slot on D, and on P unless it is D itself."""
-        picks = self.metrics.picks_of
-        picks(pair.decode.id, "decode").inc()
-        decode = self.in_flight.hold(pair.decode.id)
-        if pair.direct:
-            return decode, None
-        picks(pair.prefill.id, "prefill").inc()
-        return decode, self.in_flight.hold(pair.prefill.id)
-
-    def observe_prefill(self, member: Candidate, seconds: float) -> None:
-        if self.pairer.latency is not None:  # only latency-aware policies read them
-            self.latency.observe(PREFILL_ROLE, member.id, member.incarnation, seconds,
-                                 self._clock())
-
-    def observe_decode(self, member: Candidate, seconds_per_token: float) -> None:
-        if self.pairer.latency is not None:
-            self.latency.observe(DECODE_ROLE, member.id, member.incarnation,
-                                 seconds_per_token, self._clock())
-
-    def no_capacity(self, model: str) -> web.Response:
-        """404 for a model no member serves or has served; 503 for one that has none
-        routable right now (clients retry a 503, not a 404)."""
-        self.table()
-        if model not in self._known_models:
-            self.count(model, "model_not_found")
-            return openai_error(404, f"the model {model!r} does not exist",
-                                "invalid_request_error", "model_not_found")
-        self.count(model, "no_capacity")
-        return openai_error(503, f"no routable prefill and decode for model {model!r}",
-                            "service_unavailable", "no_capacity", {"Retry-After": "1"})
-
-    @staticmethod
-    def error(status: int, message: str, kind: str, code: str) -> web.Response:
-        return openai_error(status, message, kind, code)
-
-    def count(self, model: str, outcome: str) -> None:
-        # Clients name the model: only models the fleet serves get a series of their own,
-        # so a typo or a scan cannot grow the metrics without bound.
-        label = model if model in self._table.pools else UNKNOWN_MODEL_LABEL
-        self.metrics.requests_of(label, outcome).inc()
-
-    def on_failure(self, failure: LegFailure) -> None:
-        member = failure.member
-        logger.warning("[router] leg failed role=%s id=%s kind=%s: %s", failure.role,
-                       member.id, failure.kind, failure.reason)
-        if not failure.quarantine:
-            return
-        if self.quarantine.add(member.id, member.incarnation, self._clock()):
-            self.metrics.quarantines.labels(member.id).inc()
-            if failure.kind in _NOT_REPORTED:
-                return
-            problem = f"{failure.role}: {failure.kind}"[:200]
-            try:
-                self.view.report(member.id, member.incarnation, problem)
-            except Exception:  # a registry that is away must not break request handling
-                logger.exception("[router] report to registry failed id=%s", member.id)
-
-
-def _unauthorized() -> web.Response:
-    return openai_error(401, "missing or wrong API key (Authorization: Bearer ...)",
-                        "invalid_request_error", "invalid_api_key")
+    def _refuse(self, reason: str, response: web.Response) -> web.Response:
+        self.metrics.refused_of(reason).inc()
+        return response

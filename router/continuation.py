@@ -12,7 +12,8 @@ can change the output. Three parts, all pure:
   did not ask for token ids, it forwards them as null, which is what vLLM itself writes.
   Chunks that carry ids but no text (a character's first bytes) are held back until a
   chunk with text follows: a continuation must start between characters, or vLLM
-  re-emits the prompt's text (measured by helper C; /work/plan/vllm-continuation.md).
+  re-emits the prompt's text (seen against vLLM's completions API: a continuation
+  cut inside a character repeated the prompt's text).
 - `continuation_of` turns the client's request into the next one: a `/v1/completions`
   request whose prompt is the ids so far, `max_tokens` (and `min_tokens`) reduced by
   what was sent. A chat request continues as a completion too (vLLM applies the chat
@@ -89,8 +90,8 @@ _encode = msgspec.json.encode
 
 
 # SGLang 0.5.23 refuses return_token_ids on streamed chat (400): its chat streams carry
-# no ids, so they cannot be continued exactly (measured by helper F;
-# /work/plan/sglang-token-ids.md). Its completions stream ids as vLLM's do.
+# no ids, so they cannot be continued exactly (seen against it: the request answers
+# 400). Its completions stream ids as vLLM's do.
 _NO_CHAT_STREAM_IDS: Final = frozenset({Handshake.SGLANG})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from router.metrics import LabelCache
+from router.metrics import SeriesOf
 
 __all__ = ["Hold", "InFlight"]
 
@@ -21,7 +21,7 @@ class InFlight:
     One event-loop thread uses it; no locks.
     """
 
-    def __init__(self, gauge_of: LabelCache) -> None:
+    def __init__(self, gauge_of: SeriesOf) -> None:
         self._counts: dict[str, int] = {}
         self._gauge_of = gauge_of
 

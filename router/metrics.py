@@ -1,18 +1,37 @@
-"""Router metrics on a private CollectorRegistry (several routers may share a process)."""
+"""Router metrics on a private CollectorRegistry (several routers may share a process).
+
+Every series the request path updates is owned by the router's event loop and updated
+without locks (`LoopMetric`, `LoopHistogram`); /metrics collects them on that loop.
+"""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
-__all__ = ["LabelCache", "LoopHistogram", "RouterMetrics"]
+__all__ = [
+    "UNKNOWN_MODEL_LABEL",
+    "LoopHistogram",
+    "LoopMetric",
+    "RequestRecorder",
+    "RouterMetrics",
+    "SeriesOf",
+]
 
 MAX_CACHED_CHILDREN: Final = 4096  # per metric; models come from clients, so bound it
+UNKNOWN_MODEL_LABEL: Final = "unknown"  # the model label of models no member serves
+
+# A metric's `labels`: label values -> the series (inc/dec, or observe).
+SeriesOf = Callable[..., Any]
 
 # Seconds. TTFT spans a prefill; end-to-end spans a whole generation.
 TTFT_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -21,23 +40,6 @@ E2E_BUCKETS_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 
 # something is wrong (the idle timeout starts a migration).
 ITL_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                         5, 10)
-
-
-class LabelCache:
-    """`metric.labels(*values)` looked up once per label values: `labels()` validates and
-    takes a lock on every call, which the request path would pay several times."""
-
-    def __init__(self, metric: MetricWrapperBase) -> None:
-        self._metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def __call__(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            child = self._metric.labels(*values)
-            if len(self._children) < MAX_CACHED_CHILDREN:
-                self._children[values] = child
-        return child
 
 
 class _HistogramChild:
@@ -99,15 +101,65 @@ def _bound_text(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
+class _Value:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+
+class LoopMetric:
+    """A labelled counter or gauge owned by one event loop: `inc` is an add.
+
+    prometheus_client takes a lock and validates on every update; the request path
+    updates a dozen series per request, so they live here, lock-free, like
+    `LoopHistogram`. Collected from the same loop (the /metrics handler)."""
+
+    def __init__(self, kind: str, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self.family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _Value] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Value:
+        child = self._children.get(values)
+        if child is None:
+            child = _Value()
+            if len(self._children) < MAX_CACHED_CHILDREN:
+                self._children[values] = child
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [self.family(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self.family(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            family.add_metric(list(values), child.value)
+        yield family
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+
+        def counter(name: str, documentation: str, *labels: str) -> LoopMetric:
+            return LoopMetric("counter", name, documentation, labels, r)
+        self.requests = counter(
             "pdreg_router_requests", "Client requests by model and outcome "
             "(ok, client_error, no_capacity, upstream_error, failed_midstream, cancelled)",
-            ("model", "outcome"), registry=r)
-        self.ttft = Histogram(
+            "model", "outcome")
+        self.ttft = LoopHistogram(
             "pdreg_router_ttft_seconds", "Request arrival to the first token: the first "
             "streamed event of the decode's answer; for a non-streaming request, the end "
             "of the prefill leg (a mixed engine: its whole answer)",
@@ -116,32 +168,70 @@ class RouterMetrics:
             "pdreg_router_itl_seconds", "Gaps between reads of a decode's stream "
             "(inter-token latency as the router sees it)", ("model",),
             buckets=ITL_BUCKETS_S, registry=r)
-        self.e2e = Histogram("pdreg_router_e2e_seconds", "Request arrival to the last byte",
-                             ("model",), buckets=E2E_BUCKETS_S, registry=r)
-        self.in_flight = Gauge("pdreg_router_in_flight", "Requests this router has open "
-                               "on a member", ("member",), registry=r)
-        self.retries = Counter("pdreg_router_retries", "Retries on a new pair, by reason",
-                               ("reason",), registry=r)
-        self.migrations = Counter(
+        self.e2e = LoopHistogram("pdreg_router_e2e_seconds", "Request arrival to the last "
+                                 "byte", ("model",), buckets=E2E_BUCKETS_S, registry=r)
+        self.in_flight = LoopMetric("gauge", "pdreg_router_in_flight", "Requests this "
+                                    "router has open on a member", ("member",), r)
+        self.retries = counter("pdreg_router_retries", "Retries on a new pair, by reason",
+                               "reason")
+        self.migrations = counter(
             "pdreg_router_migrations", "Requests continued on a new pair after their decode "
-            "failed mid-answer, by reason (reset, eof, error_event, idle_timeout)",
-            ("reason",), registry=r)
-        self.unmigratable = Counter(
+            "failed mid-answer, by reason (reset, eof, error_event, idle_timeout)", "reason")
+        self.unmigratable = counter(
             "pdreg_router_unmigratable", "Mid-stream failures that could not be migrated, "
-            "by why (no_token_ids, request_shape, budget, no_pair)", ("why",), registry=r)
-        self.quarantines = Counter("pdreg_router_quarantines",
-                                   "Members quarantined after a failure", ("member",),
-                                   registry=r)
+            "by why (no_token_ids, request_shape, budget, no_pair)", "why")
+        self.quarantines = counter("pdreg_router_quarantines",
+                                   "Members quarantined after a failure", "member")
         # Per member and role rather than per (P, D) pair: P x D series do not scale.
-        self.picks = Counter("pdreg_router_picks", "Times a member was chosen, by role",
-                             ("member", "role"), registry=r)
-        # The request path's children, cached.
-        self.requests_of = LabelCache(self.requests)
-        self.ttft_of = LabelCache(self.ttft)
-        self.e2e_of = LabelCache(self.e2e)
+        self.picks = counter("pdreg_router_picks", "Times a member was chosen, by role",
+                             "member", "role")
+        self.refused = counter(
+            "pdreg_router_refused", "Client requests refused before pairing, by reason "
+            "(not_json, too_deep, no_model, body_timeout, loop, unauthorized)", "reason")
+        # The request path's children.
+        self.requests_of = self.requests.labels
+        self.ttft_of = self.ttft.labels
+        self.e2e_of = self.e2e.labels
         self.itl_of = self.itl.labels
-        self.in_flight_of = LabelCache(self.in_flight)
-        self.picks_of = LabelCache(self.picks)
+        self.in_flight_of = self.in_flight.labels
+        self.picks_of = self.picks.labels
+        self.refused_of = self.refused.labels
+        self.quarantines_of = self.quarantines.labels
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestRecorder:
+    """What one request records, through one object: the request path's only view of
+    the metrics. `serves(model)`: whether a model gets a series of its own (clients name
+    the model, so a typo or a scan cannot grow the metrics without bound)."""
+
+    __slots__ = ("_metrics", "_serves")
+
+    def __init__(self, metrics: RouterMetrics, serves: Callable[[str], bool]) -> None:
+        self._metrics = metrics
+        self._serves = serves
+
+    def outcome(self, model: str, outcome: str) -> None:
+        label = model if self._serves(model) else UNKNOWN_MODEL_LABEL
+        self._metrics.requests_of(label, outcome).inc()
+
+    def retry(self, reason: str) -> None:
+        self._metrics.retries.labels(reason).inc()
+
+    def migration(self, reason: str) -> None:
+        self._metrics.migrations.labels(reason).inc()
+
+    def unmigratable(self, why: str) -> None:
+        self._metrics.unmigratable.labels(why).inc()
+
+    def ttft(self, model: str, seconds: float) -> None:
+        self._metrics.ttft_of(model).observe(seconds)
+
+    def e2e(self, model: str, seconds: float) -> None:
+        self._metrics.e2e_of(model).observe(seconds)
+
+    def itl(self, model: str) -> Callable[[float], None]:
+        """The observer of one stream's gaps between reads (called per read)."""
+        return self._metrics.itl_of(model).observe

@@ -7,7 +7,7 @@ with tables and Hypothesis, never with sleeps.
 A policy is a `Pairer`: a `Chooser` per role (router/choosers.py), the load function they
 compare (reported queue + the router's own in-flight + KV pressure; times the member's
 observed service time for `peak_ewma`), and the request's affinity key (what `prefix`
-and `session` hash; 0 for the others).
+and `session` hash; 0 for the others), carried by an `Affinity` computed at admission.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
 
+from registry.detector import HEARTBEAT_INTERVAL_S
 from registry.protocol import Role
 from router.choosers import (
     SATURATED_SCORE,
@@ -32,12 +34,14 @@ from router.choosers import (
     session_key,
 )
 from router.latency import LatencyTracker
-from router.table import Candidate, Pair, PairingTable, eligible
+from router.table import Candidate, Pair, PairingTable, ProtocolPool, eligible
 
 __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_STALE_LOAD_S",
+    "NO_AFFINITY",
     "POLICY_NAMES",
+    "Affinity",
     "AffinityKey",
     "Pairer",
     "make_pairer",
@@ -47,8 +51,7 @@ __all__ = [
 # A member whose load report is older than this many heartbeat intervals is treated as
 # saturated: we cannot see its queue, so we assume the worst and prefer anyone we can see.
 STALE_LOAD_INTERVALS: Final = 3
-DEFAULT_HEARTBEAT_INTERVAL_S: Final = 1.0
-DEFAULT_STALE_LOAD_S: Final = STALE_LOAD_INTERVALS * DEFAULT_HEARTBEAT_INTERVAL_S
+DEFAULT_STALE_LOAD_S: Final = STALE_LOAD_INTERVALS * HEARTBEAT_INTERVAL_S
 # A full KV cache costs as much as this many queued requests: a member near 100% KV
 # usage is about to preempt, so it should lose to a slightly longer queue elsewhere.
 KV_FULL_PENALTY_REQS: Final = 16.0
@@ -105,6 +108,32 @@ def conversation_key(session: str, body: Mapping[str, Any]) -> int:
     return prompt_key("", body)
 
 
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """What a request brings to pairing, computed once at admission by the policy
+    (`Pairer.affinity`). `key` is what `prefix` and `session` hash (0 for the others).
+    A policy that needs more of the request (a prompt's token ids or KV block keys)
+    subclasses this and overrides `Pairer.affinity`."""
+
+    key: int = 0
+
+
+NO_AFFINITY: Final = Affinity()
+
+
+@dataclass(frozen=True, slots=True)
+class Loads:
+    """The load functions of one choice: `base` for locality's saturation test, one per
+    role for the choosers (the same as `base` unless latency-weighted)."""
+
+    base: Callable[[Candidate], float]
+    prefill: Callable[[Candidate], float]
+    decode: Callable[[Candidate], float]
+
+
+Options = list[tuple[Sequence[Candidate], Sequence[Candidate]]]
+
+
 class Pairer:
     """Chooses (P, D) for a request: P by the prefill chooser, then D among members of the
     same model and protocol, preferring P's locality.
@@ -126,67 +155,101 @@ class Pairer:
         self.affinity_key = affinity_key
         self.latency = latency
 
+    def affinity(self, session: str, body: Mapping[str, Any]) -> Affinity:
+        """The request's input to pairing, computed at admission (once per request)."""
+        if self.affinity_key is no_key:
+            return NO_AFFINITY
+        return Affinity(self.affinity_key(session, body))
+
     def choose(self, table: PairingTable, model: str, *, now: float,
                in_flight: Mapping[str, int], quarantined: Mapping[str, int] | None = None,
                key: int = 0, exclude: Collection[str] = (),
-               loads_confirmed_at: float = -math.inf) -> Pair | None:
+               loads_confirmed_at: float = -math.inf,
+               affinity: Affinity | None = None) -> Pair | None:
         """`loads_confirmed_at`: when the registry last confirmed `model`'s loads (see
-        `score`)."""
+        `score`). `affinity` (else `key`): the request's, from `affinity()`."""
         pools = table.pools.get(model)
         if not pools:
             return None
+        options = _options(pools, quarantined, exclude)
+        if not options:
+            return None
+        if affinity is not None:
+            key = affinity.key
+        loads = self.loads(now, in_flight, loads_confirmed_at)
+        p = self._choose_prefill(options, loads, key, now)
+        if p.role is Role.MIXED:
+            return Pair(p, p)
+        decodes = _decodes_for(p, options, loads.base)
+        d = self._decode.choose(decodes, loads.decode, key)
+        self._note_probe(DECODE_ROLE, d, now)
+        return Pair(p, d)
+
+    def loads(self, now: float, in_flight: Mapping[str, int],
+              confirmed_at: float) -> Loads:
         stale_after_s = self.stale_after_s
-        confirmed_at = loads_confirmed_at
 
         def base(c: Candidate) -> float:
             return score(c, in_flight.get(c.id, 0), now, stale_after_s, confirmed_at)
 
-        prefill_load = decode_load = base
         latency = self.latency
-        if latency is not None:
-            def weighted(role: str) -> Callable[[Candidate], float]:
-                def load(c: Candidate) -> float:
-                    s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s,
-                                    confirmed_at)
-                    if s >= SATURATED_SCORE:
-                        return s
-                    if latency.probe_due(role, c.id, c.incarnation, now):
-                        return -1.0  # due a probe: it wins when sampled, once
-                    return (s + 1.0) * latency.cost(role, c.id, c.incarnation)
-                return load
-            prefill_load, decode_load = weighted(PREFILL_ROLE), weighted(DECODE_ROLE)
+        if latency is None:
+            return Loads(base, base, base)
 
-        options: list[tuple[Sequence[Candidate], Sequence[Candidate]]] = []
-        for pool in pools:
-            decodes = _without(
-                eligible(pool.decodes, pool.decodes_suspect, quarantined), exclude)
-            if not decodes:
-                continue
-            prefills = _without(
-                eligible(pool.prefills, pool.prefills_suspect, quarantined), exclude)
-            if prefills:
-                options.append((prefills, decodes))
-        if not options:
-            return None
-        if len(options) == 1:
-            prefills, decodes = options[0]
-        else:  # several protocols serve this model: choose P across all, D in P's pool
-            prefills = [c for ps, _ in options for c in ps]
-        p = self._prefill.choose(prefills, prefill_load, key)
-        if latency is not None and latency.probe_due(PREFILL_ROLE, p.id, p.incarnation, now):
-            latency.probing(PREFILL_ROLE, p.id, now)
-        if p.role is Role.MIXED:
-            return Pair(p, p)
-        if len(options) > 1:
-            decodes = next(ds for ps, ds in options if ps and ps[0].protocol == p.protocol)
-        if p.locality:
-            near = [d for d in decodes if d.locality == p.locality and base(d) < SATURATED_SCORE]
-            if near:
-                decodes = near
-        d = self._decode.choose(decodes, decode_load, key)
-        if latency is not None and latency.probe_due(DECODE_ROLE, d.id, d.incarnation, now):
-            latency.probing(DECODE_ROLE, d.id, now)
-        return Pair(p, d)
+        def weighted(role: str) -> Callable[[Candidate], float]:
+            def load(c: Candidate) -> float:
+                s = outstanding(c, in_flight.get(c.id, 0), now, stale_after_s, confirmed_at)
+                if s >= SATURATED_SCORE:
+                    return s
+                weight = latency.weight(role, c.id, c.incarnation, now)
+                if weight < 0.0:
+                    return -1.0  # due a probe: it wins when sampled, once
+                return (s + 1.0) * weight
+            return load
+        return Loads(base, weighted(PREFILL_ROLE), weighted(DECODE_ROLE))
+
+    def _choose_prefill(self, options: Options, loads: Loads, key: int,
+                        now: float) -> Candidate:
+        # Several protocols serve this model: choose P across all, D in P's pool.
+        prefills = options[0][0] if len(options) == 1 else [c for ps, _ in options
+                                                             for c in ps]
+        p = self._prefill.choose(prefills, loads.prefill, key)
+        self._note_probe(PREFILL_ROLE, p, now)
+        return p
+
+    def _note_probe(self, role: str, chosen: Candidate, now: float) -> None:
+        latency = self.latency
+        if latency is not None and latency.probe_due(role, chosen.id, chosen.incarnation,
+                                                     now):
+            latency.probing(role, chosen.id, now)
+
+
+def _options(pools: Sequence[ProtocolPool], quarantined: Mapping[str, int] | None,
+             exclude: Collection[str]) -> Options:
+    """Per protocol pool, its eligible prefills and decodes, where both exist."""
+    options: Options = []
+    for pool in pools:
+        decodes = _without(eligible(pool.decodes, pool.decodes_suspect, quarantined), exclude)
+        if not decodes:
+            continue
+        prefills = _without(eligible(pool.prefills, pool.prefills_suspect, quarantined),
+                            exclude)
+        if prefills:
+            options.append((prefills, decodes))
+    return options
+
+
+def _decodes_for(p: Candidate, options: Options,
+                 base: Callable[[Candidate], float]) -> Sequence[Candidate]:
+    """The decodes that can pair with `p`: its pool's, those near it if any is not
+    saturated."""
+    decodes = options[0][1] if len(options) == 1 else next(
+        ds for ps, ds in options if ps and ps[0].protocol == p.protocol)
+    if p.locality:
+        near = [d for d in decodes if d.locality == p.locality and base(d) < SATURATED_SCORE]
+        if near:
+            return near
+    return decodes
 
 
 def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Sequence[Candidate]:

@@ -7,18 +7,21 @@
     migrate  a stream whose decode fails after the client has seen events continues on
              a new pair from the token ids sent so far (`--max-migrations` times)
 
-The router (`router.app.Router`) owns the shared state (pairing, in-flight counts,
-quarantine, latency, metrics); a `Proxy` lives for one request and holds its own:
-which members it tried, how many attempts and migrations are left.
+A request is a sequence of legs. Each leg ends in a `LegOutcome`, and a small loop
+dispatches on it: DONE and GIVE_UP answer the client (`Proxy.response`), RETRY runs the
+next leg on a new pair, MIGRATE continues the stream on a new pair.
+
+A `Proxy` lives for one request and holds its own state (members tried, attempts and
+migrations left); everything shared reaches it through `ProxyPorts` (router/ports.py).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import re
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from aiohttp import web
 
@@ -26,24 +29,32 @@ from router.adapters import Exchange, LegFailure, UpstreamRejected, adapter_for,
 from router.continuation import (
     CHAT_PATH,
     COMPLETIONS_PATH,
+    DONE_EVENT,
     Reshaper,
     TokenTap,
     continuation_of,
     streams_token_ids,
 )
+from router.errors import no_capacity, upstream_failed
 from router.inflight import Hold
+from router.policies import Affinity
+from router.ports import ProxyPorts
 from router.relay import ClientStream, LegEnd, relay_leg
 from router.table import Pair
 
-if TYPE_CHECKING:
-    from router.app import Router
-
-__all__ = ["Call", "Proxy"]
+__all__ = ["Call", "LegOutcome", "Proxy"]
 
 logger = logging.getLogger(__name__)
 
 COMPANION_WAIT_S: Final = 5.0  # after D is done, how long SGLang's P leg may still take
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+class LegOutcome(enum.Enum):
+    DONE = enum.auto()  # the client has its whole answer (`Proxy.response`)
+    RETRY = enum.auto()  # nothing reached the client: run the request on a new pair
+    MIGRATE = enum.auto()  # the stream is under way: continue it on a new pair
+    GIVE_UP = enum.auto()  # the answer is final: an error, or the stream ended with one
 
 
 @dataclass(slots=True)
@@ -54,7 +65,7 @@ class Call:
     body: dict[str, Any]  # the client's, internal fields stripped
     model: str
     stream: bool
-    key: int  # the policy's affinity key
+    affinity: Affinity  # the policy's input, computed at admission
     request_id: str
     started: float  # time.monotonic() at arrival
     wants_ids: bool  # the client asked for return_token_ids itself
@@ -85,15 +96,31 @@ class Opened:
 
 
 @dataclass(slots=True)
+class Stream:
+    """A streamed request's state across its legs."""
+
+    client: ClientStream
+    tap: TokenTap
+    path: str
+    body: dict[str, Any]
+    ask_ids: bool  # ask engines for token ids: the stream may have to migrate
+    migrations_left: int
+    reshaper: Reshaper | None = None
+    failure: LegFailure | None = None  # the failure a MIGRATE continues after
+    next_body: dict[str, Any] | None = None  # and the body it continues with
+
+
+@dataclass(slots=True)
 class Proxy:
-    router: Router
     call: Call
+    ports: ProxyPorts
     tried: list[str] = field(default_factory=list)
     attempts_left: int = 0
     last_failure: LegFailure | None = None
+    response: web.StreamResponse | None = None  # the answer, once DONE or GIVE_UP
 
     def __post_init__(self) -> None:
-        self.attempts_left = self.router.max_attempts
+        self.attempts_left = self.ports.max_attempts
 
     # --- opening a pair ---------------------------------------------------------------
 
@@ -105,217 +132,257 @@ class Proxy:
 
         Raises NoPair when nothing (more) can be tried, UpstreamRejected on a prefill's
         4xx (the client's request is at fault)."""
-        router = self.router
         while self.attempts_left > 0:
-            pair = router.choose(self.call.model, self.call.key, self.tried)
-            if pair is None and continuing:
-                pair = router.choose(self.call.model, self.call.key, self.tried,
-                                     despite_quarantine=True)
+            pair = self._choose(continuing)
             if pair is None:
                 break
             self.attempts_left -= 1
-            leg_body = body
-            if ask_ids and body.get("return_token_ids") is not True and streams_token_ids(
-                    pair.prefill.protocol, path):
-                leg_body = {**body, "return_token_ids": True}
-            decode_hold, prefill_hold = router.hold(pair)
-            try:
-                exchange = await adapter_for(router.adapters, pair).open(
-                    router.upstream(), pair, path, leg_body, self.call.request_id)
-            except LegFailure as failure:
-                decode_hold.release()
-                router.on_failure(failure)
-                router.metrics.retries.labels(f"{failure.role}_failed").inc()
-                self.tried.extend((pair.prefill.id, pair.decode.id))
-                self.last_failure = failure
-                continue
-            except BaseException:
-                decode_hold.release()
-                raise
-            finally:
-                if prefill_hold is not None:  # the prefill's part ends with the handshake
-                    prefill_hold.release()
-            return Opened(pair, exchange, decode_hold, time.monotonic())
+            opened = await self._open_pair(pair, path, self._leg_body(pair, path, body,
+                                                                      ask_ids))
+            if opened is not None:
+                return opened
         raise NoPair
 
-    def no_pair_response(self) -> web.Response:
-        """503 when nothing could be tried, 502 when everything tried failed."""
-        router, model = self.router, self.call.model
+    def _choose(self, continuing: bool) -> Pair | None:
+        pairing, call = self.ports.pairing, self.call
+        pair = pairing.choose(call.model, call.affinity, self.tried)
+        if pair is None and continuing:
+            pair = pairing.choose(call.model, call.affinity, self.tried,
+                                  despite_quarantine=True)
+        return pair
+
+    @staticmethod
+    def _leg_body(pair: Pair, path: str, body: dict[str, Any], ask_ids: bool
+                  ) -> dict[str, Any]:
+        if ask_ids and body.get("return_token_ids") is not True and streams_token_ids(
+                pair.prefill.protocol, path):
+            return {**body, "return_token_ids": True}
+        return body
+
+    async def _open_pair(self, pair: Pair, path: str, body: dict[str, Any]
+                         ) -> Opened | None:
+        """The pair's handshake; None if a leg failed (recorded, for a retry)."""
+        ports = self.ports
+        decode_hold, prefill_hold = ports.pairing.hold(pair)
+        try:
+            exchange = await adapter_for(ports.adapters, pair).open(
+                ports.pool, pair, path, body, self.call.request_id)
+        except LegFailure as failure:
+            decode_hold.release()
+            self._failed(failure, pair.prefill.id, pair.decode.id)
+            ports.record.retry(f"{failure.role}_failed")
+            return None
+        except BaseException:
+            decode_hold.release()
+            raise
+        finally:
+            if prefill_hold is not None:  # the prefill's part ends with the handshake
+                prefill_hold.release()
+        return Opened(pair, exchange, decode_hold, ports.clock())
+
+    def _failed(self, failure: LegFailure, *member_ids: str) -> None:
+        self.ports.outcomes.on_failure(failure)
+        self.tried.extend(member_ids)
+        self.last_failure = failure
+
+    def _answer(self, response: web.StreamResponse,
+                outcome: LegOutcome = LegOutcome.DONE) -> LegOutcome:
+        self.response = response
+        return outcome
+
+    def _no_pair(self) -> LegOutcome:
+        """503 (or 404) when nothing could be tried, 502 when everything tried failed."""
+        record, model = self.ports.record, self.call.model
         if self.last_failure is None:
-            return router.no_capacity(model)
-        router.count(model, "upstream_error")
-        return router.error(502, f"no pair could serve the request; last: "
-                            f"{self.last_failure.public}", "upstream_error",
-                            "upstream_failed")
+            known = self.ports.pairing.knows(model)
+            record.outcome(model, "no_capacity" if known else "model_not_found")
+            return self._answer(no_capacity(model, known=known), LegOutcome.GIVE_UP)
+        record.outcome(model, "upstream_error")
+        return self._answer(upstream_failed(self.last_failure.public), LegOutcome.GIVE_UP)
 
     # --- non-streaming ----------------------------------------------------------------
 
     async def whole(self) -> web.StreamResponse:
         """D's answer, read whole and relayed. A decode that dies before its answer is
         in is re-issued whole on a new pair."""
-        router, call = self.router, self.call
-        while True:
+        while await self._whole_leg() is LegOutcome.RETRY:
+            pass
+        assert self.response is not None
+        return self.response
+
+    async def _whole_leg(self) -> LegOutcome:
+        call, ports = self.call, self.ports
+        try:
+            opened = await self.open(call.path, call.body)
+        except NoPair:
+            return self._no_pair()
+        try:
+            response = opened.exchange.response
             try:
-                opened = await self.open(call.path, call.body)
-            except NoPair:
-                return self.no_pair_response()
-            try:
-                response = opened.exchange.response
-                try:
-                    data = await response.read()
-                except OSError as exc:
-                    failure = leg_failure(opened.pair.decode, "decode", exc, "read")
-                    router.on_failure(failure)
-                    router.metrics.retries.labels("decode_failed").inc()
-                    self.tried.append(opened.pair.decode.id)
-                    self.last_failure = failure
-                    continue
-                await self._finish_companion(opened.exchange)
-                now = time.monotonic()
-                ok = response.status < 400
-                router.count(call.model, "ok" if ok else "client_error")
-                if ok:
-                    self._observe_whole(opened, data, now)
-                return web.Response(status=response.status, body=data,
-                                    headers={"Content-Type": response.content_type})
-            finally:
-                self._observe_prefill(opened)
-                opened.close()
+                data = await response.read()
+            except OSError as exc:
+                self._failed(leg_failure(opened.pair.decode, "decode", exc, "read"),
+                             opened.pair.decode.id)
+                ports.record.retry("decode_failed")
+                return LegOutcome.RETRY
+            await self._finish_companion(opened.exchange)
+            ok = response.status < 400
+            ports.record.outcome(call.model, "ok" if ok else "client_error")
+            if ok:
+                self._observe_whole(opened, data, ports.clock())
+            return self._answer(web.Response(status=response.status, body=data,
+                                             headers={"Content-Type": response.content_type}))
+        finally:
+            self._observe_prefill(opened)
+            opened.close()
 
     def _observe_whole(self, opened: Opened, data: bytes, now: float) -> None:
-        router, model = self.router, self.call.model
+        record, call = self.ports.record, self.call
         exchange = opened.exchange
         prefill_s = exchange.prefill_s
         # TTFT without a stream: the first token exists when the prefill's part is done.
         # A mixed member's answer has no such moment: its whole answer it is.
         first_token_at = now if prefill_s is None else exchange.prefill_started + prefill_s
-        router.metrics.ttft_of(model).observe(first_token_at - self.call.started)
-        router.metrics.e2e_of(model).observe(now - self.call.started)
+        record.ttft(call.model, first_token_at - call.started)
+        record.e2e(call.model, now - call.started)
         tokens = _COMPLETION_TOKENS.search(data, max(0, len(data) - 512))
         if tokens is not None and int(tokens.group(1)) > 0:
             decode_s = now - (exchange.decode_started or opened.opened_at)
-            router.observe_decode(opened.pair.decode, decode_s / int(tokens.group(1)))
+            self.ports.outcomes.observe_decode(opened.pair.decode,
+                                               decode_s / int(tokens.group(1)))
 
     # --- streaming --------------------------------------------------------------------
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        router, call = self.router, self.call
-        client = ClientStream(request)
-        ask_ids = call.migratable is None and router.max_migrations > 0
-        tap = TokenTap(strip=not call.wants_ids, chat=call.chat,
-                       watch_usage=call.include_usage, hold_back=ask_ids)
-        path, body = call.path, call.body
-        reshaper: Reshaper | None = None
-        migrations_left = router.max_migrations
+        call = self.call
+        ask_ids = call.migratable is None and self.ports.max_migrations > 0
+        s = Stream(client=ClientStream(request),
+                   tap=TokenTap(strip=not call.wants_ids, chat=call.chat,
+                                watch_usage=call.include_usage, hold_back=ask_ids),
+                   path=call.path, body=call.body, ask_ids=ask_ids,
+                   migrations_left=self.ports.max_migrations)
         try:
             while True:
-                try:
-                    opened = await self.open(path, body, ask_ids=ask_ids,
-                                             continuing=client.started)
-                except NoPair:
-                    if not client.started:
-                        return self.no_pair_response()
-                    return await self._give_up(client, "no pair is left to continue on",
-                                               "no_pair")
-                except UpstreamRejected as rejected:
-                    if not client.started:
-                        raise
-                    return await self._give_up(client, f"the continuation was refused "
-                                               f"(HTTP {rejected.status})", "no_pair")
-                try:
-                    response = opened.exchange.response
-                    if response.status != 200:  # a 4xx from the decode: the client's fault
-                        if not client.started:
-                            return await self._relay_refusal(opened)
-                        return await self._give_up(client, "the continuation was refused "
-                                                   f"(HTTP {response.status})", "no_pair")
-                    end = await relay_leg(
-                        opened.exchange, opened.pair.decode, client, tap, reshaper,
-                        router.metrics.itl_of(call.model).observe,
-                        lambda at, o=opened: self._first_read(o, at, client.started))
-                    if end.failure is None:
-                        await self._finish_companion(opened.exchange)
-                        self._observe_decode(opened, end)
-                finally:
-                    self._observe_prefill(opened)
-                    opened.close()
-                if end.failure is None:
-                    await client.end()
-                    router.count(call.model, "ok")
-                    router.metrics.e2e_of(call.model).observe(time.monotonic() - call.started)
-                    return client.response or web.Response(status=204)
-                failure = end.failure
-                tap.drop_held()
-                router.on_failure(failure)
-                self.tried.append(opened.pair.decode.id)
-                self.last_failure = failure
-                if not client.started:  # nothing sent yet: an ordinary retry
-                    router.metrics.retries.labels("decode_failed").inc()
-                    continue
-                if tap.finished:  # only the end was lost: complete it here
-                    return await self._complete(client, tap, reshaper)
-                why = "budget" if migrations_left <= 0 else self._why_not_continue(tap)
-                if why:
-                    return await self._give_up(client, failure.public, why)
-                next_body = continuation_of(call.path, call.body, tap.prompt_ids or [],
-                                            tap.sent_ids())
-                if next_body is None:  # every token the client asked for was sent
-                    return await self._complete(client, tap, reshaper)
-                migrations_left -= 1
-                reshaper = self._migrating(failure, tap, reshaper, migrations_left)
-                path, body = COMPLETIONS_PATH, next_body
+                outcome = await self._stream_leg(s)
+                if outcome is LegOutcome.MIGRATE:
+                    self._migrate(s)
+                elif outcome is not LegOutcome.RETRY:  # DONE or GIVE_UP: answered
+                    assert self.response is not None
+                    return self.response
         except ConnectionError:
             # A write to the client's closing socket: the client hung up (often right
             # after [DONE], before the stream's end). A cancel, not an upstream failure.
             logger.debug("[router] client left mid-response model=%s", call.model)
-            router.count(call.model, "cancelled")
-            return client.response or web.Response(status=499)
+            self.ports.record.outcome(call.model, "cancelled")
+            return s.client.response or web.Response(status=499)
 
-    def _migrating(self, failure: LegFailure, tap: TokenTap, reshaper: Reshaper | None,
-                   migrations_left: int) -> Reshaper:
-        """Count and log a migration; the reshaper for the legs from now on."""
-        router, call = self.router, self.call
-        router.metrics.migrations.labels(failure.kind).inc()
+    async def _stream_leg(self, s: Stream) -> LegOutcome:
+        """One pair's leg of a stream: open it, relay its events, say how it ended."""
+        try:
+            opened = await self.open(s.path, s.body, ask_ids=s.ask_ids,
+                                     continuing=s.client.started)
+        except NoPair:
+            if not s.client.started:
+                return self._no_pair()
+            return await self._give_up(s, "no pair is left to continue on", "no_pair")
+        except UpstreamRejected as rejected:
+            if not s.client.started:
+                raise
+            return await self._give_up(s, f"the continuation was refused (HTTP "
+                                       f"{rejected.status})", "no_pair")
+        try:
+            response = opened.exchange.response
+            if response.status != 200:  # a 4xx from the decode: the client's fault
+                if not s.client.started:
+                    return self._answer(await self._relay_refusal(opened))
+                return await self._give_up(s, "the continuation was refused (HTTP "
+                                           f"{response.status})", "no_pair")
+            end = await relay_leg(
+                opened.exchange, opened.pair.decode, s.client, s.tap, s.reshaper,
+                self.ports.record.itl(self.call.model),
+                lambda at, o=opened: self._first_read(o, at, s.client.started))
+            if end.failure is None:
+                await self._finish_companion(opened.exchange)
+                self._observe_decode(opened, end)
+        finally:
+            self._observe_prefill(opened)
+            opened.close()
+        if end.failure is None:
+            return await self._stream_done(s)
+        return await self._after_failure(s, opened.pair, end.failure)
+
+    async def _after_failure(self, s: Stream, pair: Pair, failure: LegFailure
+                             ) -> LegOutcome:
+        """A decode failed mid-answer: retry (nothing sent), complete (everything was),
+        migrate (it can be continued) or give up."""
+        s.tap.drop_held()
+        self._failed(failure, pair.decode.id)
+        if not s.client.started:  # nothing sent yet: an ordinary retry
+            self.ports.record.retry("decode_failed")
+            return LegOutcome.RETRY
+        if s.tap.finished:  # only the end was lost: complete it here
+            return await self._complete(s)
+        why = "budget" if s.migrations_left <= 0 else self._why_not_continue(s.tap)
+        if why:
+            return await self._give_up(s, failure.public, why)
+        next_body = continuation_of(self.call.path, self.call.body, s.tap.prompt_ids or [],
+                                    s.tap.sent_ids())
+        if next_body is None:  # every token the client asked for was sent
+            return await self._complete(s)
+        s.failure, s.next_body = failure, next_body
+        return LegOutcome.MIGRATE
+
+    def _migrate(self, s: Stream) -> None:
+        """Count and log a migration; the next leg continues from the tokens sent."""
+        assert s.failure is not None and s.next_body is not None
+        call = self.call
+        s.migrations_left -= 1
+        self.ports.record.migration(s.failure.kind)
         logger.warning("[router] migrate request=%s after %s: %d tokens sent, %d "
-                       "migrations left", call.request_id, failure.kind, tap.sent_count(),
-                       migrations_left)
-        self.attempts_left = router.max_attempts  # a fresh start, on a new pair
-        if reshaper is None:
-            return Reshaper.for_stream(tap, chat=call.chat, keep_ids=call.wants_ids)
-        reshaper.sent_before = tap.sent_count()
-        return reshaper
+                       "migrations left", call.request_id, s.failure.kind,
+                       s.tap.sent_count(), s.migrations_left)
+        self.attempts_left = self.ports.max_attempts  # a fresh start, on a new pair
+        if s.reshaper is None:
+            s.reshaper = Reshaper.for_stream(s.tap, chat=call.chat, keep_ids=call.wants_ids)
+        else:
+            s.reshaper.sent_before = s.tap.sent_count()
+        s.path, s.body = COMPLETIONS_PATH, s.next_body
 
     def _why_not_continue(self, tap: TokenTap) -> str:
-        if self.call.migratable is not None:
-            return "request_shape"
-        if tap.unmigratable:
+        if self.call.migratable is not None or tap.unmigratable:
             return "request_shape"
         if tap.prompt_ids is None:
             return "no_token_ids"
         return ""
 
-    async def _give_up(self, client: ClientStream, message: str, why: str
-                       ) -> web.StreamResponse:
-        router, call = self.router, self.call
-        router.metrics.unmigratable.labels(why).inc()
-        router.count(call.model, "failed_midstream")
+    async def _stream_done(self, s: Stream) -> LegOutcome:
+        await s.client.end()
+        self._record_ok()
+        return self._answer(s.client.response or web.Response(status=204))
+
+    async def _give_up(self, s: Stream, message: str, why: str) -> LegOutcome:
+        call, record = self.call, self.ports.record
+        record.unmigratable(why)
+        record.outcome(call.model, "failed_midstream")
         logger.warning("[router] stream failed request=%s: %s (not migrated: %s)",
                        call.request_id, message, why)
-        await client.fail(message)
-        return client.response or web.Response(status=502)
+        await s.client.fail(message)
+        return self._answer(s.client.response or web.Response(status=502),
+                            LegOutcome.GIVE_UP)
 
-    async def _complete(self, client: ClientStream, tap: TokenTap,
-                        reshaper: Reshaper | None) -> web.StreamResponse:
+    async def _complete(self, s: Stream) -> LegOutcome:
         """The generation had finished; the engine died before the stream's end."""
-        router, call = self.router, self.call
+        call, tap = self.call, s.tap
         if call.include_usage and not tap.usage_sent and tap.prompt_ids is not None:
-            shaper = reshaper or Reshaper.for_stream(tap, chat=call.chat, keep_ids=False)
-            await client.write(shaper.usage_event(tap.sent_count()))
-        await client.write(b"data: [DONE]\n\n")
-        await client.end()
-        router.count(call.model, "ok")
-        router.metrics.e2e_of(call.model).observe(time.monotonic() - call.started)
-        return client.response or web.Response(status=204)
+            shaper = s.reshaper or Reshaper.for_stream(tap, chat=call.chat, keep_ids=False)
+            await s.client.write(shaper.usage_event(tap.sent_count()))
+        await s.client.write(DONE_EVENT)
+        return await self._stream_done(s)
+
+    def _record_ok(self) -> None:
+        call, record = self.call, self.ports.record
+        record.outcome(call.model, "ok")
+        record.e2e(call.model, self.ports.clock() - call.started)
 
     async def _relay_refusal(self, opened: Opened) -> web.Response:
         response = opened.exchange.response
@@ -323,15 +390,15 @@ class Proxy:
             data = await response.read()
         except OSError:
             data = b""
-        self.router.count(self.call.model, "client_error")
+        self.ports.record.outcome(self.call.model, "client_error")
         return web.Response(status=response.status, body=data,
                             headers={"Content-Type": response.content_type})
 
     def _first_read(self, opened: Opened, at: float, continuing: bool) -> None:
         if not continuing:
-            self.router.metrics.ttft_of(self.call.model).observe(at - self.call.started)
+            self.ports.record.ttft(self.call.model, at - self.call.started)
         if opened.pair.direct:  # a mixed member's "prefill": its time to first token
-            self.router.observe_prefill(opened.pair.prefill, at - opened.opened_at)
+            self.ports.outcomes.observe_prefill(opened.pair.prefill, at - opened.opened_at)
 
     # --- bookkeeping --------------------------------------------------------------------
 
@@ -339,13 +406,13 @@ class Proxy:
         if exchange.companion is not None:
             failure = await exchange.finish(COMPANION_WAIT_S)
             if failure is not None:  # D answered anyway; still keep that P out a while
-                self.router.on_failure(failure)
+                self.ports.outcomes.on_failure(failure)
 
     def _observe_prefill(self, opened: Opened) -> None:
         if opened.exchange.prefill_s is not None:
-            self.router.observe_prefill(opened.pair.prefill, opened.exchange.prefill_s)
+            self.ports.outcomes.observe_prefill(opened.pair.prefill, opened.exchange.prefill_s)
 
     def _observe_decode(self, opened: Opened, end: LegEnd) -> None:
         per_read = end.per_read_s()
         if per_read is not None:
-            self.router.observe_decode(opened.pair.decode, per_read)
+            self.ports.outcomes.observe_decode(opened.pair.decode, per_read)

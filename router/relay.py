@@ -21,7 +21,7 @@ from router.adapters import Exchange, LegFailure, leg_failure
 from router.continuation import DONE_EVENT, EVENT_END, Reshaper, TokenTap
 from router.table import Candidate
 
-__all__ = ["ClientStream", "LegEnd", "relay_leg"]
+__all__ = ["ClientStream", "EventBuffer", "LegEnd", "relay_leg"]
 
 # One SSE event larger than this (no blank line in sight) is not an engine's token.
 MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
@@ -30,6 +30,47 @@ MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
 TRAILER_WAIT_S: Final = 1.0
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _encode = msgspec.json.encode
+
+
+class EventBuffer:
+    """Whole SSE events out of a stream's reads, in time linear in its bytes.
+
+    Bytes after the last complete event wait here. Each read is searched only where it
+    landed (plus one byte before it, for a blank line cut in two), so an engine that
+    trickles a huge event a byte at a time costs a constant per byte, never a re-scan
+    of what is pending. `scanned` counts the bytes searched, for tests to check that.
+    """
+
+    __slots__ = ("_pending", "scanned")
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self.scanned = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def push(self, chunk: bytes) -> bytes:
+        """The complete events now available (b"" if none)."""
+        pending = self._pending
+        if not pending:  # the common case: a read that starts at an event's start
+            self.scanned += len(chunk)
+            cut = chunk.rfind(EVENT_END)
+            if cut >= 0 and cut + 2 == len(chunk):
+                return chunk
+            pending += chunk
+            if cut < 0:
+                return b""
+        else:
+            start = len(pending) - 1
+            pending += chunk
+            self.scanned += len(chunk) + 1
+            cut = pending.rfind(EVENT_END, start)
+            if cut < 0:
+                return b""
+        events = bytes(pending[:cut + 2])
+        del pending[:cut + 2]
+        return events
 
 
 class ClientStream:
@@ -89,7 +130,7 @@ async def relay_leg(exchange: Exchange, decode: Candidate, client: ClientStream,
     """Forward one decode's stream until it ends or fails."""
     upstream = exchange.response
     end = LegEnd()
-    pending = b""
+    events_of = EventBuffer()
     while True:
         try:
             chunk = await upstream.readany()
@@ -113,16 +154,14 @@ async def relay_leg(exchange: Exchange, decode: Candidate, client: ClientStream,
             on_first_read(now)
         end.reads += 1
         end.last_read_at = now
-        pending += chunk
-        cut = pending.rfind(EVENT_END)
-        if cut < 0:
-            if len(pending) > MAX_EVENT_BYTES:
+        events = events_of.push(chunk)
+        if not events:
+            if len(events_of) > MAX_EVENT_BYTES:
                 end.failure = LegFailure(decode, "decode", f"an SSE event over "
                                          f"{MAX_EVENT_BYTES} bytes", kind="too_large")
                 return end
             continue
-        fed = tap.feed(pending[:cut + 2])
-        pending = pending[cut + 2:]
+        fed = tap.feed(events)
         data = fed.forward if reshaper is None else reshaper.reshape(fed.forward)
         if data:
             await client.write(data)

@@ -1,7 +1,7 @@
-"""Run a `Router` on its own uvloop event loop in a background thread.
+"""Run a `Router` on its own event loop in a background thread (`ServingThread`).
 
 The same class serves tests (port 0, start/close) and `pdreg router` (the main thread
-waits for a signal, then drains and closes). Shape follows `registry.server.RegistryServer`.
+waits for a signal, then drains and closes).
 
 Shutdown is two steps, so load balancers take the router out before it stops:
 `drain()` fails readiness and closes each keep-alive connection after its next answer,
@@ -11,19 +11,22 @@ included) finish for at most `drain_timeout_s`, cancels the rest, and stops the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Final
 
-import uvloop
-from aiohttp import web
-
+from registry.lifecycle import ServingThread, ShutdownState
 from router.adapters import Adapters
-from router.app import MAX_ATTEMPTS, MAX_MIGRATIONS, MembershipSource, Router
+from router.app import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    MAX_ATTEMPTS,
+    MAX_MIGRATIONS,
+    Router,
+)
 from router.guard import UpstreamPolicy
 from router.latency import DECAY_S
+from router.pairing import MembershipSource
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S
 from router.quarantine import QUARANTINE_S
 from router.upstream_bounds import (
@@ -32,13 +35,12 @@ from router.upstream_bounds import (
     IDLE_READ_TIMEOUT_S,
     Timeouts,
 )
+from router.warmup import WARM_CONNECTIONS
 
 __all__ = ["RouterConfig", "RouterServer"]
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S: Final = 30.0
-STOP_TIMEOUT_S: Final = 10.0
 DRAIN_DELAY_S: Final = 5.0  # after SIGTERM: serve on, unready, so balancers take us out
 DRAIN_TIMEOUT_S: Final = 30.0  # then: in-flight requests get this long to finish
 
@@ -58,10 +60,13 @@ class RouterConfig:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
     stream_idle_timeout_s: float = IDLE_READ_TIMEOUT_S
-    allow_upstream: str = ""  # CIDRs; "" = every address but link-local and metadata
+    allow_upstream: str = ""  # CIDRs; "" = public addresses only (guard.DEFAULT_DENY)
     drain_delay_s: float = DRAIN_DELAY_S
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     latency_decay_s: float = DECAY_S
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    warm_connections: int = WARM_CONNECTIONS  # opened to each member that becomes routable
     # None: /metrics on the API port. A port (0 = the OS picks): /metrics there only.
     metrics_port: int | None = None
 
@@ -80,13 +85,21 @@ class RouterServer:
                               first_byte_s=config.first_byte_timeout_s,
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
-            latency_decay_s=config.latency_decay_s, adapters=adapters)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
-        self._metrics_runner: web.AppRunner | None = None
-        self.port = 0
+            latency_decay_s=config.latency_decay_s, body_timeout_s=config.body_timeout_s,
+            warm_connections=config.warm_connections, adapters=adapters)
+        # aiohttp closes a connection that has not delivered a whole request head within
+        # keepalive_timeout of connecting or of its previous answer: the header deadline.
+        self._serving = ServingThread(
+            self.router.build_app(serve_metrics=config.metrics_port is None), config.host,
+            config.port, name="pdreg-router",
+            runner_options={"handler_cancellation": True, "access_log": None,
+                            "shutdown_timeout": config.drain_timeout_s,
+                            "keepalive_timeout": config.header_timeout_s})
         self.metrics_port: int | None = None  # bound port when config.metrics_port is set
+
+    @property
+    def port(self) -> int:
+        return self._serving.port
 
     @property
     def url(self) -> str:
@@ -94,68 +107,26 @@ class RouterServer:
 
     def start(self) -> RouterServer:
         """Bind and serve; returns once the socket accepts connections."""
-        loop = self._loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=loop.run_forever, name="pdreg-router",
-                                        daemon=True)
-        self._thread.start()
-        future = asyncio.run_coroutine_threadsafe(self._serve(), loop)
-        try:
-            future.result(START_TIMEOUT_S)
-        except BaseException:
-            self.close()
-            raise
+        self._serving.start()
+        if self.config.metrics_port is not None:
+            self.metrics_port = self._serving.add_app(self.router.build_metrics_app(),
+                                                      self.config.metrics_port)
         logger.info("[router] serving url=%s policy=%s", self.url, self.config.policy)
         return self
-
-    async def _serve(self) -> None:
-        separate_metrics = self.config.metrics_port is not None
-        if separate_metrics:
-            metrics = web.AppRunner(self.router.build_metrics_app(), access_log=None)
-            await metrics.setup()
-            self._metrics_runner = metrics
-            await web.TCPSite(metrics, self.config.host, self.config.metrics_port).start()
-            self.metrics_port = metrics.addresses[0][1]
-        runner = web.AppRunner(self.router.build_app(serve_metrics=not separate_metrics),
-                               handler_cancellation=True,
-                               access_log=None, shutdown_timeout=self.config.drain_timeout_s)
-        await runner.setup()
-        self._runner = runner
-        site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
-        await site.start()
-        self.port = runner.addresses[0][1]
 
     def drain(self) -> None:
         """Fail readiness; keep serving (each keep-alive connection closes after its next
         answer). From any thread; safe twice."""
-        loop = self._loop
-        if loop is not None and not self.router.draining:
-            loop.call_soon_threadsafe(setattr, self.router, "draining", True)
+        if not self.router.draining:
+            self._serving.call_soon(setattr, self.router, "draining", True)
             logger.info("[router] draining: /ready answers 503")
 
     def close(self) -> None:
         """Stop accepting, let requests finish (up to drain_timeout_s), stop the loop.
         Safe twice."""
-        loop, self._loop = self._loop, None
-        if loop is None:
+        if self._serving.state is ShutdownState.STOPPED:
             return
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            try:
-                asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(
-                    self.config.drain_timeout_s + STOP_TIMEOUT_S)
-            except Exception:
-                logger.exception("[router] cleanup failed")
-        if self._metrics_runner is not None:
-            metrics, self._metrics_runner = self._metrics_runner, None
-            try:
-                asyncio.run_coroutine_threadsafe(metrics.cleanup(), loop).result(STOP_TIMEOUT_S)
-            except Exception:
-                logger.exception("[router] metrics cleanup failed")
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(STOP_TIMEOUT_S)
-        if not loop.is_running():
-            loop.close()
+        self._serving.close()
         logger.info("[router] stopped")
 
     def __enter__(self) -> RouterServer:

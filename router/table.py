@@ -1,8 +1,10 @@
 """The pairing table: per model and handshake, the members pairing may choose from.
 
-Built once per membership change (the view hands out a new mapping), immutable after:
-per (model, protocol), the prefill and decode candidates, split into routable ones and
-ready-but-suspect ones (the fallback: detection alone never takes a role to zero).
+Built once per membership change, immutable after: per (model, protocol), the prefill
+and decode candidates, split into routable ones and ready-but-suspect ones (the
+fallback: detection alone never takes a role to zero). A load digest (up to 10 a
+second) changes loads, not membership: `with_loads` replaces only the candidates whose
+load changed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ class Candidate:
             load_at=member.load_at, http=spec.endpoints.http.rstrip("/"), member=member,
         )
 
+    def with_load(self, member: LiveMember) -> Candidate:
+        """This candidate with `member`'s load (the same record, a newer load)."""
+        load = member.load
+        return Candidate(self.id, self.incarnation, self.role, self.model, self.protocol,
+                         self.locality, load.running + load.waiting, load.kv_usage,
+                         member.load_at, self.http, member)
+
 
 @dataclass(frozen=True, slots=True)
 class ProtocolPool:
@@ -55,6 +64,18 @@ class ProtocolPool:
     prefills_suspect: tuple[Candidate, ...]  # ready but suspect: the fallback tier
     decodes: tuple[Candidate, ...]
     decodes_suspect: tuple[Candidate, ...]
+
+    def with_loads(self, changed: Mapping[str, LiveMember]) -> ProtocolPool:
+        return ProtocolPool(self.protocol, _fresh(self.prefills, changed),
+                            _fresh(self.prefills_suspect, changed),
+                            _fresh(self.decodes, changed), _fresh(self.decodes_suspect, changed))
+
+
+def _fresh(tier: tuple[Candidate, ...], changed: Mapping[str, LiveMember]
+           ) -> tuple[Candidate, ...]:
+    if not any(c.id in changed for c in tier):
+        return tier
+    return tuple(c.with_load(changed[c.id]) if c.id in changed else c for c in tier)
 
 
 _PREFILL_ROLES: Final = (Role.PREFILL, Role.MIXED)
@@ -97,6 +118,18 @@ class PairingTable:
                 prefills=_sorted(t["p"]), prefills_suspect=_sorted(t["ps"]),
                 decodes=_sorted(t["d"]), decodes_suspect=_sorted(t["ds"])))
         return cls({model: tuple(p) for model, p in pools.items()})
+
+    def with_loads(self, changed: Mapping[str, LiveMember]) -> PairingTable:
+        """The same pools with the loads of `changed` (members whose records are the
+        ones this table was built from)."""
+        if not changed:
+            return self
+        pools = dict(self.pools)
+        for model in {m.record.spec.model for m in changed.values()}:
+            held = pools.get(model)
+            if held:
+                pools[model] = tuple(pool.with_loads(changed) for pool in held)
+        return PairingTable(pools)
 
     def models(self, quarantined: Mapping[str, int] | None = None) -> list[str]:
         """Models that have an eligible P and D right now (for /v1/models)."""

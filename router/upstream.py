@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from router.guard import HOP_HEADER, UpstreamPolicy
+from router.guard import HOP_HEADER, UpstreamPolicy, kv_address_problem
 from router.upstream_bounds import MAX_BODY_BYTES, FailureKind, Timeouts, UpstreamError
 
 __all__ = ["UpstreamPool", "UpstreamResponse"]
@@ -49,6 +49,10 @@ KEEPALIVE_S: Final = 4.0
 # A stream the client reads slower than the engine writes: stop reading the engine's
 # socket above this many buffered bytes (TCP then slows the engine), resume below half.
 READ_HIGH_WATER_BYTES: Final = 2 * 1024 * 1024
+DEFAULT_CONTENT_TYPE: Final = "application/json"  # an answer that names none
+# A KV host name's check (resolved, every address against the policy) is kept this long.
+KV_HOST_CHECK_TTL_S: Final = 30.0
+MAX_KV_HOST_CHECKS: Final = 4096
 
 
 _HOP: Final = HOP_HEADER.encode()
@@ -86,8 +90,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        self._header_names: list[bytes] = []
-        self._header_values: list[bytes] = []
+        self._content_type = b""
 
     @property
     def usable(self) -> bool:
@@ -125,18 +128,17 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_names.append(name)
-        self._header_values.append(value)
+        # Only Content-Type is read (relayed to the client); the rest is not kept.
+        if len(name) == 12 and name.lower() == b"content-type":
+            self._content_type = value
 
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
         response.status = self._parser.get_status_code()
-        response.headers = {n.decode("latin-1").lower(): v.decode("latin-1")
-                            for n, v in zip(self._header_names, self._header_values,
-                                            strict=True)}
-        self._header_names.clear()
-        self._header_values.clear()
+        if self._content_type:
+            response.content_type = self._content_type.decode("latin-1")
+            self._content_type = b""
         response._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -172,13 +174,13 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamResponse:
-    """An engine's answer: `status` and `headers` (names lower-case) once `post` returns,
-    the body through `read()` or `readany()`. Always `release()` or `close()` it."""
+    """An engine's answer: `status` and `content_type` once `post` returns, the body
+    through `read()` or `readany()`. Always `release()` or `close()` it."""
 
     def __init__(self, pool: UpstreamPool, connection: _Connection) -> None:
         self.idle_timeout_s = pool.timeouts.idle_read_s  # 0 = wait for ever
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self.content_type = DEFAULT_CONTENT_TYPE
         self._pool = pool
         self._connection: _Connection | None = connection
         self._chunks: deque[bytes] = deque()
@@ -188,10 +190,6 @@ class UpstreamResponse:
         self._keep_alive = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "application/json")
 
     # --- reading ------------------------------------------------------------------------
 
@@ -311,7 +309,46 @@ class UpstreamPool:
         self.policy = policy or UpstreamPolicy.build()
         self.max_body_bytes = MAX_BODY_BYTES
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._kv_checks: dict[str, tuple[float, str | None]] = {}
         self._closed = False
+
+    async def kv_host_problem(self, host: str) -> str | None:
+        """Why a KV host from a member's record may not be handed to an engine, or None.
+
+        An IP literal must be canonical and allowed (`kv_address_problem`). A name must
+        not be a number in disguise (glibc's inet_aton reads `2852039166` and
+        `0xa9fea9fe` as 169.254.169.254) and must resolve, here, only to allowed
+        addresses; the answer is kept for KV_HOST_CHECK_TTL_S."""
+        now = time.monotonic()
+        cached = self._kv_checks.get(host)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        if _is_ip(host.strip("[]")):
+            problem = kv_address_problem(host, self.policy)
+        else:
+            problem = await self._check_kv_name(host)
+        if len(self._kv_checks) >= MAX_KV_HOST_CHECKS:
+            self._kv_checks.clear()
+        self._kv_checks[host] = (now + KV_HOST_CHECK_TTL_S, problem)
+        return problem
+
+    async def _check_kv_name(self, host: str) -> str | None:
+        try:
+            socket.inet_aton(host)
+        except OSError:
+            pass
+        else:
+            return f"KV host {host!r} is an IPv4 address in non-canonical form"
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None,
+                                                                 type=socket.SOCK_STREAM)
+        except OSError as exc:
+            return f"KV host {host!r} does not resolve: {exc}"
+        for info in infos:
+            problem = kv_address_problem(str(info[4][0]), self.policy)
+            if problem is not None:
+                return f"KV host {host!r} resolves to {info[4][0]}: {problem}"
+        return None
 
     async def post(self, base_url: str, path: str, body: bytes,
                    request_id: str) -> UpstreamResponse:
@@ -375,6 +412,25 @@ class UpstreamPool:
                 error = exc
         assert error is not None
         raise error
+
+    async def warm(self, base_url: str, count: int) -> int:
+        """Open connections to an engine until `count` are idle in the pool, so its first
+        requests do not pay for connecting; how many were opened. A failure is logged
+        and ends the warm-up (a request will meet it, and handle it, for itself)."""
+        host, port, _ = _address(base_url)
+        key = (host, port)
+        loop = asyncio.get_running_loop()
+        opened = 0
+        while len(self._idle.get(key, ())) < count and not self._closed:
+            try:
+                _, connection = await asyncio.wait_for(self._connect(loop, key),
+                                                       self.timeouts.connect_s)
+            except OSError as exc:  # incl. a connect timeout and a forbidden address
+                logger.debug("[router] warm-up of %s stopped: %s", base_url, exc)
+                break
+            self._put(connection)
+            opened += 1
+        return opened
 
     def _put(self, connection: _Connection) -> None:
         if self._closed or not connection.usable:

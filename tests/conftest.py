@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,15 +23,32 @@ settings.register_profile("dev", deadline=None, max_examples=100)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+RegistryFactory = Callable[..., RegistryServer]
+
+
 @pytest.fixture
-def registry() -> Iterator[RegistryServer]:
-    """A real registry on OS-chosen loopback ports with quick timings (0.2 s, lease 1 s)."""
-    server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0,
-                                           heartbeat_interval_s=0.2, lease_s=1.0)).start()
+def registry_factory() -> Iterator[RegistryFactory]:
+    """Starts real registries on OS-chosen loopback ports: quick timings (0.2 s, lease
+    1 s) unless a test overrides any `RegistryConfig` field; every one is closed at the
+    end."""
+    started: list[RegistryServer] = []
+
+    def start(**overrides: Any) -> RegistryServer:
+        config = RegistryConfig(port=0, events_port=0, http_port=0,
+                                heartbeat_interval_s=0.2, lease_s=1.0)
+        started.append(RegistryServer(dataclasses.replace(config, **overrides)).start())
+        return started[-1]
     try:
-        yield server
+        yield start
     finally:
-        server.close()
+        for server in started:
+            server.close()
+
+
+@pytest.fixture
+def registry(registry_factory: RegistryFactory) -> RegistryServer:
+    """A real registry with quick timings (0.2 s, lease 1 s)."""
+    return registry_factory()
 
 
 @pytest.fixture

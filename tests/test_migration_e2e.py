@@ -27,6 +27,7 @@ from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.protocol import MemberState
 from registry.server import RegistryServer
+from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 
 STREAMS = 32
@@ -62,7 +63,8 @@ def router(cluster: tuple[RegistryServer, list[EngineHandle]]) -> Iterator[Route
     registry, handles = cluster
     view = MembershipView(registry.control_address).start()
     server = RouterServer(RouterConfig(port=0, stream_idle_timeout_s=5.0, max_migrations=5,
-                                       quarantine_s=3.0), view).start()
+                                       quarantine_s=3.0, allow_upstream=LOOPBACK_ALLOW),
+                          view).start()
     try:
         assert view.wait_for(lambda m: all(
             h.id in m and m[h.id].record.state is MemberState.READY for h in handles), WAIT_S)

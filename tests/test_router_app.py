@@ -19,6 +19,7 @@ from pdreg.testing import wait_until
 from registry.protocol import Handshake, MemberState, Role
 from router import upstream
 from router.adapters import default_adapters
+from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
@@ -44,6 +45,7 @@ class RouterFixture:
 
     def __call__(self, fleet: Fleet, **config: object) -> RouterServer:
         config.setdefault("port", 0)
+        config.setdefault("allow_upstream", LOOPBACK_ALLOW)
         server = RouterServer(RouterConfig(**config), fleet.view).start()  # type: ignore[arg-type]
         self.servers.append(server)
         return server
@@ -277,7 +279,7 @@ def test_bootstrap_rooms_come_from_the_adapters_rng(loop_thread: LoopThread) -> 
         fleet = Fleet(loop_thread, Handshake.SGLANG)
         fleet.add("p1", P)
         d = fleet.add("d1", D)
-        with RouterServer(RouterConfig(port=0), fleet.view,
+        with RouterServer(RouterConfig(port=0, allow_upstream=LOOPBACK_ALLOW), fleet.view,
                           adapters=default_adapters(random.Random(7))) as server:
             client(server).completions.create(model="m", prompt="x", max_tokens=1)
         rooms.append(d.requests[0][1]["bootstrap_room"])
@@ -339,7 +341,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_reused(nixl: Fleet,
                                                              router: RouterFixture) -> None:
     p = nixl.add("p1", P)
     d = nixl.add("d1", D)
-    server = router(nixl)
+    server = router(nixl, warm_connections=0)  # only the connections requests opened
     c = client(server)
     c.completions.create(model="m", prompt="a", max_tokens=1)
 
@@ -348,8 +350,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_reused(nixl: Fleet,
             for transport in engine.connections.values():
                 transport.close()
     nixl.loop.run(close_idle())
-    pool = server.router.session
-    assert pool is not None
+    pool = server.router.upstream()
     assert wait_until(lambda: not any(conn.usable for idle in pool._idle.values()
                                       for conn in idle), 10)
     got = c.completions.create(model="m", prompt="b", max_tokens=2)
@@ -395,8 +396,7 @@ def test_connections_idle_past_keepalive_are_not_reused(nixl: Fleet,
     p = nixl.add("p1", P)
     nixl.add("d1", D)
     server = router(nixl)
-    assert server.router.session is not None
-    server.router.session.keepalive_s = 0.0  # every idle connection is too old at once
+    server.router.upstream().keepalive_s = 0.0  # every idle connection is too old at once
     c = client(server)
     for i in range(2):
         c.completions.create(model="m", prompt=str(i), max_tokens=1)
@@ -430,3 +430,22 @@ def test_session_policy_keeps_a_conversation_on_one_pair(nixl: Fleet,
              if line.startswith("pdreg_router_picks_total{")]
     # One prefill and one decode took every turn, whatever the prompt.
     assert sorted(float(line.rsplit(" ", 1)[1]) for line in picks) == [turns, turns]
+
+
+def test_a_member_gets_warm_connections_when_it_becomes_routable(
+        nixl: Fleet, router: RouterFixture) -> None:
+    """The pool holds idle connections to every routable member before any request, and
+    to one that joins later, within moments of its joining."""
+    nixl.add("p1", P)
+    nixl.add("d1", D)
+    server = router(nixl, warm_connections=3)
+    pool = server.router.upstream()
+
+    def idle_to(url: str) -> int:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        return sum(c.usable for c in pool._idle.get((host, int(port)), ()))
+    assert wait_until(lambda: all(idle_to(e.url) == 3 for e in nixl.engines.values()), 10)
+    late = nixl.add("d2", D)
+    assert wait_until(lambda: idle_to(late.url) == 3, 10)
+    c = client(server)
+    assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text

@@ -25,6 +25,7 @@ from pdreg.testing import die_with_parent, stop_process, wait_until
 from registry.client import LiveMember, MembershipView
 from registry.protocol import Handshake, MemberState, Role
 from registry.server import RegistryServer
+from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 
 VIEW_TIMEOUT_S = 15.0
@@ -41,7 +42,8 @@ def view(registry: RegistryServer) -> Iterator[MembershipView]:
 
 @pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
-    server = RouterServer(RouterConfig(port=0, policy="round_robin", quarantine_s=3.0),
+    server = RouterServer(RouterConfig(port=0, policy="round_robin", quarantine_s=3.0,
+                                       allow_upstream=LOOPBACK_ALLOW),
                           view).start()
     try:
         yield server
@@ -233,7 +235,8 @@ def test_cli_router_registers_itself_and_serves(registry: RegistryServer,
     engines.start({"role": "prefill"}, {"role": "decode"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "router", "--registry", registry.control_address,
-         "--port", "0", "--policy", "least_loaded", "--drain-delay", "0.2"],
+         "--port", "0", "--policy", "least_loaded", "--drain-delay", "0.2",
+         "--allow-upstream", LOOPBACK_ALLOW],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     try:
@@ -262,7 +265,8 @@ def test_sigterm_drains_the_router_before_it_stops(registry: RegistryServer,
                   {"role": "decode", "extra_args": ["--sim-decode-delay", "0.05"]})
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "router", "--registry", registry.control_address,
-         "--port", "0", "--drain-delay", "1.5", "--drain-timeout", "20"],
+         "--port", "0", "--drain-delay", "1.5", "--drain-timeout", "20",
+         "--allow-upstream", LOOPBACK_ALLOW],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     try:

@@ -10,6 +10,7 @@ internal error text.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -17,12 +18,14 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from standins_engines import NIXL_REQUEST_PARAMS
+from standins_engines import KV_REPLY, NIXL_REQUEST_PARAMS
 from standins_fleet import Fleet, LoopThread, live_member
 
+from registry.client import LiveMember
 from registry.protocol import Handshake, Role
 from router import relay
-from router.guard import UpstreamPolicy, strip_internal_fields
+from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, strip_internal_fields
+from router.relay import EventBuffer
 from router.service import RouterConfig, RouterServer
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
@@ -30,6 +33,7 @@ BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
 
 def start_router(servers: list[RouterServer], fleet: Fleet, **config: Any) -> RouterServer:
+    config.setdefault("allow_upstream", LOOPBACK_ALLOW)
     server = RouterServer(RouterConfig(port=0, **config), fleet.view).start()
     servers.append(server)
     return server
@@ -108,20 +112,33 @@ def mixed_fleet(loop_thread: LoopThread, *urls: str) -> Fleet:
 # --- where traffic may go ------------------------------------------------------------------
 
 @pytest.mark.parametrize(("allow", "address", "allowed"), [
-    ("", "10.1.2.3", True),
-    ("", "8.8.8.8", True),
+    ("", "8.8.8.8", True),  # by default: public addresses only
+    ("", "2001:4860::8888", True),
+    ("", "127.0.0.1", False),  # a loopback-only service on the router's host
+    ("", "::1", False),
+    ("", "::ffff:127.0.0.1", False),
+    ("", "10.1.2.3", False),  # private networks
+    ("", "172.20.0.1", False),
+    ("", "192.168.1.1", False),
+    ("", "100.100.100.200", False),  # Alibaba Cloud metadata (CGNAT range)
+    ("", "fd12::1", False),
     ("", "169.254.169.254", False),  # cloud metadata
     ("", "::ffff:169.254.169.254", False),  # the same, IPv4-mapped
     ("", "fe80::1", False),
     ("", "fd00:ec2::254", False),
     ("", "0.0.0.0", False),  # reaches the local host
     ("", "224.0.0.1", False),
-    ("10.0.0.0/8", "10.9.9.9", True),
+    ("10.0.0.0/8", "10.9.9.9", True),  # names a denied range exactly: means it
     ("10.0.0.0/8", "192.168.1.1", False),
+    ("10.0.0.0/8", "8.8.8.8", False),  # the only networks
     ("10.0.0.0/8", "169.254.169.254", False),
+    (LOOPBACK_ALLOW, "127.0.0.1", True),
+    (LOOPBACK_ALLOW, "::1", True),
+    (LOOPBACK_ALLOW, "10.0.0.1", False),
     ("169.254.10.0/24", "169.254.10.7", True),  # more specific than the default deny
     ("169.254.10.0/24", "169.254.169.254", False),
     ("0.0.0.0/0", "169.254.169.254", False),  # less specific: the deny holds
+    ("0.0.0.0/0", "127.0.0.1", False),
     ("", "not an address", False),
 ])
 def test_upstream_policy(allow: str, address: str, allowed: bool) -> None:
@@ -253,8 +270,7 @@ def test_an_endless_answer_is_cut_at_the_byte_cap(
             await writer.drain()
     engine = raw_engine(flood)
     server = start_router(routers, mixed_fleet(loop_thread, engine.url))
-    pool = server.router.session
-    assert pool is not None
+    pool = server.router.upstream()
     pool.max_body_bytes = 1024 * 1024
     r = httpx.post(server.url + "/v1/completions", json=BODY, timeout=30)
     assert r.status_code == 502 and "too large" in r.json()["error"]["message"]
@@ -315,3 +331,230 @@ def test_an_error_event_is_not_echoed_either(loop_thread: LoopThread,
     r = httpx.post(server.url + "/v1/completions", json={**BODY, "stream": True})
     assert r.status_code == 200 and '"text":"a"' in r.text
     assert "error" in r.text and "secret" not in r.text.lower()
+
+
+# --- where traffic may go, by default (issue 17, item 9) ------------------------------------
+
+def test_by_default_a_member_on_loopback_gets_no_traffic(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    """An insider registers http://127.0.0.1:PORT, a loopback-only service: the router
+    never connects to it unless --allow-upstream says so."""
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    secret = fleet.add("x0", X)  # stands for a service that trusts loopback callers
+    server = start_router(routers, fleet, allow_upstream="")
+    r = httpx.post(server.url + "/v1/completions", json=BODY)
+    assert r.status_code == 502 and secret.requests == []
+    assert 'pdreg_router_quarantines_total{member="x0"} 1.0' in metrics(server)
+    allowed = start_router(routers, fleet, allow_upstream=LOOPBACK_ALLOW)
+    assert httpx.post(allowed.url + "/v1/completions", json=BODY).status_code == 200
+    assert len(secret.requests) == 1
+
+
+# --- KV addresses (item 10) ------------------------------------------------------------------
+
+def _with_kv_host(member: LiveMember, kv_host: str) -> LiveMember:
+    spec = member.record.spec
+    spec = msgspec.structs.replace(
+        spec, endpoints=msgspec.structs.replace(spec.endpoints, kv_host=kv_host))
+    record = msgspec.structs.replace(member.record, spec=spec)
+    return dataclasses.replace(member, record=record)
+
+
+def test_a_prefill_cannot_send_the_decode_to_pull_from_elsewhere(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    """vLLM's decode pulls KV from the remote_host/remote_port in the prefill's answer: a
+    rogue prefill writes a metadata address there. The decode gets the prefill's
+    registered KV address instead, and the request is served."""
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    p, d = fleet.add("p1", P), fleet.add("d1", D)
+    honest = p._check_vllm_nixl
+
+    async def rogue(request: Any, body: dict[str, Any], prompt: tuple[int, ...]) -> Any:
+        result = await honest(request, body, prompt)
+        request[KV_REPLY].update(remote_host="169.254.169.254", remote_port=80)
+        return result
+    p._check_vllm_nixl = rogue  # type: ignore[method-assign]
+    server = start_router(routers, fleet)
+    r = httpx.post(server.url + "/v1/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    params = d.requests[0][1]["kv_transfer_params"]
+    assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", p.kv_port)
+
+
+@pytest.mark.parametrize("kv_host", ["2130706433", "0x7f000001", "0177.0.0.1", "127.1",
+                                     "2852039166", "0xa9fea9fe", "169.254.169.254",
+                                     "[::ffff:127.0.0.1]"])
+@pytest.mark.parametrize("protocol", [Handshake.SGLANG, Handshake.VLLM_NIXL])
+def test_a_kv_address_in_disguise_is_never_handed_to_an_engine(
+        loop_thread: LoopThread, routers: list[RouterServer], protocol: str,
+        kv_host: str) -> None:
+    """glibc reads 2130706433, 0x7f000001 and 0177.0.0.1 as 127.0.0.1 (and 2852039166 as
+    169.254.169.254): only canonical, allowed addresses pass. The honest prefill serves
+    every request; the one registered with a disguised address gets none."""
+    fleet = Fleet(loop_thread, protocol)
+    bad, good, d = fleet.add("p0", P), fleet.add("p1", P), fleet.add("d1", D)
+    members = dict(fleet.view.members())
+    members["p0"] = _with_kv_host(members["p0"], kv_host)
+    fleet.view.set(members)
+    server = start_router(routers, fleet, policy="round_robin")
+    for _ in range(4):
+        r = httpx.post(server.url + "/v1/completions", json=BODY)
+        assert r.status_code == 200, r.text
+    assert bad.requests == [] and len(good.requests) == 4
+    hosts = {body.get("bootstrap_host") or body["kv_transfer_params"]["remote_host"]
+             for _, body, _ in d.requests}
+    assert hosts == {"127.0.0.1"}
+    assert 'pdreg_router_quarantines_total{member="p0"} 1.0' in metrics(server)
+
+
+# --- fields vLLM reads from nested places (item 11) ------------------------------------------
+
+def test_vllm_xargs_cannot_carry_handshake_fields(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    """vLLM copies vllm_xargs into the connector's view when the request has no
+    kv_transfer_params of its own: stripped there too; the client's other extra args
+    stay."""
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    p, d = fleet.add("p1", P), fleet.add("d1", D)
+    server = start_router(routers, fleet)
+    xargs = {"kv_transfer_params": SMUGGLED["kv_transfer_params"], "request_id": "victim",
+             "bootstrap_host": "10.6.6.6", "my_logits_processor_arg": 3}
+    r = httpx.post(server.url + "/v1/completions", json={**BODY, "vllm_xargs": xargs})
+    assert r.status_code == 200, r.text
+    for engine in (p, d):
+        assert engine.requests[0][1]["vllm_xargs"] == {"my_logits_processor_arg": 3}
+    assert d.requests[0][1]["kv_transfer_params"]["remote_engine_id"] != "evil"
+
+
+# --- a rogue engine's stream (item 13) -------------------------------------------------------
+
+@pytest.mark.parametrize(("reads", "events"), [
+    ([b"d"], []),  # one byte is not an event
+    ([b"data: a\n\n"], [b"data: a\n\n"]),
+    ([b"data: a\n", b"\ndata: b\n\n"], [b"data: a\n\n", b"data: b\n\n"]),
+    ([b"data: a\n\nda", b"ta: b\n\n"], [b"data: a\n\n", b"data: b\n\n"]),
+    ([b"\n", b"\n"], [b"\n\n"]),
+])
+def test_event_buffer_cuts_whole_events(reads: list[bytes], events: list[bytes]) -> None:
+    buffer = EventBuffer()
+    out = [piece for read in reads if (piece := buffer.push(read))]
+    assert b"".join(out) == b"".join(events)
+
+
+def test_event_buffer_scans_each_byte_a_bounded_number_of_times() -> None:
+    """3 MB of one event, then a byte at a time: the work is linear in the bytes."""
+    buffer = EventBuffer()
+    total = 0
+    assert buffer.push(b"data: " + b"x" * 3_000_000) == b""
+    total += 3_000_006
+    for _ in range(20_000):
+        assert buffer.push(b"y") == b""
+    total += 20_000
+    out = buffer.push(b"\n")
+    assert out == b""
+    out = buffer.push(b"\ndata: next")  # the blank line cut in two is still found
+    total += 12
+    assert out.endswith(b"y\n\n") and len(out) == total - 10 and len(buffer) == 10
+    assert buffer.scanned <= 2 * total
+
+
+def test_a_stream_trickled_a_byte_at_a_time_still_arrives_whole(
+        loop_thread: LoopThread, routers: list[RouterServer],
+        raw_engine: Callable[[Handler], RawEngine]) -> None:
+    big = b'data: {"id":"c","choices":[{"index":0,"text":"' + b"z" * 200_000 + b'"}]}'
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"%x\r\n%s\r\n" % (len(big) - 100, big[:-100]))
+        for byte in big[-100:] + b"\n\ndata: [DONE]\n\n":
+            writer.write(b"1\r\n%c\r\n" % byte)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+    engine = raw_engine(trickle)
+    server = start_router(routers, mixed_fleet(loop_thread, engine.url))
+    r = httpx.post(server.url + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
+    assert r.status_code == 200
+    assert r.text.count("z") == 200_000 and r.text.endswith("data: [DONE]\n\n")
+
+
+# --- slow and strange clients (items 5, 6) ---------------------------------------------------
+
+def _open_trickling(url: str, count: int) -> list[Any]:
+    import socket
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection((parts.hostname, parts.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
+        socks.append(sock)
+    return socks
+
+
+def _closed_by_peer(sock: Any, timeout_s: float) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def test_slowloris_headers_are_cut_off_and_real_clients_served(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    fleet.add("p1", P)
+    fleet.add("d1", D)
+    server = start_router(routers, fleet, header_timeout_s=1.0)
+    socks = _open_trickling(server.url, 200)
+    try:
+        for sock in socks[:50]:  # trickling keeps nothing alive
+            sock.sendall(b"X-A: 1\r\n")
+        r = httpx.post(server.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 200
+        assert all(_closed_by_peer(sock, 30.0) for sock in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_body_that_never_arrives_gets_408(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    fleet = mixed_fleet(loop_thread)
+    server = start_router(routers, fleet, body_timeout_s=1.0)
+    import socket
+    from urllib.parse import urlsplit
+    parts = urlsplit(server.url)
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        sock.settimeout(30)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert 'pdreg_router_refused_total{reason="body_timeout"} 1.0' in metrics(server)
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000, 100_000])
+def test_deeply_nested_json_is_a_400_without_a_traceback(
+        loop_thread: LoopThread, routers: list[RouterServer],
+        caplog: pytest.LogCaptureFixture, depth: int) -> None:
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    fleet.add("p1", P)
+    fleet.add("d1", D)
+    server = start_router(routers, fleet)
+    body = b'{"model":"m","prompt":' + b"[" * depth + b"]" * depth + b"}"
+    with caplog.at_level("ERROR"):
+        r = httpx.post(server.url + "/v1/completions", content=body,
+                       headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+    assert not [rec for rec in caplog.records if rec.exc_info]
+    assert 'pdreg_router_refused_total{reason="too_deep"} 1.0' in metrics(server)
+    assert httpx.post(server.url + "/v1/completions", json=BODY).status_code == 200

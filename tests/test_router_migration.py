@@ -17,6 +17,7 @@ from standins_engines import generate_ids, prompt_ids, token_text
 from standins_fleet import Fleet, LoopThread
 
 from registry.protocol import Handshake, Role
+from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 
 P, D = Role.PREFILL, Role.DECODE
@@ -27,6 +28,7 @@ FAULTS = ("cut", "error", "stall")
 def start_router(servers: list[RouterServer], fleet: Fleet, **config: Any) -> RouterServer:
     config.setdefault("policy", "round_robin")  # d1 (the faulty one) is picked first
     config.setdefault("stream_idle_timeout_s", 0.5)
+    config.setdefault("allow_upstream", LOOPBACK_ALLOW)
     server = RouterServer(RouterConfig(port=0, **config), fleet.view).start()
     servers.append(server)
     return server

@@ -36,6 +36,7 @@ from registry import server as server_module
 from registry.protocol import ReplyStatus, Role
 from registry.security import ClientCurve, ServerCurve, generate_keys
 from registry.server import RegistryConfig, RegistryServer
+from router.guard import LOOPBACK_ALLOW
 
 WAIT_S = 30.0  # subprocesses start slowly on a busy two-core machine
 
@@ -256,8 +257,8 @@ def test_engine_router_and_clis_take_every_credential_from_the_environment(
     engine = start_engine(role="mixed", backend="sim", registry=address)
     router = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "router", "--registry", address, "--port", "0",
-         "--quarantine", "30"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env=env, preexec_fn=die_with_parent)
+         "--quarantine", "30", "--allow-upstream", LOOPBACK_ALLOW], stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, env=env, preexec_fn=die_with_parent)
     try:
         assert router.stdout is not None
         info = json.loads(router.stdout.readline())
@@ -294,7 +295,8 @@ def test_the_router_reports_failures_through_its_own_session(
     env = client_env(keys, monkeypatch)
     engine = start_engine(role="mixed", backend="sim", registry=address)
     router = subprocess.Popen(
-        [sys.executable, "-m", "pdreg", "router", "--registry", address, "--port", "0"],
+        [sys.executable, "-m", "pdreg", "router", "--registry", address, "--port", "0",
+         "--allow-upstream", LOOPBACK_ALLOW],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         preexec_fn=die_with_parent)
     try:

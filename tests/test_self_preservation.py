@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,7 @@ from registry.detector import (
     DetectorConfig,
 )
 from registry.protocol import LeaveReason, MemberLeft
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import RegistryServer
 
 INTERVAL_S = 0.5
 LEASE_S = 1.5
@@ -106,14 +106,8 @@ def test_a_lone_death_is_still_expired(n, seed):
 
 
 @pytest.fixture
-def registry() -> Iterator[RegistryServer]:
-    server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0,
-                                           heartbeat_interval_s=INTERVAL_S,
-                                           lease_s=LEASE_S)).start()
-    try:
-        yield server
-    finally:
-        server.close()
+def registry(registry_factory: Callable[..., RegistryServer]) -> RegistryServer:
+    return registry_factory(heartbeat_interval_s=INTERVAL_S, lease_s=LEASE_S)
 
 
 def start_members(address: str, count: int) -> list[subprocess.Popen[str]]:

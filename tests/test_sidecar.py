@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,7 @@ from pdreg.testing import (
     wait_until,
 )
 from registry.protocol import MemberRecord, MemberState
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import RegistryServer
 
 INTERVAL_S = 0.2
 TIMEOUT_S = 15.0  # generous: subprocess start on a loaded 2-core machine
@@ -37,14 +37,8 @@ MARKER_ENV = "PDREG_TEST_SIDECAR_MARKER"  # finds a sidecar's whole process tree
 
 
 @pytest.fixture
-def registry() -> Iterator[RegistryServer]:
-    server = RegistryServer(RegistryConfig(
-        host="127.0.0.1", port=0, events_port=0, http_port=-1,
-        heartbeat_interval_s=INTERVAL_S, lease_s=1.5)).start()
-    try:
-        yield server
-    finally:
-        server.close()
+def registry(registry_factory: Callable[..., RegistryServer]) -> RegistryServer:
+    return registry_factory(http_port=-1, heartbeat_interval_s=INTERVAL_S, lease_s=1.5)
 
 
 class Sidecar:

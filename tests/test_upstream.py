@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from router.guard import LOOPBACK_ALLOW, UpstreamPolicy
 from router.upstream import UpstreamPool
 from router.upstream_bounds import FailureKind, UpstreamError
 
@@ -16,7 +17,7 @@ def test_a_connection_lost_before_the_request_is_a_leg_failure_not_a_crash() -> 
     async def run() -> None:
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        pool = UpstreamPool()
+        pool = UpstreamPool(policy=UpstreamPolicy.build(LOOPBACK_ALLOW))
         connect = pool._connect
         opened: list[asyncio.BaseTransport] = []
 

@@ -14,11 +14,9 @@ Expectations: both roles scale up under load and back down after it, no request 
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, Protocol
 
 import httpx
@@ -27,6 +25,7 @@ from pdreg.demo.cluster import ClusterConfig, ManagedProcess
 from pdreg.demo.display import TerminalDisplay
 from pdreg.demo.open_loop import OpenLoopLoad, Phase, Workload, attainment
 from pdreg.demo.scaler import RoleArgsCluster, ScaleEvent, Scaler, hook_command, start_planner
+from pdreg.signals import interrupt_on_signals
 
 __all__ = ["AutoscaleConfig", "AutoscaleDemo", "PhaseReport"]
 
@@ -259,22 +258,17 @@ def run(args: argparse.Namespace) -> int:
     display = TerminalDisplay()
     demo = AutoscaleDemo(config, display)
 
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        demo.interrupt()  # sticks even if the exception below is swallowed
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
     ok = False
     try:
-        ok = demo.play()
-        display.message(f"\npdreg demo --autoscale: "
-                        f"{'every expectation held' if ok else 'FAILED'}")
-    except KeyboardInterrupt:
-        display.message("\npdreg demo --autoscale: interrupted; stopping every process")
+        with interrupt_on_signals(demo.interrupt):
+            try:
+                ok = demo.play()
+                display.message(f"\npdreg demo --autoscale: "
+                                f"{'every expectation held' if ok else 'FAILED'}")
+            except KeyboardInterrupt:
+                display.message("\npdreg demo --autoscale: interrupted; stopping every "
+                                "process")
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         demo.close()
         if ok and not args.keep_logs:
             demo.cluster.remove_logs()

@@ -34,6 +34,7 @@ from typing import IO, Any
 from pdreg.args import ADMIN_TOKEN, CURVE_KEY_ENV, REGISTRY_PUBLIC_KEY_ENV, TOKEN
 from pdreg.testing import die_with_parent, free_low_port
 from registry.security import ClientCurve, generate_keys
+from router.guard import LOOPBACK_ALLOW
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +317,8 @@ class Cluster:
     def start_router(self) -> ManagedProcess:
         self.router = self._spawn("router", [
             "router", "--registry", self.registry_address, "--host", "127.0.0.1",
-            "--port", str(self.ports.take())], json_ready_line, self._client_env())
+            "--port", str(self.ports.take()), "--allow-upstream", LOOPBACK_ALLOW],
+            json_ready_line, self._client_env())
         self.router.wait_ready()
         return self.router
 

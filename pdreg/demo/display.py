@@ -6,7 +6,7 @@ import sys
 import threading
 from typing import TextIO
 
-from pdreg.demo.scenario import StepResult
+from pdreg.demo.stage import StepResult
 
 _GREEN = "\x1b[32m"
 _RED = "\x1b[31m"

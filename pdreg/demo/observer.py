@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import httpx
+import msgspec
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,30 @@ _PICKS = re.compile(r'^pdreg_router_picks_total\{member="([^"]+)",role="[^"]*"\}
 _MIGRATIONS = re.compile(r'^pdreg_router_migrations_total\{reason="[^"]*"\} (\S+)$')
 _IN_FLIGHT = re.compile(r'^pdreg_router_in_flight\{member="([^"]+)"\} (\S+)$')
 
-Members = list[dict[str, Any]]
+
+
+class SeenLoad(msgspec.Struct, frozen=True):
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class SeenMember(msgspec.Struct, frozen=True):
+    """A member as `GET /v1/members` shows it: the fields the demo reads (others ignored)."""
+
+    id: str
+    role: str
+    state: str
+    routable: bool = False
+    load: SeenLoad = SeenLoad()
+
+
+Members = list[SeenMember]
+_members_json = msgspec.json.Decoder(Members)
+
+
+def member(members: Members, member_id: str) -> SeenMember | None:
+    return next((m for m in members if m.id == member_id), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +76,7 @@ def routable_roles(members: Members | None) -> str:
     """'routable 2P+2D' for a status line ('registry away' without a sample)."""
     if members is None:
         return "registry away"
-    count = {role: sum(1 for m in members if m["routable"] and m["role"] == role)
+    count = {role: sum(1 for m in members if m.routable and m.role == role)
              for role in ("prefill", "decode")}
     return f"routable {count['prefill']}P+{count['decode']}D"
 
@@ -100,20 +123,14 @@ class Observer:
         """pdreg_router_migrations_total at the last sample (all reasons)."""
         return self._migrations
 
-    def wait_in_flight(self, member_id: str, timeout_s: float) -> bool:
-        """Block until the router has a request open on `member_id` (or timeout)."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=HTTP_TIMEOUT_S) as http:
-            while time.monotonic() < deadline:
-                try:
-                    text = http.get(f"{self.router_url}/metrics").text
-                except httpx.HTTPError:
-                    text = ""
-                if any((m := _IN_FLIGHT.match(line)) and m.group(1) == member_id
-                       and float(m.group(2)) >= 1 for line in text.splitlines()):
-                    return True
-                time.sleep(0.005)
-        return False
+    def in_flight(self) -> dict[str, float]:
+        """The router's open requests per member, now (empty if it does not answer)."""
+        try:
+            text = httpx.get(f"{self.router_url}/metrics", timeout=HTTP_TIMEOUT_S).text
+        except httpx.HTTPError:
+            return {}
+        return {m.group(1): float(m.group(2)) for line in text.splitlines()
+                if (m := _IN_FLIGHT.match(line))}
 
     def sample_now(self) -> None:
         """Take a sample at once (e.g. right before an action, to count from it)."""
@@ -143,7 +160,7 @@ class Observer:
                 self._stopping.wait(max(0.0, self.period_s - (time.monotonic() - started)))
 
     def _sample(self, http: httpx.Client, now: float) -> None:
-        members = self._get_json(http, f"{self.registry_url}/v1/members")
+        members = self._get_members(http, f"{self.registry_url}/v1/members")
         metrics = self._get_router_metrics(http)
         with self._changed:
             if members is not None:
@@ -155,12 +172,12 @@ class Observer:
             self._changed.notify_all()
 
     def _apply_members(self, members: Members, now: float) -> None:
-        present = {m["id"] for m in members}
-        for member in members:
-            held = self._timelines.get(member["id"]) or MemberTimeline(member["id"])
-            if held.routable_at is None and member.get("routable"):
+        present = {m.id for m in members}
+        for seen in members:
+            held = self._timelines.get(seen.id) or MemberTimeline(seen.id)
+            if held.routable_at is None and seen.routable:
                 held = replace(held, routable_at=now)
-            self._timelines[member["id"]] = replace(held, gone_at=None)
+            self._timelines[seen.id] = replace(held, gone_at=None)
         for member_id, held in self._timelines.items():
             if member_id not in present and held.gone_at is None:
                 self._timelines[member_id] = replace(held, gone_at=now)
@@ -174,12 +191,12 @@ class Observer:
             self._timelines[member_id] = held
 
     @staticmethod
-    def _get_json(http: httpx.Client, url: str) -> Members | None:
+    def _get_members(http: httpx.Client, url: str) -> Members | None:
         try:
             response = http.get(url)
             response.raise_for_status()
-            return response.json()
-        except (httpx.HTTPError, ValueError):
+            return _members_json.decode(response.content)
+        except (httpx.HTTPError, msgspec.DecodeError):
             return None  # the registry is away (e.g. restarting): keep the last timelines
 
     def _get_router_metrics(self, http: httpx.Client) -> str | None:

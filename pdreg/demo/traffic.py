@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -64,9 +64,12 @@ class StreamRead:
 
 
 async def read_completion_stream(session: aiohttp.ClientSession, url: str,
-                                 body: dict[str, object]) -> StreamRead:
+                                 body: dict[str, object],
+                                 on_first_token: Callable[[], object] | None = None
+                                 ) -> StreamRead:
     """POST a streaming completion and read its SSE to the end; never raises for the
-    request's own failures (status, error event, no [DONE], connection), it says them."""
+    request's own failures (status, error event, no [DONE], connection), it says them.
+    `on_first_token`: called once, when the first text arrives."""
     token_times: list[float] = []
     try:
         async with session.post(url, json=body) as response:
@@ -86,6 +89,8 @@ async def read_completion_stream(session: aiohttp.ClientSession, url: str,
                                       f"stream error: {chunk['error'].get('message')}")
                 if any(c.get("text") for c in chunk.get("choices", ())):
                     token_times.append(time.monotonic())
+                    if on_first_token is not None and len(token_times) == 1:
+                        on_first_token()
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
         return StreamRead(token_times, repr(exc)[:200])
     return StreamRead(token_times, "stream ended without [DONE]")
@@ -180,3 +185,49 @@ class TrafficGenerator:
         read = await read_completion_stream(session, f"{self.url}/v1/completions", body)
         ttft = read.token_times[0] - started if read.token_times else None
         return RequestRecord(started, time.monotonic(), ttft, read.error is None, read.error)
+
+
+class HeldStreams:
+    """`count` long streamed completions at once, on a thread of their own: streams a
+    step can be sure are mid-answer (every one has its first token) when it acts."""
+
+    def __init__(self, url: str, *, model: str, count: int, max_tokens: int) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.count = count
+        self.max_tokens = max_tokens
+        self.reads: list[StreamRead] = []
+        self._started = 0
+        self._all_started = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> HeldStreams:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()),
+                                        name="demo-held-streams", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_started(self, timeout_s: float) -> bool:
+        """Block until every stream has its first token."""
+        return self._all_started.wait(timeout_s)
+
+    def wait_done(self, timeout_s: float) -> list[StreamRead]:
+        """Block until every stream ended; what each client saw."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return list(self.reads)
+
+    def _first_token(self) -> None:
+        self._started += 1
+        if self._started == self.count:
+            self._all_started.set()
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            bodies = [{"model": self.model, "prompt": f"held stream {i}",
+                       "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+                      for i in range(self.count)]
+            self.reads = list(await asyncio.gather(*(
+                read_completion_stream(session, f"{self.url}/v1/completions", body,
+                                       self._first_token) for body in bodies)))

@@ -259,7 +259,8 @@ def start_router(router: Proc, registry: str, port: int) -> None:
     """`pdreg router`, round robin so that both prefills take turns, registered as an
     api_server member."""
     router.start([*PDREG, "router", "--registry", registry, "--host", "127.0.0.1",
-                  "--port", str(port), "--policy", "round_robin", "--max-attempts", "3"])
+                  "--port", str(port), "--policy", "round_robin", "--max-attempts", "3",
+                  "--allow-upstream", "127.0.0.0/8,::1/128"])
     say(f"started router: pid {router.pid}, port {port}, log {router.log_path}")
 
 

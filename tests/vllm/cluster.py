@@ -326,7 +326,7 @@ class Router:
         """`pdreg router`, registered as an api_server member (so the registry shows it)."""
         self.proc.start([*PDREG, "router", "--registry", registry, "--host", "127.0.0.1",
                          "--port", str(self.port), "--max-attempts", str(max_attempts),
-                         *extra], env)
+                         "--allow-upstream", "127.0.0.0/8,::1/128", *extra], env)
         say(f"started router: pid {self.proc.pid}, "
             f"port {self.port}, log {self.proc.log_path}")
 

@@ -1,0 +1,182 @@
+"""Lifecycles shared by every long-lived piece: the shutdown states, and an HTTP server
+on a side thread.
+
+`ShutdownState` is the one shutdown vocabulary (vLLM's `EngineShutdownState`): a signal
+or `close()` only moves it to REQUESTED and wakes the loop, which ends the work and says
+so with STOPPED.
+
+`ServingThread(app, host, port)` serves an app on its own uvloop event loop in a daemon
+thread, for the router, the planner and the registry's HTTP side alike: an aiohttp
+`web.Application` through aiohttp's runner, any other app as ASGI through uvicorn, on a
+socket bound here (port 0 works). `start()` returns once the socket accepts
+connections; `add_app()` serves another aiohttp app on the same loop, on a port of its
+own (the router's metrics); `close()` lets in-flight requests finish (bounded), stops
+the loop and joins the thread, and is safe twice. Work of the app's own (a planning loop) starts and
+stops with it through aiohttp's `on_startup` / `on_cleanup`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import socket
+import threading
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, Final, TypeVar
+
+import uvloop
+
+__all__ = ["ServingThread", "ShutdownState"]
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S: Final = 30.0
+STOP_TIMEOUT_S: Final = 10.0
+LISTEN_BACKLOG: Final = 1024
+ASGI_GRACE_S: Final = 1.0  # uvicorn: how long open connections get once told to exit
+
+T = TypeVar("T")
+
+
+class ShutdownState(enum.Enum):
+    RUNNING = "running"
+    REQUESTED = "requested"  # close()/stop() was called; the loop ends its work and exits
+    STOPPED = "stopped"
+
+
+class ServingThread:
+    def __init__(self, app: Any, host: str, port: int, *, name: str,
+                 runner_options: Mapping[str, Any] | None = None,
+                 stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """`runner_options`: for an aiohttp app, `web.AppRunner` keywords (its
+        `shutdown_timeout` bounds in-flight requests at close); for an ASGI app,
+        `uvicorn.Config` keywords (a protocol class, TLS files). `stop_timeout_s`: how
+        long close() waits for the server to stop, on top of that."""
+        self.app = app
+        self.host = host
+        self.requested_port = port
+        self.name = name
+        self.port = 0
+        self.state = ShutdownState.RUNNING
+        self._runner_options = dict(runner_options or {})
+        self._stop_timeout_s = stop_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self._also_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, f"{self.name} is not running"
+        return self._loop
+
+    def start(self) -> ServingThread:
+        """Bind and serve; returns once the socket accepts connections."""
+        loop = self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name=self.name, daemon=True)
+        self._thread.start()
+        try:
+            self.run(self._serve(), START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coro` on the server's loop from another thread; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def call_soon(self, callback: Callable[..., object], *args: object) -> None:
+        """Call `callback(*args)` on the server's loop, from any thread."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(callback, *args)
+
+    def add_app(self, app: Any, port: int) -> int:
+        """Serve another aiohttp app on this loop and host, on `port` (0: the OS picks);
+        its bound port. It stops with the thread."""
+        return self.run(self._serve_also(app, port), START_TIMEOUT_S)
+
+    async def _serve_also(self, app: Any, port: int) -> int:
+        from aiohttp import web
+
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._also_stop.append(runner.cleanup)
+        await web.TCPSite(runner, self.host, port, backlog=LISTEN_BACKLOG).start()
+        return int(runner.addresses[0][1])
+
+    async def _serve(self) -> None:
+        from aiohttp import web
+
+        if isinstance(self.app, web.Application):
+            await self._serve_aiohttp(web)
+        else:
+            await self._serve_asgi()
+
+    async def _serve_aiohttp(self, web: Any) -> None:
+        runner = web.AppRunner(self.app, **self._runner_options)
+        await runner.setup()
+        self._stop = runner.cleanup
+        site = web.TCPSite(runner, self.host, self.requested_port, backlog=LISTEN_BACKLOG)
+        await site.start()
+        self.port = runner.addresses[0][1]
+
+    async def _serve_asgi(self) -> None:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.requested_port))
+        sock.listen(LISTEN_BACKLOG)
+        self.port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=ASGI_GRACE_S, **self._runner_options))
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():  # it failed to start: say why
+                sock.close()
+                task.result()
+                raise RuntimeError(f"{self.name}: the HTTP server stopped at start-up")
+            await asyncio.sleep(0.005)
+
+        async def stop() -> None:
+            server.should_exit = True
+            try:
+                await task
+            finally:
+                sock.close()
+        self._stop = stop
+
+    def close(self) -> None:
+        """Stop serving (in-flight requests finish, bounded), stop the loop, join the
+        thread. Safe twice, and from a failed start."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        self.state = ShutdownState.REQUESTED
+        stops, self._also_stop = self._also_stop, []
+        if self._stop is not None:
+            stops.append(self._stop)
+            self._stop = None
+        timeout_s = self._runner_options.get("shutdown_timeout", 0.0) + self._stop_timeout_s
+        for stop in stops:
+            try:
+                asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout_s)
+            except Exception:
+                logger.exception("[%s] stopping the HTTP server failed", self.name)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(self._stop_timeout_s)
+        if not loop.is_running():
+            loop.close()
+        self.state = ShutdownState.STOPPED
+
+    def __enter__(self) -> ServingThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

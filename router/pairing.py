@@ -1,0 +1,138 @@
+"""The pairing port: which pair serves a request, given what the router knows now.
+
+`Pairing` keeps the pairing table current with the view (rebuilt when membership
+changes, refreshed in place when only loads do), and asks the policy for a pair with
+the router's own in-flight counts and local quarantine. It is what a `Proxy` holds to
+choose and hold pairs (router/ports.py: `PairingPort`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Final, Protocol
+
+from registry.client import LiveMember
+from registry.protocol import Role
+from router.inflight import Hold, InFlight
+from router.latency import LatencyTracker
+from router.metrics import SeriesOf
+from router.policies import Affinity, Pairer
+from router.quarantine import Quarantine
+from router.table import Pair, PairingTable
+
+__all__ = ["MAX_KNOWN_MODELS", "MembershipSource", "Pairing"]
+
+MAX_KNOWN_MODELS: Final = 10_000  # models remembered for 404-vs-503 (registry-bounded)
+
+
+class MembershipSource(Protocol):
+    """What the router needs of `registry.client.MembershipView`."""
+
+    @property
+    def synced(self) -> bool:
+        """A registry has given a snapshot at least once (the view knows something)."""
+
+    def members(self) -> Mapping[str, LiveMember]: ...
+    def loads_confirmed_at(self, model: str) -> float:
+        """When a registry last confirmed `model`'s loads unchanged (monotonic)."""
+
+    def report(self, member_id: str, incarnation: int, problem: str) -> None:
+        """Queue a failure report for the registries; must not block (called on the loop)."""
+
+
+class Pairing:
+    def __init__(self, view: MembershipSource, pairer: Pairer, *, locality_label: str,
+                 protocols: Collection[str], quarantine: Quarantine, in_flight: InFlight,
+                 picks_of: SeriesOf, latency: LatencyTracker,
+                 clock: Callable[[], float]) -> None:
+        self.view = view
+        self.pairer = pairer
+        self.quarantine = quarantine
+        self.in_flight = in_flight
+        self._locality_label = locality_label
+        self._protocols = protocols
+        self._picks_of = picks_of
+        self._latency = latency
+        self._clock = clock
+        self._seen: Mapping[str, LiveMember] | None = None
+        self._table = PairingTable({})
+        self._known_models: set[str] = set()
+        self._urls: frozenset[str] = frozenset()
+
+    def table(self) -> PairingTable:
+        """The pairing table for the current membership.
+
+        The view hands out a new mapping on every change, load digests included (up to
+        10 a second). When every member's record is the one the table was built from,
+        only loads changed: the candidates of those members are replaced, nothing else
+        is rebuilt."""
+        members = self.view.members()
+        seen = self._seen
+        if members is seen:
+            return self._table
+        changed = _loads_only(seen, members)
+        if changed is not None:
+            self._table = self._table.with_loads(changed)
+        else:
+            self._table = PairingTable.build(members, self._locality_label, self._protocols)
+            self._urls = frozenset(c.http for pools in self._table.pools.values()
+                                   for pool in pools for c in (*pool.prefills, *pool.decodes))
+            if len(self._known_models) < MAX_KNOWN_MODELS:
+                self._known_models.update(m.record.spec.model for m in members.values()
+                                          if m.record.spec.role is not Role.API_SERVER)
+            self._latency.retain(members.keys())
+        self._seen = members
+        return self._table
+
+    def routable_urls(self) -> frozenset[str]:
+        """The base URLs of the members pairing may choose (routable, ready)."""
+        self.table()
+        return self._urls
+
+    def serves(self, model: str) -> bool:
+        """A member serves `model` now (it has a pool in the table)."""
+        return model in self._table.pools
+
+    def knows(self, model: str) -> bool:
+        self.table()
+        return model in self._known_models
+
+    def models(self) -> list[str]:
+        """Models with an eligible P and D right now (for /v1/models)."""
+        return self.table().models(self.quarantine.active(self._clock()))
+
+    def choose(self, model: str, affinity: Affinity, tried: Collection[str], *,
+               despite_quarantine: bool = False) -> Pair | None:
+        now = self._clock()
+        quarantined = None if despite_quarantine else self.quarantine.active(now)
+        return self.pairer.choose(self.table(), model, now=now,
+                                  in_flight=self.in_flight.counts, quarantined=quarantined,
+                                  exclude=tried, affinity=affinity,
+                                  loads_confirmed_at=self.view.loads_confirmed_at(model))
+
+    def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
+        """Count the pick; an in-flight slot on D, and on P unless it is D itself."""
+        picks = self._picks_of
+        picks(pair.decode.id, "decode").inc()
+        decode = self.in_flight.hold(pair.decode.id)
+        if pair.direct:
+            return decode, None
+        picks(pair.prefill.id, "prefill").inc()
+        return decode, self.in_flight.hold(pair.prefill.id)
+
+
+def _loads_only(seen: Mapping[str, LiveMember] | None, members: Mapping[str, LiveMember]
+                ) -> dict[str, LiveMember] | None:
+    """The members whose load alone changed since `seen`; None if membership changed (a
+    member came, went, or has a new record: state, suspicion, spec)."""
+    if seen is None or len(seen) != len(members):
+        return None
+    changed = {}
+    for member_id, member in members.items():
+        old = seen.get(member_id)
+        if old is member:
+            continue
+        if old is None or old.record is not member.record:
+            return None
+        changed[member_id] = member
+    return changed
