@@ -14,7 +14,8 @@ Wire (ZeroMQ PUB, three frames per batch):
 
 Replay (ZeroMQ ROUTER at the replay endpoint): a DEALER sends `[b"", start_seq (8 bytes
 big-endian)]`; the engine answers each buffered batch with seq >= start as
-`[b"", seq, payload]`, then `[b"", REPLAY_END, b""]`.
+`[b"", topic, seq, payload]`, then `[b"", b"", REPLAY_END, b""]` (vLLM 0.32; other
+versions leave the topic out, so a reader takes seq and payload from the end).
 
 Decoding is defensive (other consumers were bitten by encoding drift between SGLang
 versions): a batch may come as an array or as a map, events as tagged maps or tagged

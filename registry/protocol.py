@@ -169,7 +169,9 @@ class KvEventsSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     `block_size`: tokens per cached block (0 = not known: the router cannot match exactly
     and falls back to approximate affinity). `hash_scheme`: what the engine hashes blocks
     with, as far as it says (`vllm:sha256`, `pdreg:content`...); informational, since
-    routers key their index by token content (registry/kv_blocks.py).
+    routers key their index by token content (registry/kv_blocks.py). `tokenizer`: where
+    the model's tokenizer is, as the engine was told (a local path or a hub name, for a
+    router that has the same files), or `pdreg:bytes` for the reference engine's.
     """
 
     endpoint: Url
@@ -177,6 +179,7 @@ class KvEventsSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     topic: Name = ""
     block_size: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     hash_scheme: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    tokenizer: Name = ""
 
 
 class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
