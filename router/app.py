@@ -32,6 +32,8 @@ from router.adapters import Adapters, LegFailure, UpstreamRejected, default_adap
 from router.continuation import why_not_migratable
 from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
 from router.inflight import Hold, InFlight
+from router.kv_policy import KvAffinity
+from router.kv_routing import KvRouting
 from router.latency import DECAY_S, LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import (
@@ -97,7 +99,9 @@ class Router:
                  upstream_policy: UpstreamPolicy | None = None,
                  adapters: Adapters | None = None, rng: random.Random | None = None,
                  latency_decay_s: float = DECAY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tokenizers: Mapping[str, str] | None = None,
+                 disagg_min_uncached_tokens: int = 0) -> None:
         self.view = view
         self.policy = policy
         self.latency = LatencyTracker(decay_s=latency_decay_s)
@@ -122,6 +126,13 @@ class Router:
         self._request_ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self._pool: UpstreamPool | None = None
+        # KV-aware pairing (`--policy kv`): its index, feed and tokenizers (kv_routing).
+        self.kv: KvRouting | None = None
+        if policy == "kv":
+            self.kv = KvRouting(self.metrics, allows=self.upstream_policy.allows,
+                                tokenizers=tokenizers, stale_after_s=stale_load_s,
+                                disagg_min_uncached_tokens=disagg_min_uncached_tokens)
+            self.pairer = self.kv.pairer
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -133,6 +144,7 @@ class Router:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/v1/kv", self.handle_kv)
         app.on_startup.append(self._open_pool)
         app.on_cleanup.append(self._close_pool)
         return app
@@ -143,6 +155,8 @@ class Router:
     async def _close_pool(self, app: web.Application) -> None:
         if self._pool is not None:
             await self._pool.close()
+        if self.kv is not None:
+            self.kv.close()
 
     def upstream(self) -> UpstreamPool:
         assert self._pool is not None, "the app has not started"
@@ -162,6 +176,8 @@ class Router:
                 self._known_models.update(m.record.spec.model for m in members.values()
                                           if m.record.spec.role is not Role.API_SERVER)
             self.latency.retain(members.keys())
+            if self.kv is not None:
+                self.kv.on_members(members)
         return self._table
 
     # --- small handlers -----------------------------------------------------------------
@@ -197,6 +213,24 @@ class Router:
                                 content_type="application/json")
         return web.Response(body=b'{"status":"ready"}', content_type="application/json")
 
+    async def handle_kv(self, request: web.Request) -> web.Response:
+        """Per member: KV index state, blocks indexed, event lag (`--policy kv`)."""
+        if not self._authorized(request):
+            return _unauthorized()
+        self.table()
+        members = self.kv.status(time.time()) if self.kv is not None else []
+        return web.Response(body=_encode({"policy": self.policy, "members": members}),
+                            content_type="application/json")
+
+    async def affinity(self, request: web.Request, body: Mapping[str, object],
+                       model: str) -> int | KvAffinity:
+        """The request's affinity input for the policy: the `kv` policy's exact prompt
+        blocks (tokenized off the loop when long), else the policy's int key."""
+        if self.kv is not None:
+            self.table()  # the model's tokenizer and block sizes follow membership
+            return await self.kv.affinity(body, model)
+        return self.pairer.affinity_key(request.headers.get(SESSION_HEADER, ""), body)
+
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -225,7 +259,7 @@ class Router:
         stream_options = body.get("stream_options")
         call = Call(
             path=request.path, body=body, model=model, stream=body.get("stream") is True,
-            key=self.pairer.affinity_key(request.headers.get(SESSION_HEADER, ""), body),
+            key=await self.affinity(request, body, model),
             request_id=f"pdreg-{self._id_prefix}-{next(self._request_ids)}",
             started=started, wants_ids=body.get("return_token_ids") is True,
             include_usage=isinstance(stream_options, dict)
@@ -250,16 +284,19 @@ class Router:
 
     # --- what a Proxy uses --------------------------------------------------------------
 
-    def choose(self, model: str, key: int, tried: list[str], *,
+    def choose(self, model: str, key: int | KvAffinity, tried: list[str], *,
                despite_quarantine: bool = False) -> Pair | None:
         """A pair for the request; `despite_quarantine`: a stream already under way is
         better continued on a member that failed a moment ago than ended."""
         now = self._clock()
         quarantined = None if despite_quarantine else self.quarantine.active(now)
-        return self.pairer.choose(self.table(), model, now=now,
+        pair = self.pairer.choose(self.table(), model, now=now,
                                   in_flight=self.in_flight.counts, quarantined=quarantined,
-                                  key=key, exclude=tried,
+                                  key=key, exclude=tried,  # type: ignore[arg-type]
                                   loads_confirmed_at=self.view.loads_confirmed_at(model))
+        if self.kv is not None and pair is not None and not tried:
+            self.kv.picked(model, key, pair)
+        return pair
 
     def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
         """Count the pick; an in-flight slot on D, and on P unless it is D itself."""

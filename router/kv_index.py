@@ -298,6 +298,7 @@ class KvIndex:
     def __init__(self, max_blocks_per_member: int = DEFAULT_MAX_BLOCKS) -> None:
         self.max_blocks = max_blocks_per_member
         self.members: dict[str, MemberIndex] = {}
+        self._retired = [0, 0, 0]  # gaps, replays, losses of members no longer tracked
 
     def track(self, member_id: str, incarnation: int) -> MemberIndex | None:
         """Start indexing a member; a new incarnation starts from nothing. Returns the new
@@ -305,19 +306,35 @@ class KvIndex:
         current = self.members.get(member_id)
         if current is not None and current.incarnation == incarnation:
             return None
+        if current is not None:
+            self._retire(current)
         index = MemberIndex(member_id, incarnation, self.max_blocks)
         self.members[member_id] = index
         return index
 
     def forget(self, member_id: str) -> None:
-        self.members.pop(member_id, None)
+        gone = self.members.pop(member_id, None)
+        if gone is not None:
+            self._retire(gone)
+
+    def _retire(self, index: MemberIndex) -> None:
+        self._retired[0] += index.gaps
+        self._retired[1] += index.replays
+        self._retired[2] += index.losses
+
+    def totals(self) -> tuple[int, int, int]:
+        """Gaps, replays and losses (became unknown) since the start, every member."""
+        members = list(self.members.values())
+        return (self._retired[0] + sum(m.gaps for m in members),
+                self._retired[1] + sum(m.replays for m in members),
+                self._retired[2] + sum(m.losses for m in members))
 
     def retain(self, member_ids: Iterable[str]) -> list[str]:
         """Forget members not in `member_ids`; returns those forgotten."""
         keep = set(member_ids)
         gone = [m for m in self.members if m not in keep]
         for member_id in gone:
-            del self.members[member_id]
+            self.forget(member_id)
         return gone
 
     def get(self, member_id: str, incarnation: int) -> MemberIndex | None:

@@ -62,6 +62,8 @@ class RouterConfig:
     drain_delay_s: float = DRAIN_DELAY_S
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     latency_decay_s: float = DECAY_S
+    tokenizers: tuple[tuple[str, str], ...] = ()  # (model, path): --tokenizer MODEL=PATH
+    disagg_min_uncached_tokens: int = 0  # kv policy: skip the prefill leg below this
 
 
 class RouterServer:
@@ -78,7 +80,9 @@ class RouterServer:
                               first_byte_s=config.first_byte_timeout_s,
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
-            latency_decay_s=config.latency_decay_s, adapters=adapters)
+            latency_decay_s=config.latency_decay_s, adapters=adapters,
+            tokenizers=dict(config.tokenizers),
+            disagg_min_uncached_tokens=config.disagg_min_uncached_tokens)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None

@@ -1,0 +1,158 @@
+"""The `kv` policy: pick the prefill that computes least, from what each engine caches.
+
+Pure, like router/policies.py: the KV index (router/kv_index.py) is read, never written;
+time, loads and in-flight counts come in as arguments.
+
+A request's affinity input is a `KvAffinity`: the prompt's block keys per block size
+(registry/kv_blocks.py), computed at admission from its exact token ids. Per prefill:
+
+    cached(c)   = leading prompt blocks c holds x block size (0 unless its index is
+                  LIVE or a lower bound: SYNCING/REPLAYING members claim nothing)
+    uncached(c) = prompt tokens - cached(c)
+    cost(c)     = uncached(c) + load(c) x W
+
+in tokens of prefill work: load(c) is the usual score (reported queue + this router's
+in-flight + KV pressure; stale loads count as saturated) and W the work one queued
+request brings, an EWMA of the uncached tokens of recent picks. So a member with a long
+queue loses its cache advantage once its queue costs more than the tokens it saves.
+On top, the bounded-load rule of `prefix` (router/choosers.py): only members whose load
+is within AFFINITY_BOUND_FACTOR x the average (+1) compete, so a hot prefix never piles
+onto one prefill. The decode is chosen by power of two on load: every decode pulls the
+whole prompt's KV from its prefill (no decode-side cache here), so that part of the
+cost is the same for all.
+
+Conditional disaggregation (`disagg_min_uncached_tokens` > 0): when the chosen prefill
+would compute fewer tokens than that, the prefill leg is skipped and the decode serves
+the request alone (prefilling the few uncached tokens itself), as Dynamo and llm-d do.
+
+A request whose tokens are not known exactly (no tokenizer for the model, a request
+shape we do not tokenize) carries a plain int key instead, and goes by `prefix`'s ring.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from router.choosers import (
+    AFFINITY_BOUND_FACTOR,
+    SATURATED_SCORE,
+    Chooser,
+    LoadFn,
+    PowerOfTwo,
+    PrefixAffinity,
+)
+from router.kv_index import KvIndex
+from router.policies import DEFAULT_STALE_LOAD_S, Pairer
+from router.table import Candidate, Pair
+
+__all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
+
+WORK_EWMA_ALPHA: Final = 0.1  # weight of the newest pick in W (about the last 10 picks)
+
+
+@dataclass(frozen=True, slots=True)
+class KvAffinity:
+    """What the `kv` policy knows of a request's prompt."""
+
+    prompt_tokens: int
+    keys: Mapping[int, Sequence[int]]  # block size -> the prompt's full blocks' keys
+    fallback: int  # the `prefix` ring key, for members we cannot match
+
+    def __int__(self) -> int:  # choosers that take an int key see the fallback
+        return self.fallback
+
+
+@dataclass(slots=True)
+class Scored:
+    candidate: Candidate
+    cached_tokens: int
+    cost: float
+
+
+class KvChooser:
+    """Prefill chooser over `KvAffinity` keys; `PrefixAffinity` for plain int keys."""
+
+    def __init__(self, index: KvIndex, block_size_of: Mapping[str, int] | None = None,
+                 bound_factor: float = AFFINITY_BOUND_FACTOR) -> None:
+        self.index = index
+        self.bound_factor = bound_factor
+        self.work = 0.0  # W: EWMA of uncached tokens per pick (0 until the first)
+        self.last: Scored | None = None  # the last pick, for metrics and disaggregation
+        self._ring = PrefixAffinity(bound_factor)
+
+    def cached_tokens(self, c: Candidate, affinity: KvAffinity) -> int:
+        member = self.index.get(c.id, c.incarnation)
+        if member is None or not member.block_size:
+            return 0
+        keys = affinity.keys.get(member.block_size)
+        if not keys:
+            return 0
+        return member.cached_blocks(keys) * member.block_size
+
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn,
+               key: int | KvAffinity) -> Candidate:
+        if not isinstance(key, KvAffinity):
+            self.last = None
+            return self._ring.choose(eligible, load, key)
+        loads = [load(c) for c in eligible]
+        fresh = [v for v in loads if v < SATURATED_SCORE]
+        bound = math.ceil(self.bound_factor * (sum(fresh) + 1) / max(1, len(fresh)))
+        work = self.work or float(key.prompt_tokens)
+        best: Scored | None = None
+        for c, c_load in zip(eligible, loads, strict=True):
+            if c_load + 1 > bound and len(eligible) > 1:
+                continue  # over the load bound: a hot prefix spills to the next best
+            cached = self.cached_tokens(c, key)
+            cost = (key.prompt_tokens - cached) + max(0.0, c_load) * work
+            if best is None or cost < best.cost:
+                best = Scored(c, cached, cost)
+        if best is None:  # everyone over the bound (stale loads): least loaded
+            i = min(range(len(eligible)), key=loads.__getitem__)
+            best = Scored(eligible[i], self.cached_tokens(eligible[i], key), loads[i])
+        uncached = key.prompt_tokens - best.cached_tokens
+        self.work = uncached if not self.work else \
+            (1 - WORK_EWMA_ALPHA) * self.work + WORK_EWMA_ALPHA * uncached
+        self.last = best
+        return best.candidate
+
+
+class KvPairer(Pairer):
+    """`Pairer` with the KV chooser for prefills, power of two for decodes, and
+    conditional disaggregation."""
+
+    def __init__(self, chooser: KvChooser, decode: Chooser, *,
+                 stale_after_s: float = DEFAULT_STALE_LOAD_S,
+                 disagg_min_uncached_tokens: int = 0) -> None:
+        super().__init__(chooser, decode, stale_after_s=stale_after_s)
+        self.kv = chooser
+        self.disagg_min_uncached_tokens = disagg_min_uncached_tokens
+
+    def choose(self, table, model, *, now, in_flight, quarantined=None, key=0,  # type: ignore[no-untyped-def, override]
+               exclude=(), loads_confirmed_at=-math.inf) -> Pair | None:
+        pair = super().choose(table, model, now=now, in_flight=in_flight,
+                              quarantined=quarantined, key=key, exclude=exclude,
+                              loads_confirmed_at=loads_confirmed_at)
+        if (pair is None or pair.direct or not self.disagg_min_uncached_tokens
+                or not isinstance(key, KvAffinity) or self.kv.last is None):
+            return pair
+        uncached = key.prompt_tokens - self.kv.last.cached_tokens
+        if uncached < self.disagg_min_uncached_tokens:
+            return Pair(pair.decode, pair.decode)  # the decode prefills it locally
+        return pair
+
+    def cached_tokens_of(self, pair: Pair) -> int:
+        """Prompt tokens predicted cached at the pair's prefill (the last choice)."""
+        last = self.kv.last
+        return last.cached_tokens if last is not None and last.candidate is pair.prefill else 0
+
+
+def make_kv_pairer(index: KvIndex, *, rng: random.Random | None = None,
+                   stale_after_s: float = DEFAULT_STALE_LOAD_S,
+                   disagg_min_uncached_tokens: int = 0) -> KvPairer:
+    return KvPairer(KvChooser(index), PowerOfTwo(rng or random.Random()),
+                    stale_after_s=stale_after_s,
+                    disagg_min_uncached_tokens=disagg_min_uncached_tokens)
