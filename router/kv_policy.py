@@ -51,7 +51,7 @@ from router.table import Candidate, Pair
 
 __all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
 
-WORK_EWMA_ALPHA: Final = 0.1  # weight of the newest pick in W (about the last 10 picks)
+WORK_EWMA_ALPHA: Final = 0.3  # weight of the newest pick in W (about the last 3 picks)
 
 
 @dataclass(frozen=True, slots=True)
