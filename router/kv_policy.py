@@ -9,12 +9,16 @@ A request's affinity input is a `KvAffinity`: the prompt's block keys per block 
     cached(c)   = leading prompt blocks c holds x block size (0 unless its index is
                   LIVE or a lower bound: SYNCING/REPLAYING members claim nothing)
     uncached(c) = prompt tokens - cached(c)
-    cost(c)     = uncached(c) + load(c) x W
+    cost(c)     = uncached(c) + queue(c) x W
+    queue(c)    = own(c) + OTHERS_WEIGHT x max(0, reported(c) - own(c)) + KV pressure
 
-in tokens of prefill work: load(c) is the usual score (reported queue + this router's
-in-flight + KV pressure; stale loads count as saturated) and W the work one queued
-request brings, an EWMA of the uncached tokens of recent picks. So a member with a long
-queue loses its cache advantage once its queue costs more than the tokens it saves.
+in tokens of prefill work. own(c) is this router's in-flight count on c (exact, now);
+reported(c) is c's last load report, which is up to a heartbeat old and still counts
+requests of ours that have finished since, so the rest counts at OTHERS_WEIGHT (a stale
+"1" must not outweigh a whole cached prompt). W is the work one queued request brings:
+an EWMA of the uncached tokens of recent picks. So a member with a long queue loses its
+cache advantage once its queue costs more than the tokens it saves. Loads too old to
+trust (the usual score: saturated) rank last.
 On top, the bounded-load rule of `prefix` (router/choosers.py): only members whose load
 is within AFFINITY_BOUND_FACTOR x the average (+1) compete, so a hot prefix never piles
 onto one prefill. The decode is chosen by power of two on load: every decode pulls the
@@ -52,6 +56,8 @@ from router.table import Candidate, Pair
 __all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
 
 WORK_EWMA_ALPHA: Final = 0.3  # weight of the newest pick in W (about the last 3 picks)
+OTHERS_WEIGHT: Final = 0.5  # reported queue beyond our own in-flight (see the docstring)
+KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queued requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,7 @@ class KvChooser:
         self.bound_factor = bound_factor
         self.work = 0.0  # W: EWMA of uncached tokens per pick (0 until the first)
         self.last: Scored | None = None  # the last pick, for metrics and disaggregation
+        self.in_flight: Mapping[str, int] = {}  # this router's, set per choice by KvPairer
         self._ring = PrefixAffinity(bound_factor)
 
     def cached_tokens(self, c: Candidate, affinity: KvAffinity) -> int:
@@ -107,7 +114,13 @@ class KvChooser:
             if c_load + 1 > bound and len(eligible) > 1:
                 continue  # over the load bound: a hot prefix spills to the next best
             cached = self.cached_tokens(c, key)
-            cost = (key.prompt_tokens - cached) + max(0.0, c_load) * work
+            if c_load >= SATURATED_SCORE:
+                cost = SATURATED_SCORE + c_load  # cannot see its queue: last resort
+            else:
+                own = self.in_flight.get(c.id, 0)
+                queue = (own + OTHERS_WEIGHT * max(0, c.queue - own)
+                         + c.kv_usage * KV_PRESSURE_REQS)
+                cost = (key.prompt_tokens - cached) + queue * work
             if best is None or cost < best.cost:
                 best = Scored(c, cached, cost)
         if best is None:  # everyone over the bound (stale loads): least loaded
@@ -133,6 +146,7 @@ class KvPairer(Pairer):
 
     def choose(self, table, model, *, now, in_flight, quarantined=None, key=0,  # type: ignore[no-untyped-def, override]
                exclude=(), loads_confirmed_at=-math.inf) -> Pair | None:
+        self.kv.in_flight = in_flight
         pair = super().choose(table, model, now=now, in_flight=in_flight,
                               quarantined=quarantined, key=key, exclude=exclude,
                               loads_confirmed_at=loads_confirmed_at)

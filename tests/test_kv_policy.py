@@ -1,0 +1,93 @@
+"""The `kv` policy's choices, as tables: cache wins until load outweighs it, the load
+bound spreads a hot prefix, stale or unsynced indexes claim nothing, conditional
+disaggregation, and the fallback to `prefix` for requests not matched exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_policies import NOW, member, view
+
+from registry.kv_blocks import block_keys
+from registry.kv_events import BlockStored, KVEventBatch
+from registry.protocol import Role
+from router.kv_index import KvIndex
+from router.kv_policy import KvAffinity, make_kv_pairer
+from router.table import PairingTable
+
+BLOCK = 4
+PROMPT = list(range(40))  # 10 blocks
+
+
+def indexed(holdings: dict[str, int]) -> KvIndex:
+    """An index where member id holds the first n blocks of PROMPT (LIVE)."""
+    index = KvIndex()
+    for member_id, n in holdings.items():
+        m = index.track(member_id, 1)
+        assert m is not None
+        m.start_sync()
+        m.replay_done(complete=True)
+        if n:
+            keys = block_keys(PROMPT, BLOCK)[:n]
+            m.apply(0, KVEventBatch(0.0, [BlockStored([k ^ 1 for k in keys], None,
+                                                      PROMPT[:n * BLOCK], BLOCK, None, "GPU",
+                                                      None)]))
+    return index
+
+
+def affinity(prompt: list[int] = PROMPT) -> KvAffinity:
+    return KvAffinity(len(prompt), {BLOCK: block_keys(prompt, BLOCK)}, fallback=12345)
+
+
+def choose(index: KvIndex, members, in_flight=None, key=None, **kw):
+    pairer = make_kv_pairer(index, rng=random.Random(0), **kw)
+    table = PairingTable.build(view(*members))
+    return pairer.choose(table, "m", now=NOW, in_flight=in_flight or {},
+                         key=affinity() if key is None else key), pairer
+
+
+DECODE = member("d", Role.DECODE)
+
+
+@pytest.mark.parametrize(("holdings", "loads", "in_flight", "expected"), [
+    ({"a": 9, "b": 0}, {}, {}, "a"),  # the cache wins
+    ({"a": 2, "b": 9}, {}, {}, "b"),  # the longer prefix wins
+    ({"a": 9, "b": 0}, {"a": 1}, {}, "a"),  # a stale-looking report does not outweigh it
+    ({"a": 9, "b": 0}, {}, {"a": 2}, "b"),  # over the load bound: spill
+    ({"a": 0, "b": 0}, {"a": 1}, {}, "b"),  # no cache anywhere: the least loaded
+])
+def test_prefill_choice(holdings, loads, in_flight, expected):
+    members = [member(i, running=loads.get(i, 0)) for i in holdings] + [DECODE]
+    pair, pairer = choose(indexed(holdings), members, in_flight)
+    assert pair is not None and pair.prefill.id == expected
+    cached = holdings[expected] * BLOCK
+    assert pairer.cached_tokens_of(pair) == cached
+
+
+def test_replaying_or_other_incarnations_claim_nothing():
+    index = indexed({"a": 9, "b": 0})
+    index.members["a"].pending[5] = KVEventBatch(0.0, [])  # a hole is open
+    pair, pairer = choose(index, [member("a", running=1), member("b"), DECODE])
+    assert pair is not None and pair.prefill.id == "b" and pairer.cached_tokens_of(pair) == 0
+    index = indexed({"a": 9, "b": 0})
+    pair, _ = choose(index, [member("a", incarnation=2, running=1), member("b"), DECODE])
+    assert pair is not None and pair.prefill.id == "b"  # a restarted a holds nothing of old
+
+
+def test_conditional_disaggregation_serves_on_the_decode():
+    index = indexed({"a": 9})
+    short = PROMPT[:38]  # 9 blocks cached, 2 tokens to compute
+    pair, _ = choose(index, [member("a"), DECODE], key=affinity(short),
+                     disagg_min_uncached_tokens=8)
+    assert pair is not None and pair.direct and pair.decode.id == "d"
+    pair, _ = choose(index, [member("a"), DECODE], key=affinity([99, *PROMPT]),
+                     disagg_min_uncached_tokens=8)
+    assert pair is not None and not pair.direct and pair.prefill.id == "a"
+
+
+def test_a_plain_key_goes_by_the_prefix_ring():
+    index = indexed({"a": 9, "b": 0, "c": 0})
+    members = [member(i) for i in "abc"] + [DECODE]
+    picks = {choose(index, members, key=7)[0].prefill.id for _ in range(5)}
+    assert len(picks) == 1  # deterministic ring, not the index
