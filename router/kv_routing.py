@@ -45,7 +45,8 @@ OFF_LOOP_CHARS: Final = 8192
 @dataclass(frozen=True, slots=True)
 class ModelKv:
     tokenizer_source: str  # "" = none registered
-    block_sizes: tuple[int, ...]
+    block_sizes: tuple[int, ...]  # as registered; empty: learnt from the events
+    members: tuple[str, ...]  # its members that publish KV events
 
 
 class KvRouting:
@@ -73,34 +74,38 @@ class KvRouting:
         follow: list[FeedMember] = []
         sources: dict[str, str] = {}
         sizes: dict[str, set[int]] = {}
+        ids: dict[str, list[str]] = {}
         for member in members.values():
             spec = member.record.spec
             if spec.role not in (Role.PREFILL, Role.MIXED) or spec.kv_events is None:
                 continue
             kv = spec.kv_events
+            ids.setdefault(spec.model, []).append(spec.id)
             if kv.tokenizer:
                 sources.setdefault(spec.model, kv.tokenizer)
             if kv.block_size:
                 sizes.setdefault(spec.model, set()).add(kv.block_size)
             if member.record.state is MemberState.READY:
                 follow.append(FeedMember(spec.id, spec.incarnation, kv))
-        self._models = {m: ModelKv(sources.get(m, ""), tuple(sorted(sizes.get(m, ()))))
-                        for m in set(sources) | set(sizes)}
+        self._models = {m: ModelKv(sources.get(m, ""), tuple(sorted(sizes.get(m, ()))),
+                                   tuple(member_ids)) for m, member_ids in ids.items()}
         self.feed.update(follow)
 
     async def affinity(self, body: Mapping[str, Any], model: str) -> int | KvAffinity:
         info = self._models.get(model)
         fallback = prompt_key("", body)
-        if info is None or not info.block_sizes:
-            # Client-named models label metrics only when the fleet serves them.
-            return self._inexact(model if info else "unknown", fallback, "no_block_size")
+        if info is None:  # client-named models label metrics only when the fleet serves them
+            return self._inexact("unknown", fallback, "no_block_size")
+        block_sizes = info.block_sizes or self._learnt_block_sizes(info)
+        if not block_sizes:
+            return self._inexact(model, fallback, "no_block_size")
         tokenizer = self.tokenizers.get(model, info.tokenizer_source)
         started = time.perf_counter()
         if _long(body):
             loop = asyncio.get_running_loop()
-            keyed = await loop.run_in_executor(None, _key, tokenizer, body, info.block_sizes)
+            keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes)
         else:
-            keyed = _key(tokenizer, body, info.block_sizes)
+            keyed = _key(tokenizer, body, block_sizes)
         self.metrics.tokenize_seconds.labels(model).observe(time.perf_counter() - started)
         if keyed is None:
             return self._inexact(model, fallback,
@@ -126,6 +131,12 @@ class KvRouting:
                         if s.last_batch_ts else None,
                         "gaps": s.gaps, "replays": s.replays, "unknown": s.losses})
         return out
+
+    def _learnt_block_sizes(self, info: ModelKv) -> tuple[int, ...]:
+        """Block sizes the members' events showed (a spec that did not say)."""
+        indexes = self.index.members
+        return tuple(sorted({indexes[m].block_size for m in info.members
+                             if m in indexes and indexes[m].block_size}))
 
     def _inexact(self, model: str, fallback: int, why: str) -> int:
         self.metrics.kv_exact.labels(model).set(0)
