@@ -76,6 +76,15 @@ class PrefixCache:
             payloads.append(block.payload)
         return Hit(keys, len(payloads), payloads)
 
+    def peek(self, keys: Sequence[int]) -> int:
+        """How many leading blocks of `keys` are cached, touching nothing."""
+        n = 0
+        for key in keys:
+            if key not in self._blocks:
+                break
+            n += 1
+        return n
+
     def store(self, prompt: Sequence[int], keys: Sequence[int],
               payload_of: Callable[[int], Any]) -> list[BlockStored | BlockRemoved]:
         """Cache every full block of `prompt` not yet held (`payload_of(i)` gives block
