@@ -4,6 +4,9 @@ holds it; a restarted prefill's old blocks are never counted; the answer is unch
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,6 +113,18 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         other = next(i for i in by_id if i != holder)
         assert hits[holder] >= 3 * 40 * 16 and hits[other] == 0  # every repeat hit, there
         assert router_metric(router, "pdreg_router_prompt_tokens_cached_total") == hits[holder]
+
+        # Operators see it: `pdreg status --router` shows the index per member.
+        status = [sys.executable, "-m", "pdreg", "status", "--registry", control,
+                  "--router", router.url]
+        listed = subprocess.run([*status, "--json"], capture_output=True, text=True,
+                                timeout=60, check=True)
+        members = {m["id"]: m for m in json.loads(listed.stdout)}
+        assert members[holder]["kv_index"]["state"] == "live"
+        assert members[holder]["kv_index"]["blocks"] == kv_members(router)[holder]["blocks"]
+        assert members[d.id]["kv_events"] is None and "kv_index" not in members[d.id]
+        table = subprocess.run(status, capture_output=True, text=True, timeout=60, check=True)
+        assert "KV INDEX" in table.stdout and "live" in table.stdout
 
         # The holder restarts (same id, new incarnation, empty cache): its old blocks must
         # not be counted, whatever the timing of the feed.
