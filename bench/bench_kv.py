@@ -287,6 +287,65 @@ def run_router(policy: str, trace: list[str], clients: int, cache_blocks: int) -
                tokenize_ms_per_request=1000 * tok_sum / n, ttfts=ttfts)
 
 
+def scale(members: int = 1000, batches: int = 50, blocks_per_batch: int = 20) -> None:
+    """The index alone, on one core: events/s it absorbs from `members` engines (decode
+    included, as the feed thread does it), and memory per million blocks indexed."""
+    import tracemalloc
+
+    from registry.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+    from router.kv_index import KvIndex
+
+    index = KvIndex()
+    payloads: list[tuple[str, int, bytes]] = []
+    rng = random.Random(0)
+    for m in range(members):
+        mi = index.track(f"p{m}", 1)
+        assert mi is not None
+        mi.start_sync()
+        mi.replay_done(complete=True)
+        parent = None
+        for seq in range(batches):
+            hashes = [rng.getrandbits(63) for _ in range(blocks_per_batch)]
+            events: list = [BlockStored(hashes, parent, [rng.randrange(50000)
+                                                        for _ in range(BLOCK * len(hashes))],
+                                        BLOCK, None, "GPU", None)]
+            if seq % 5 == 4:  # evictions too: a realistic mix
+                events.append(BlockRemoved(hashes[:2], "GPU"))
+            else:
+                parent = hashes[-1]
+            payloads.append((f"p{m}", seq, encode_batch(KVEventBatch(0.0, events, 0))))
+    from registry.kv_events import decode_batch
+
+    def feed(index: KvIndex) -> tuple[int, float]:
+        started = time.process_time()
+        n = 0
+        for member_id, seq, payload in payloads:
+            batch = decode_batch(payload)
+            n += len(batch.events)
+            index.members[member_id].apply(seq, batch)
+        return n, time.process_time() - started
+
+    n_events, cpu = feed(index)
+    fresh = KvIndex()
+    for m in range(members):
+        mi = fresh.track(f"p{m}", 1)
+        assert mi is not None
+        mi.start_sync()
+        mi.replay_done(complete=True)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    feed(fresh)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    blocks = index.total_blocks()
+    print(f"scale: {members} members, {len(payloads)} batches, {n_events} events, "
+          f"{blocks} blocks indexed")
+    print(f"  {len(payloads) / cpu:,.0f} batches/s = {n_events / cpu:,.0f} events/s = "
+          f"{blocks / cpu:,.0f} blocks/s on one core (decode + apply)")
+    print(f"  memory: {used / blocks:.0f} B per block = {used / blocks:.0f} MB per million "
+          f"blocks")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=240)
@@ -294,7 +353,12 @@ def main() -> int:
     parser.add_argument("--cache-blocks", type=int, default=400)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--scale", action="store_true",
+                        help="only the index at 1,000 members: events/s and memory")
     args = parser.parse_args()
+    if args.scale:
+        scale()
+        return 0
     trace = make_trace(args.requests, args.seed)
     best = oracle(trace, args.cache_blocks, len(trace) // 3, 2 * len(trace) // 3)
     rows = []

@@ -9,7 +9,7 @@ A request's affinity input is a `KvAffinity`: the prompt's block keys per block 
     cached(c)   = leading prompt blocks c holds x block size (0 unless its index is
                   LIVE or a lower bound: SYNCING/REPLAYING members claim nothing)
     uncached(c) = prompt tokens - cached(c)
-    cost(c)     = uncached(c) + queue(c) x W
+    cost(c)     = uncached(c) + QUEUE_WEIGHT x queue(c) x W
     queue(c)    = own(c) + OTHERS_WEIGHT x max(0, reported(c) - own(c)) + KV pressure
 
 in tokens of prefill work. own(c) is this router's in-flight count on c (exact, now);
@@ -18,7 +18,8 @@ requests of ours that have finished since, so the rest counts at OTHERS_WEIGHT (
 "1" must not outweigh a whole cached prompt). W is the work one queued request brings:
 an EWMA of the uncached tokens of recent picks. So a member with a long queue loses its
 cache advantage once its queue costs more than the tokens it saves. Loads too old to
-trust (the usual score: saturated) rank last.
+trust (the usual score: saturated) rank last. A prompt cached nowhere is placed by the
+`prefix` ring (bounded load), so requests sharing a new prefix meet on one prefill.
 On top, the bounded-load rule of `prefix` (router/choosers.py): only members whose load
 is within AFFINITY_BOUND_FACTOR x the average (+1) compete, so a hot prefix never piles
 onto one prefill. The decode is chosen by power of two on load: every decode pulls the
@@ -57,6 +58,9 @@ __all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
 
 WORK_EWMA_ALPHA: Final = 0.3  # weight of the newest pick in W (about the last 3 picks)
 OTHERS_WEIGHT: Final = 0.5  # reported queue beyond our own in-flight (see the docstring)
+# A queued request costs half its work: the one in service is half done on average, and
+# a hit now keeps the prefix where the next requests sharing it will hit again.
+QUEUE_WEIGHT: Final = 0.5
 KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queued requests
 
 
@@ -110,17 +114,25 @@ class KvChooser:
         bound = math.ceil(self.bound_factor * (sum(fresh) + 1) / max(1, len(fresh)))
         work = self.work or float(key.prompt_tokens)
         best: Scored | None = None
+        scored: list[tuple[Candidate, float, int]] = []
         for c, c_load in zip(eligible, loads, strict=True):
             if c_load + 1 > bound and len(eligible) > 1:
                 continue  # over the load bound: a hot prefix spills to the next best
-            cached = self.cached_tokens(c, key)
+            scored.append((c, c_load, self.cached_tokens(c, key)))
+        if scored and not any(cached for _, _, cached in scored):
+            # Cached nowhere: place it by the prefix ring (bounded load), so the requests
+            # that will share this prefix meet on one prefill instead of each caching it
+            # wherever the queue was shortest.
+            pick = self._ring.choose([c for c, _, _ in scored], load, key.fallback)
+            best = Scored(pick, 0, 0.0)
+        for c, c_load, cached in scored if best is None else ():
             if c_load >= SATURATED_SCORE:
                 cost = SATURATED_SCORE + c_load  # cannot see its queue: last resort
             else:
                 own = self.in_flight.get(c.id, 0)
                 queue = (own + OTHERS_WEIGHT * max(0, c.queue - own)
                          + c.kv_usage * KV_PRESSURE_REQS)
-                cost = (key.prompt_tokens - cached) + queue * work
+                cost = (key.prompt_tokens - cached) + QUEUE_WEIGHT * queue * work
             if best is None or cost < best.cost:
                 best = Scored(c, cached, cost)
         if best is None:  # everyone over the bound (stale loads): least loaded

@@ -14,6 +14,7 @@ from registry.kv_events import BlockStored, KVEventBatch
 from registry.protocol import Role
 from router.kv_index import KvIndex
 from router.kv_policy import KvAffinity, make_kv_pairer
+from router.policies import make_pairer
 from router.table import PairingTable
 
 BLOCK = 4
@@ -55,7 +56,6 @@ DECODE = member("d", Role.DECODE)
     ({"a": 2, "b": 9}, {}, {}, "b"),  # the longer prefix wins
     ({"a": 9, "b": 0}, {"a": 1}, {}, "a"),  # a stale-looking report does not outweigh it
     ({"a": 9, "b": 0}, {}, {"a": 2}, "b"),  # over the load bound: spill
-    ({"a": 0, "b": 0}, {"a": 1}, {}, "b"),  # no cache anywhere: the least loaded
 ])
 def test_prefill_choice(holdings, loads, in_flight, expected):
     members = [member(i, running=loads.get(i, 0)) for i in holdings] + [DECODE]
@@ -65,14 +65,35 @@ def test_prefill_choice(holdings, loads, in_flight, expected):
     assert pairer.cached_tokens_of(pair) == cached
 
 
+def ring_pick(members, key: int) -> str:
+    """Where the `prefix` policy's ring puts `key` among these members."""
+    prefills = [m for m in members if m.role is Role.PREFILL]
+    pair = make_pairer("prefix", rng=random.Random(0)).choose(
+        PairingTable.build(view(*prefills, DECODE)), "m", now=NOW, in_flight={}, key=key)
+    assert pair is not None
+    return pair.prefill.id
+
+
+@pytest.mark.parametrize("fallback", [1, 2**40, 2**62 + 5])
+def test_cached_nowhere_goes_by_the_ring(fallback):
+    """Requests sharing a new prefix meet on one prefill (the ring), not on whichever
+    queue happened to be shortest."""
+    members = [member(i) for i in "abc"] + [DECODE]
+    key = KvAffinity(len(PROMPT), {BLOCK: block_keys(PROMPT, BLOCK)}, fallback)
+    pair, pairer = choose(indexed({"a": 0, "b": 0, "c": 0}), members, key=key)
+    assert pair is not None and pair.prefill.id == ring_pick(members, fallback)
+    assert pairer.cached_tokens_of(pair) == 0
+
+
 def test_replaying_or_other_incarnations_claim_nothing():
     index = indexed({"a": 9, "b": 0})
     index.members["a"].pending[5] = KVEventBatch(0.0, [])  # a hole is open
-    pair, pairer = choose(index, [member("a", running=1), member("b"), DECODE])
-    assert pair is not None and pair.prefill.id == "b" and pairer.cached_tokens_of(pair) == 0
+    pair, pairer = choose(index, [member("a"), member("b"), DECODE])
+    assert pair is not None and pairer.cached_tokens_of(pair) == 0
+    assert pair.prefill.id == ring_pick([member("a"), member("b")], 12345)
     index = indexed({"a": 9, "b": 0})
-    pair, _ = choose(index, [member("a", incarnation=2, running=1), member("b"), DECODE])
-    assert pair is not None and pair.prefill.id == "b"  # a restarted a holds nothing of old
+    pair, pairer = choose(index, [member("a", incarnation=2), member("b"), DECODE])
+    assert pair is not None and pairer.cached_tokens_of(pair) == 0  # a restarted: nothing
 
 
 def test_conditional_disaggregation_serves_on_the_decode():
