@@ -66,6 +66,7 @@ class _Subscription:
     index: MemberIndex
     sub: zmq.Socket
     dealer: zmq.Socket | None
+    replay: str = ""  # the resolved replay address
     replay_deadline: float = 0.0  # monotonic; 0 = no replay outstanding
 
 
@@ -198,13 +199,8 @@ class KvFeed:
         sub.set_hwm(SUB_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, m.kv.topic.encode())
         sub.connect(endpoint)
-        dealer = None
-        if replay is not None:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(replay)
-        state = _Subscription(m, index, sub, dealer)
+        dealer = self._dealer(replay) if replay is not None else None
+        state = _Subscription(m, index, sub, dealer, replay=replay or "")
         self._subs[m.id] = state
         self._by_socket[sub] = state
         self._poller.register(sub, zmq.POLLIN)
@@ -214,6 +210,25 @@ class KvFeed:
         logger.info("[kv-feed] subscribed %s (incarnation %d) at %s", m.id, m.incarnation,
                     endpoint)
         self._ask_replay(state, index.start_sync())
+
+    def _dealer(self, address: str) -> zmq.Socket:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        return dealer
+
+    def _reset_dealer(self, state: _Subscription) -> None:
+        """A new replay socket after a timeout: a late answer to the old request must not
+        be read as the answer to the next one."""
+        if state.dealer is None:
+            return
+        self._poller.unregister(state.dealer)
+        self._by_socket.pop(state.dealer, None)
+        state.dealer.close(linger=0)
+        state.dealer = self._dealer(state.replay)
+        self._by_socket[state.dealer] = state
+        self._poller.register(state.dealer, zmq.POLLIN)
 
     def _drop(self, member_id: str) -> None:
         state = self._subs.pop(member_id, None)
@@ -298,4 +313,5 @@ class KvFeed:
             if state.replay_deadline and now >= state.replay_deadline:
                 state.replay_deadline = 0.0
                 logger.warning("[kv-feed] %s: replay timed out", state.member.id)
+                self._reset_dealer(state)
                 self._ask_replay(state, state.index.replay_done(complete=False))

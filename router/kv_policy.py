@@ -26,9 +26,10 @@ onto one prefill. The decode is chosen by power of two on load: every decode pul
 whole prompt's KV from its prefill (no decode-side cache here), so that part of the
 cost is the same for all.
 
-Conditional disaggregation (`disagg_min_uncached_tokens` > 0): when the chosen prefill
-would compute fewer tokens than that, the prefill leg is skipped and the decode serves
-the request alone (prefilling the few uncached tokens itself), as Dynamo and llm-d do.
+Conditional disaggregation (`disagg_min_uncached_tokens` > 0): when the chosen decode
+would compute fewer prompt tokens than that itself (the prompt less what its own cache
+holds, if it publishes KV events; else the whole prompt), the prefill leg is skipped and
+the decode serves the request alone, as Dynamo and llm-d do.
 
 A request whose tokens are not known exactly (no tokenizer for the model, a request
 shape we do not tokenize) carries a plain int key instead, and goes by `prefix`'s ring.
@@ -165,7 +166,9 @@ class KvPairer(Pairer):
         if (pair is None or pair.direct or not self.disagg_min_uncached_tokens
                 or not isinstance(key, KvAffinity) or self.kv.last is None):
             return pair
-        uncached = key.prompt_tokens - self.kv.last.cached_tokens
+        # What the decode would compute itself: the prompt less what *it* caches (a decode
+        # that publishes KV events is indexed too; one that does not caches nothing here).
+        uncached = key.prompt_tokens - self.kv.cached_tokens(pair.decode, key)
         if uncached < self.disagg_min_uncached_tokens:
             return Pair(pair.decode, pair.decode)  # the decode prefills it locally
         return pair

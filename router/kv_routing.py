@@ -77,8 +77,8 @@ class KvRouting:
         ids: dict[str, list[str]] = {}
         for member in members.values():
             spec = member.record.spec
-            if spec.role not in (Role.PREFILL, Role.MIXED) or spec.kv_events is None:
-                continue
+            if spec.role is Role.API_SERVER or spec.kv_events is None:
+                continue  # decodes that publish are followed too (conditional disagg.)
             kv = spec.kv_events
             ids.setdefault(spec.model, []).append(spec.id)
             if kv.tokenizer:

@@ -88,8 +88,19 @@ B = [5, 6, 7, 8]
 C = [9, 9, 9, 9]
 
 
+def state(index: KvIndex) -> IndexState | None:
+    """The member's index state (None until the feed thread has subscribed)."""
+    m = index.members.get("p")
+    return None if m is None else m.state
+
+
+def next_seq(index: KvIndex) -> int | None:
+    m = index.members.get("p")
+    return None if m is None else m.next_seq
+
+
 def live_with(index: KvIndex, tokens: list[int]):
-    return lambda: (index.members["p"].state is IndexState.LIVE
+    return lambda: (state(index) is IndexState.LIVE
                     and index.cached_blocks("p", 1, block_keys(tokens, BLOCK)) == 1)
 
 
@@ -104,7 +115,7 @@ def test_history_then_a_lost_batch_is_replayed(ctx):
         engine.publish(1, B, lose=True)  # lost on the way
         # Publish until the SUB is connected (slow joiner): seq 2, resent as a duplicate.
         assert run_until(engine, lambda: (engine.publish(2, C) or True)
-                         and index.members["p"].next_seq == 3)
+                         and next_seq(index) == 3)
         assert run_until(engine, live_with(index, B))
         assert index.members["p"].gaps >= 1 and index.members["p"].replays >= 1
         assert feed.counters.batches >= 1
@@ -120,13 +131,13 @@ def test_a_gap_the_replay_cannot_fill_is_unknown(ctx):
     feed = KvFeed(index, replay_timeout_s=5.0)
     try:
         feed.update([FeedMember("p", 1, engine.spec())])
-        assert run_until(engine, lambda: index.members["p"].state is IndexState.LIVE)
+        assert run_until(engine, lambda: state(index) is IndexState.LIVE)
         assert run_until(engine, lambda: (engine.publish(0, A) or True)
-                         and index.members["p"].next_seq == 1)
+                         and next_seq(index) == 1)
         engine.publish(1, B, lose=True)
         del engine.buffer[1]  # and gone from the engine's replay buffer too
         assert run_until(engine, lambda: (engine.publish(2, C) or True)
-                         and index.members["p"].state is IndexState.UNKNOWN, keep_from=2)
+                         and state(index) is IndexState.UNKNOWN, keep_from=2)
         # Unknown is a lower bound: what came before the hole is no longer claimed.
         assert index.cached_blocks("p", 1, block_keys(A, BLOCK)) == 0
         assert index.cached_blocks("p", 1, block_keys(C, BLOCK)) == 1
@@ -142,7 +153,7 @@ def test_silent_replay_times_out_to_unknown_and_leaving_drops_blocks(ctx):
     feed = KvFeed(index, replay_timeout_s=0.3)
     try:
         feed.update([FeedMember("p", 1, engine.spec())])
-        assert run_until(engine, lambda: index.members["p"].state is IndexState.UNKNOWN)
+        assert run_until(engine, lambda: state(index) is IndexState.UNKNOWN)
         feed.update([])
         assert wait_until(lambda: "p" not in index.members, WAIT_S)
     finally:
@@ -169,7 +180,7 @@ def test_garbage_is_counted_and_changes_nothing(ctx):
     feed = KvFeed(index, replay_timeout_s=5.0)
     try:
         feed.update([FeedMember("p", 1, engine.spec())])
-        assert run_until(engine, lambda: index.members["p"].state is IndexState.LIVE)
+        assert run_until(engine, lambda: state(index) is IndexState.LIVE)
 
         def garbage() -> bool:
             engine.pub.send_multipart([b"", b"\x00" * 8, b"\xc1not msgpack"])

@@ -97,14 +97,19 @@ def test_replaying_or_other_incarnations_claim_nothing():
 
 
 def test_conditional_disaggregation_serves_on_the_decode():
-    index = indexed({"a": 9})
-    short = PROMPT[:38]  # 9 blocks cached, 2 tokens to compute
-    pair, _ = choose(index, [member("a"), DECODE], key=affinity(short),
+    """Skip the prefill leg when the decode itself would compute little: what its own
+    cache (indexed when it publishes events) does not hold."""
+    index = indexed({"a": 9, "d": 9})
+    almost = PROMPT[:38]  # the decode holds 9 blocks: 2 tokens left to compute
+    pair, _ = choose(index, [member("a"), DECODE], key=affinity(almost),
                      disagg_min_uncached_tokens=8)
     assert pair is not None and pair.direct and pair.decode.id == "d"
-    pair, _ = choose(index, [member("a"), DECODE], key=affinity([99, *PROMPT]),
-                     disagg_min_uncached_tokens=8)
+    pair, _ = choose(indexed({"a": 9}), [member("a"), DECODE], key=affinity(almost),
+                     disagg_min_uncached_tokens=8)  # a decode caching nothing: 38 to do
     assert pair is not None and not pair.direct and pair.prefill.id == "a"
+    pair, _ = choose(indexed({"a": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
+                     disagg_min_uncached_tokens=8)  # a short prompt: the decode does it
+    assert pair is not None and pair.direct
 
 
 def test_a_plain_key_goes_by_the_prefix_ring():
