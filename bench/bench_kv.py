@@ -19,6 +19,8 @@ against LRU caches of the same size, sending each request to the prefill holding
 it (no load limit): the best hit rate any router could have had.
 
     .venv/bin/python bench/bench_kv.py [--requests 240] [--clients 6] [--routers kv,prefix,...]
+    .venv/bin/python bench/bench_kv.py --routers kv,kv+disagg=64   # conditional disagg.
+    .venv/bin/python bench/bench_kv.py --scale   # the index alone at 1,000 members
 
 Writes bench/out/kv.json.
 """
@@ -169,13 +171,16 @@ def cluster(cache_blocks: int) -> Iterator[tuple[RegistryServer, list[EngineHand
 
 
 @contextmanager
-def router_process(registry: str, policy: str) -> Iterator[tuple[str, int]]:
+def router_process(registry: str, name: str) -> Iterator[tuple[str, int]]:
+    """`name`: a policy, or `kv+disagg=N` (kv with --disagg-min-uncached-tokens N)."""
+    policy, _, option = name.partition("+")
+    extra = ["--disagg-min-uncached-tokens", option.split("=", 1)[1]] if option else []
     port = free_low_port()
     log = tempfile.NamedTemporaryFile(prefix="pdreg-bench-kv-router-", suffix=".log")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
          registry, "--port", str(port), "--policy", policy, "--no-register",
-         "--drain-delay", "0"],
+         "--drain-delay", "0", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     try:
