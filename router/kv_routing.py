@@ -101,11 +101,15 @@ class KvRouting:
             return self._inexact(model, fallback, "no_block_size")
         tokenizer = self.tokenizers.get(model, info.tokenizer_source)
         started = time.perf_counter()
-        if _long(body):
-            loop = asyncio.get_running_loop()
-            keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes)
-        else:
-            keyed = _key(tokenizer, body, block_sizes)
+        try:
+            if _long(body):
+                loop = asyncio.get_running_loop()
+                keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes)
+            else:
+                keyed = _key(tokenizer, body, block_sizes)
+        except Exception:  # a tokenizer that fails on odd input must not fail the request
+            logger.exception("[kv] tokenizing a %s prompt failed; approximate affinity", model)
+            return self._inexact(model, fallback, "tokenizer_error")
         self.metrics.tokenize_seconds.labels(model).observe(time.perf_counter() - started)
         if keyed is None:
             return self._inexact(model, fallback,
