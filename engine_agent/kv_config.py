@@ -3,9 +3,10 @@
 vLLM and SGLang take the same flag: `--kv-events-config '{"enable_kv_cache_events": true,
 "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
 "topic": "..."}'` (vLLM's `KVEventsConfig`: publisher defaults to "zmq" when enabled,
-endpoint to tcp://*:5557, no replay endpoint, topic ""). The sidecar turns it into the
-member's `KvEventsSpec`: bind addresses become advertised ones (`*`, 0.0.0.0 and :: are
-replaced by the advertised host), plus what the command line says of block size
+endpoint to tcp://*:5557, no replay endpoint, topic ""; SGLang 0.5's has no enable flag,
+publisher defaults to "null", and `bind` may say a concrete address binds). The sidecar
+turns it into the member's `KvEventsSpec`: bind addresses become advertised ones (`*`,
+0.0.0.0 and :: are replaced by the advertised host), plus what the command line says of block size
 (`--block-size`; 0 = learnt from the events), hashing (`--prefix-caching-hash-algo`)
 and tokenizer (`--tokenizer`, else the model path), so a router finds the same files.
 
@@ -59,7 +60,9 @@ def _model(command: Sequence[str]) -> str:
     return ""
 
 
-def _advertised(endpoint: str, host: str) -> str | None:
+def _advertised(endpoint: str, host: str, bind: bool | None = None) -> str | None:
+    """The address to subscribe to. `bind` (SGLang's option): None = vLLM's heuristic,
+    a wildcard host binds and anything else connects out."""
     try:
         parts = urlsplit(endpoint)
         port = parts.port
@@ -68,9 +71,11 @@ def _advertised(endpoint: str, host: str) -> str | None:
     if parts.scheme != "tcp" or not port:
         return None
     bind_host = parts.netloc.rsplit(":", 1)[0]
-    if bind_host not in WILDCARDS:
-        return None  # a connecting publisher: nothing here to subscribe to
-    return f"tcp://{host}:{port}"
+    if bind_host in WILDCARDS:
+        return f"tcp://{host}:{port}" if bind is not False else None
+    if bind:  # a concrete address it binds: that is where to subscribe
+        return f"tcp://{bind_host}:{port}"
+    return None  # a connecting publisher: nothing here to subscribe to
 
 
 def kv_events_from_command(command: Sequence[str], advertise_host: str,
@@ -84,18 +89,23 @@ def kv_events_from_command(command: Sequence[str], advertise_host: str,
     except json.JSONDecodeError as exc:
         logger.warning("[sidecar] %s is not JSON (%s): no KV events advertised", FLAG, exc)
         return None
-    if not isinstance(config, dict) or config.get("enable_kv_cache_events") is not True:
+    if not isinstance(config, dict):
         return None
-    if config.get("publisher", "zmq") != "zmq":
-        return None
+    if engine == "sglang":  # SGLang has no enable flag: publisher "zmq" (default "null")
+        if config.get("publisher") != "zmq":
+            return None
+    elif config.get("enable_kv_cache_events") is not True or \
+            config.get("publisher", "zmq") != "zmq":
+        return None  # vLLM: enabled, and then the publisher defaults to "zmq"
+    bind = config.get("bind") if isinstance(config.get("bind"), bool) else None
     host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
-    endpoint = _advertised(str(config.get("endpoint", "tcp://*:5557")), host)
+    endpoint = _advertised(str(config.get("endpoint", "tcp://*:5557")), host, bind)
     if endpoint is None:
         logger.warning("[sidecar] KV events endpoint %r cannot be subscribed to (it must "
                        "bind tcp://*:PORT): not advertised", config.get("endpoint"))
         return None
     replay = config.get("replay_endpoint")
-    replay_endpoint = _advertised(str(replay), host) if replay else None
+    replay_endpoint = _advertised(str(replay), host) if replay else None  # ROUTER: binds
     block = _flag(command, "--block-size", "--page-size")
     algo = _flag(command, "--prefix-caching-hash-algo") or "sha256"
     return KvEventsSpec(

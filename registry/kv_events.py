@@ -71,6 +71,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     lora_name: str | None
     extra_keys: list[Any] | None = None  # per block: mm hashes, LoRA, cache_salt...
     group_idx: int | None = None
+    cache_salt: str | None = None  # SGLang's (vLLM puts it in extra_keys); omitted if None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -119,6 +120,7 @@ class _StoredLoose(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=Fal
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    cache_salt: str | None = None
 
 
 class _StoredA(_StoredLoose, array_like=True):

@@ -250,8 +250,12 @@ class MemberIndex:
         extra = event.extra_keys
         tokens = event.token_ids
         for i, block_hash in enumerate(hashes):
-            salt_parts = (lora, extra[i] if extra is not None and i < len(extra) else None)
-            salt = _salt_encoder.encode(salt_parts) if salt_parts != (None, None) else b""
+            # LoRA, multimodal hashes, cache salt (vLLM: extra_keys; SGLang: cache_salt):
+            # such a block never matches a plain prompt's key.
+            salt_parts = (lora, extra[i] if extra is not None and i < len(extra) else None,
+                          event.cache_salt)
+            salt = _salt_encoder.encode(salt_parts) if salt_parts != (None, None, None) \
+                else b""
             key = chain_key(parent, tokens[i * size:(i + 1) * size], salt)
             if block_hash in self.blocks:
                 self.copies[block_hash] = self.copies.get(block_hash, 0) + 1

@@ -45,3 +45,11 @@ def test_sglang_command_line():
     spec = kv_events_from_command(command, "10.0.0.5", "sglang")
     assert spec == KvEventsSpec("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "kv", 16,
                                 "sglang", "/models/x")
+    # SGLang 0.5: no enable flag, the publisher says it ("null" by default); `bind` may
+    # bind a concrete address.
+    sglang_config = json.dumps({"publisher": "zmq", "endpoint": "tcp://10.0.0.7:6000",
+                                "bind": True})
+    spec = kv_events_from_command([*command[:-1], sglang_config], "10.0.0.5", "sglang")
+    assert spec is not None and spec.endpoint == "tcp://10.0.0.7:6000"
+    off = json.dumps({"endpoint": "tcp://*:6000"})
+    assert kv_events_from_command([*command[:-1], off], "10.0.0.5", "sglang") is None

@@ -230,6 +230,8 @@ def test_other_tiers_groups_and_salted_blocks_do_not_count():
         BlockStored([2], None, [5, 5], BLOCK, None, "GPU", None, group_idx=1),
         BlockStored([3], None, [5, 5], BLOCK, None, "GPU", "my-lora"),
         BlockStored([4], None, [5, 5], BLOCK, None, "GPU", None, extra_keys=[["salt"]]),
+        BlockStored([5], None, [5, 5], BLOCK, None, "GPU", None, cache_salt="tenant-a"),
+        BlockStored([6], None, [5, 5], BLOCK, None, "CPU_PINNED", None),
     ]))
     assert index.cached_blocks(block_keys([5, 5], BLOCK)) == 0
     assert index.state is IndexState.LIVE
