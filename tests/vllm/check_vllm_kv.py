@@ -4,6 +4,10 @@ by `make test-vllm` after check_vllm_sidecar.py (setup.sh first).
 
     .venv/bin/python tests/vllm/check_vllm_kv.py [--vllm-venv V] [--model-dir M]
 
+With PDREG_KV_CAPTURE=FILE it also writes the frames vLLM's replay socket answered (and
+FILE.ids.json, the prompt's token ids): tests/data/ keeps one such capture, which
+tests/test_kv_events.py decodes.
+
 Asserts, in this order:
 1. every member READY; the prefills' registration carries the KV events endpoints the
    sidecar read from vLLM's own --kv-events-config (advertised, not `*`);
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import zmq
 from cluster import (
     MODEL_NAME,
@@ -115,20 +121,23 @@ def kv_status(router: Router) -> dict[str, dict[str, Any]]:
     return {m["id"]: m for m in body["members"]}
 
 
-def replayed_keys(replay_endpoint: str) -> list[int]:
-    """Every block the engine says it stored, as content keys (parents followed)."""
+def replayed_keys(replay_endpoint: str, capture: Path | None = None) -> list[int]:
+    """Every block the engine says it stored, as content keys (parents followed).
+    `capture`: also write the replayed frames there (msgpack list of [seq, payload])."""
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVTIMEO, 10_000)
     dealer.connect(replay_endpoint)
     keys: dict[int | bytes, int] = {}
     order: list[int] = []
+    captured: list[list[bytes]] = []
     try:
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         while True:
             frames = dealer.recv_multipart()
             if frames[-2] == REPLAY_END:
                 break
+            captured.append(frames)
             for event in decode_batch(frames[-1]).events:
                 if not isinstance(event, BlockStored):
                     continue
@@ -141,6 +150,9 @@ def replayed_keys(replay_endpoint: str) -> list[int]:
     finally:
         dealer.close(0)
         ctx.term()
+    if capture is not None:
+        capture.write_bytes(msgspec.msgpack.encode(captured))
+        say(f"captured {len(captured)} replayed batches (all frames) in {capture}")
     return order
 
 
@@ -204,7 +216,11 @@ def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) ->
     status = kv_status(router)
     holder = next(e for e in cluster.prefills if status[e.member_id]["blocks"] >= full_blocks)
     other = next(e for e in cluster.prefills if e is not holder)
-    stored = replayed_keys(f"tcp://127.0.0.1:{cluster.kv_ports[holder.name][1]}")
+    capture = Path(os.environ["PDREG_KV_CAPTURE"]) if os.environ.get("PDREG_KV_CAPTURE") \
+        else None
+    stored = replayed_keys(f"tcp://127.0.0.1:{cluster.kv_ports[holder.name][1]}", capture)
+    if capture is not None:
+        capture.with_suffix(".ids.json").write_text(json.dumps(ids))
     predicted = block_keys(ids, CPU_BLOCK)
     assert stored == predicted, (f"vLLM stored {len(stored)} blocks, the router predicts "
                                  f"{len(predicted)}; keys differ: {stored} vs {predicted}")
