@@ -21,6 +21,7 @@ it (no load limit): the best hit rate any router could have had.
     .venv/bin/python bench/bench_kv.py [--requests 240] [--clients 6] [--routers kv,prefix,...]
     .venv/bin/python bench/bench_kv.py --routers kv,kv+disagg=64   # conditional disagg.
     .venv/bin/python bench/bench_kv.py --scale   # the index alone at 1,000 members
+    .venv/bin/python bench/bench_kv.py --routers kv,sglang-router:cache_aware
 
 Writes bench/out/kv.json.
 """
@@ -217,6 +218,25 @@ def counters(handles: list[EngineHandle]) -> tuple[float, float]:
     return prompt, hit
 
 
+@contextmanager
+def peer_router(name: str, handles: list[EngineHandle]) -> Iterator[tuple[str, int]]:
+    """`sglang-router:POLICY` (SGLang's bootstrap handshake, which the reference engines
+    answer too) or `vllm-router:POLICY`, given the first 3 prefills and the decodes as
+    static URLs: a peer does not see the prefill that joins mid-run."""
+    kind, _, policy = name.partition(":")
+    prefills, decodes = handles[:3], handles[3:5]
+    if kind == "sglang-router":
+        router = peers.start_sglang_router([(h.url, h.bootstrap_port) for h in prefills],
+                                           [h.url for h in decodes], policy=policy)
+    else:
+        router = peers.start_vllm_router([h.url for h in prefills], [h.url for h in decodes],
+                                         policy=policy)
+    try:
+        yield router.url, router.proc.pid
+    finally:
+        router.stop()
+
+
 def run_router(policy: str, trace: list[str], clients: int, cache_blocks: int) -> Row:
     with cluster(cache_blocks) as (registry, handles, specs):
         view = MembershipView(registry.control_address).start()
@@ -226,8 +246,11 @@ def run_router(policy: str, trace: list[str], clients: int, cache_blocks: int) -
                                  READY_TIMEOUT_S)
         finally:
             view.close()
-        with router_process(registry.control_address, policy) as (url, pid):
-            assert wait_until(lambda: httpx.get(url + "/v1/models").json()["data"], 30)
+        start = peer_router(policy, handles) if ":" in policy else \
+            router_process(registry.control_address, policy)
+        with start as (url, pid):
+            if ":" not in policy:  # a peer listens already (peers._start waited)
+                assert wait_until(lambda: httpx.get(url + "/v1/models").json()["data"], 30)
             joins_at, restarts_at = len(trace) // 3, 2 * len(trace) // 3
             cursor = iter(range(len(trace)))
             lock = threading.Lock()
