@@ -32,14 +32,18 @@ clean:
 # generation continued from token ids over P/D is exact, routes completions and chat
 # through `pdreg router` (compared token by token with one instance), kills a decode
 # with kill -9 mid-stream (every stream must still match one instance), and drains the
-# other decode, with CURVE keys, tokens and an API key on. About 3.5 minutes after the
-# first install; on failure it names the step and prints the logs' tails.
+# other decode, with CURVE keys, tokens and an API key on. Then check_vllm_kv.py: two
+# prefills with prefix caching and KV events behind `pdreg router --policy kv` (the index
+# holds what vLLM stored; a shared prefix goes to its holder; vLLM counts the hit). About
+# 3.5 + 2 minutes after the first install; on failure it names the step and prints the
+# logs' tails.
 VLLM_VENV ?= .venv-vllm
 VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
 
 test-vllm: venv
 	VLLM_VENV=$(VLLM_VENV) VLLM_MODEL_DIR=$(VLLM_MODEL_DIR) PYTHON=$(PYTHON) tests/vllm/setup.sh
 	$(BIN)/python tests/vllm/check_vllm_sidecar.py --vllm-venv $(VLLM_VENV) --model-dir $(VLLM_MODEL_DIR)
+	$(BIN)/python tests/vllm/check_vllm_kv.py --vllm-venv $(VLLM_VENV) --model-dir $(VLLM_MODEL_DIR)
 
 # Real SGLang (CPU) P/D under `pdreg agent`: builds .venv-sglang (sglang 0.5.23, about 7 GB)
 # and a tiny model once (stamp files; setup re-checks its workarounds every run), then runs

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from engine_agent.agent import Agent, default_member_id, new_incarnation, wait_for_idle
+from engine_agent.kv_config import kv_events_from_command
 from engine_agent.lifeline import Lifeline, end_group
 from engine_agent.probes import EngineKind, EngineMetadata, EngineProbe, Health
 from registry.protocol import (
@@ -292,6 +293,8 @@ class Sidecar:
             capacity=cfg.capacity,
             labels=dict(cfg.labels),
             started_at=self._started_at,
+            kv_events=kv_events_from_command(cfg.command, advertise_host, cfg.engine.value)
+            if cfg.role in (Role.PREFILL, Role.MIXED) else None,
         )
 
     # --- the child process -----------------------------------------------------------

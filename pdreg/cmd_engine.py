@@ -59,6 +59,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    dest="sim_decode_s_per_token", help="sim: seconds per output token")
     p.add_argument("--sim-kv-bytes-per-token", type=int, default=128,
                    help="sim: KV payload bytes per prompt token")
+    p.add_argument("--prefix-cache-blocks", type=int, default=None,
+                   help="prefix cache size in blocks (default: the KV capacity; 0 = off)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per prefix-cache block")
+    p.add_argument("--kv-events", action="store_true",
+                   help="publish KV cache events (vLLM's ZeroMQ format, with a replay "
+                        "socket) for `pdreg router --policy kv`; bound on --host")
+    p.add_argument("--kv-events-port", type=int, default=0,
+                   help="KV events PUB port (0 = any free one; the replay port is separate)")
     add_label_argument(p)
     p.set_defaults(func=main)
 
@@ -77,5 +86,7 @@ def main(args: argparse.Namespace) -> int:
         curve=None if args.no_register else client_curve_of(args), threads=args.threads,
         sim_prefill_s_per_token=args.sim_prefill_s_per_token,
         sim_decode_s_per_token=args.sim_decode_s_per_token,
-        sim_kv_bytes_per_token=args.sim_kv_bytes_per_token, labels=labels_of(args))
+        sim_kv_bytes_per_token=args.sim_kv_bytes_per_token, labels=labels_of(args),
+        prefix_cache_blocks=args.prefix_cache_blocks, block_size=args.block_size,
+        kv_events=args.kv_events, kv_events_port=args.kv_events_port)
     return run(config)

@@ -34,6 +34,7 @@ from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
 from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer
+from router.tokenizer import parse_tokenizer_flags
 from router.upstream_bounds import (
     CONNECT_TIMEOUT_S,
     FIRST_BYTE_TIMEOUT_S,
@@ -58,6 +59,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "member's observed latency; prefix: prefix affinity for prefills, "
                         "power_of_two for decodes; session: the X-Session-Id header, else "
                         "the request's `user`, keeps a conversation on one pair)")
+    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
+                   type=_tokenizer_flag,
+                   help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
+                        "name in the local cache) for MODEL; repeatable. Default: what the "
+                        "model's members register")
+    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
+                   help="kv policy: a prompt the chosen prefill would compute fewer than N "
+                        "tokens of skips the prefill leg (the decode prefills it); 0 = off")
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
     p.add_argument("--locality-label", default="", metavar="KEY",
                    help="prefer P->D pairs with the same value of this member label (e.g. zone)")
@@ -151,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
             allow_upstream=args.allow_upstream, drain_delay_s=args.drain_delay,
             drain_timeout_s=args.drain_timeout, latency_decay_s=args.latency_decay,
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            warm_connections=args.warm_connections, metrics_port=args.metrics_port),
+            warm_connections=args.warm_connections, metrics_port=args.metrics_port,
+            tokenizers=tuple(args.tokenizer),
+            disagg_min_uncached_tokens=args.disagg_min_uncached_tokens),
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
@@ -177,3 +188,11 @@ def run(args: argparse.Namespace) -> int:
             server.close()
         view.close()
     return 0
+
+
+def _tokenizer_flag(value: str) -> tuple[str, str]:
+    try:
+        ((model, source),) = parse_tokenizer_flags([value]).items()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return model, source

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -36,7 +37,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_registry_http_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON list of members")
     p.add_argument("--watch", action="store_true", help="refresh the table in place")
+    p.add_argument("--router", default="", metavar="URL",
+                   help="also show what this router's KV index holds per member (`--policy "
+                        "kv`): index state, blocks indexed, event lag (its API key from "
+                        "PDREG_API_KEY)")
     p.set_defaults(func=run)
+
+
+def add_kv_index(members: list[dict[str, Any]], router: str) -> None:
+    """Merge a router's /v1/kv (per member: state, blocks, lag) into `members`."""
+    key = os.environ.get("PDREG_API_KEY", "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.get(router.rstrip("/") + "/v1/kv", headers=headers, timeout=5.0)
+    response.raise_for_status()
+    indexed = {m["id"]: m for m in response.json()["members"]}
+    for member in members:
+        entry = indexed.get(member["id"])
+        if entry is not None and entry["incarnation"] == member["incarnation"]:
+            member["kv_index"] = {k: entry[k] for k in ("state", "blocks", "lag_s", "gaps",
+                                                        "replays", "unknown")}
+        elif member.get("kv_events"):
+            member["kv_index"] = {"state": "not followed", "blocks": 0, "lag_s": None}
 
 
 def fetch_members(registries: str | list[str] | None, *,
@@ -67,8 +88,9 @@ def fetch_members(registries: str | list[str] | None, *,
 
 
 def render(members: list[dict[str, Any]]) -> str:
-    """A table people read at a glance."""
-    rows = [COLUMNS]
+    """A table people read at a glance (a KV INDEX column when a router was asked)."""
+    with_kv = any("kv_index" in m for m in members)
+    rows = [(*COLUMNS, "KV INDEX") if with_kv else COLUMNS]
     for m in members:
         state = m["state"] + (" (suspect)" if m["suspect"] else "")
         load = m["load"]
@@ -77,7 +99,9 @@ def render(members: list[dict[str, Any]]) -> str:
                      str(load["running"]), str(load["waiting"]),
                      f"{100 * load['kv_usage']:.0f}", f"{m['heartbeat_age_s']:.1f}s",
                      _duration(m["uptime_s"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+        if with_kv:
+            rows[-1] = (*rows[-1], _kv_cell(m.get("kv_index")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
     by_role: dict[str, int] = {}
@@ -87,6 +111,13 @@ def render(members: list[dict[str, Any]]) -> str:
     summary = ", ".join(f"{n} {role}" for role, n in sorted(by_role.items())) or "none"
     lines.append(f"{len(members)} members; routable: {summary}")
     return "\n".join(lines)
+
+
+def _kv_cell(kv: dict[str, Any] | None) -> str:
+    if kv is None:
+        return "-"
+    lag = f" lag {kv['lag_s']:.1f}s" if kv.get("lag_s") is not None else ""
+    return f"{kv['state']} {kv['blocks']} blocks{lag}"
 
 
 def _duration(seconds: float) -> str:
@@ -110,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         def table(once: bool) -> str:
             members = fetch()
+            if args.router:
+                add_kv_index(members, args.router)
             if args.json:
                 return json.dumps(members, indent=2 if once else None)
             return render(members)
@@ -117,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except KeyboardInterrupt:
         return 0
-    except (RuntimeError, TimeoutError, ValueError) as exc:
+    except (RuntimeError, TimeoutError, ValueError, httpx.HTTPError) as exc:
         print(f"pdreg status: {exc}", file=sys.stderr)
         return 1
 

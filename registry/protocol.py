@@ -164,6 +164,26 @@ class Parallel(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] = 0
 
 
+class KvEventsSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """Where a member publishes its KV cache events (registry/kv_events.py): advertised
+    `tcp://host:port` addresses, like `Endpoints`. Routers subscribe to ready members.
+
+    `block_size`: tokens per cached block (0 = not known: the router cannot match exactly
+    and falls back to approximate affinity). `hash_scheme`: what the engine hashes blocks
+    with, as far as it says (`vllm:sha256`, `pdreg:content`...); informational, since
+    routers key their index by token content (registry/kv_blocks.py). `tokenizer`: where
+    the model's tokenizer is, as the engine was told (a local path or a hub name, for a
+    router that has the same files), or `pdreg:bytes` for the reference engine's.
+    """
+
+    endpoint: Url
+    replay_endpoint: Url = ""
+    topic: Name = ""
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
+    hash_scheme: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    tokenizer: Name = ""
+
+
 class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """Everything a member says about itself once, at registration."""
 
@@ -177,6 +197,7 @@ class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     capacity: Count = 0  # max concurrent requests it serves well; 0 = unknown
     labels: Labels = {}
     started_at: UnixTime = 0.0  # unix time the process started, for uptime
+    kv_events: KvEventsSpec | None = None  # None: publishes no KV events (old members)
 
 
 class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
@@ -454,6 +475,31 @@ def validate_spec(spec: MemberSpec) -> str | None:
         return "parallel: every rank must be below its size"
     if spec.endpoints.kv_host and not _HOST_OK.match(spec.endpoints.kv_host):
         return f"endpoints.kv_host {spec.endpoints.kv_host!r} is not a host name"
+    if spec.kv_events is not None:
+        for name in ("endpoint", "replay_endpoint"):
+            problem = _problem_with_zmq_endpoint(name, getattr(spec.kv_events, name))
+            if problem:
+                return problem
+        if not spec.kv_events.topic.isprintable():
+            return "kv_events.topic must be printable text"
+    return None
+
+
+def _problem_with_zmq_endpoint(name: str, address: str) -> str | None:
+    """An advertised ZeroMQ address must be tcp://host:port: routers connect to it."""
+    if not address:
+        return "kv_events.endpoint is required" if name == "endpoint" else None
+    try:
+        parts = urlsplit(address)
+        port = parts.port
+    except ValueError as exc:
+        return f"kv_events.{name} {address!r} is not an address: {exc}"
+    if parts.scheme != "tcp" or not parts.hostname or not port:
+        return f"kv_events.{name} {address!r} must be tcp://host:port (advertised, not *)"
+    if not _HOST_OK.fullmatch(parts.hostname) or _is_link_local(parts.hostname):
+        return f"kv_events.{name} {address!r} has an invalid or link-local host"
+    if parts.path or parts.query or parts.fragment or parts.username:
+        return f"kv_events.{name} {address!r} must be only tcp://host:port"
     return None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from registry.protocol import MemberRecord, Role, role_name
 
 
@@ -47,6 +49,8 @@ def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:
         "heartbeat_age_s": round(max(0.0, now_wall - record.heartbeat_at), 3),
         "registered_at": record.registered_at,
         "uptime_s": round(max(0.0, now_wall - started), 1),
+        # Where it publishes KV cache events (None: it does not); routers subscribe.
+        "kv_events": msgspec.structs.asdict(spec.kv_events) if spec.kv_events else None,
     }
 
 

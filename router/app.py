@@ -23,8 +23,8 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 import msgspec
 from aiohttp import web
@@ -34,11 +34,12 @@ from router.continuation import why_not_migratable
 from router.errors import INVALID_REQUEST, openai_error, unauthorized
 from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
 from router.inflight import InFlight
+from router.kv_routing import KvRouting
 from router.latency import DECAY_S, LatencyTracker
 from router.metrics import RequestRecorder, RouterMetrics
 from router.outcomes import Outcomes
 from router.pairing import MembershipSource, Pairing
-from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, make_pairer
+from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, Affinity, Pairer, make_pairer
 from router.ports import ProxyPorts
 from router.proxy import Call, Proxy
 from router.quarantine import QUARANTINE_S, Quarantine
@@ -75,7 +76,9 @@ class Router:
                  adapters: Adapters | None = None, rng: random.Random | None = None,
                  latency_decay_s: float = DECAY_S, body_timeout_s: float = BODY_TIMEOUT_S,
                  warm_connections: int = WARM_CONNECTIONS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tokenizers: Mapping[str, str] | None = None,
+                 disagg_min_uncached_tokens: int = 0) -> None:
         self.view = view
         self.policy = policy
         self.member_id = member_id
@@ -83,12 +86,24 @@ class Router:
         self.quarantine = Quarantine(quarantine_s)
         self.in_flight = InFlight(self.metrics.in_flight_of)
         self.adapters: Adapters = adapters if adapters is not None else default_adapters()
+        self.upstream_policy = upstream_policy or UpstreamPolicy.build()
         latency = LatencyTracker(decay_s=latency_decay_s)
-        pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s, latency=latency)
+        # KV-aware pairing (`--policy kv`): its index, feed and tokenizers (kv_routing),
+        # fed with every membership change the table sees.
+        self.kv: KvRouting | None = None
+        if policy == "kv":
+            self.kv = KvRouting(self.metrics, allows=self.upstream_policy.allows,
+                                tokenizers=tokenizers, stale_after_s=stale_load_s,
+                                disagg_min_uncached_tokens=disagg_min_uncached_tokens)
+            pairer: Pairer = self.kv.pairer
+        else:
+            pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s,
+                                 latency=latency)
         self.pairing = Pairing(view, pairer, locality_label=locality_label,
                                protocols=self.adapters, quarantine=self.quarantine,
                                in_flight=self.in_flight, picks_of=self.metrics.picks_of,
-                               latency=latency, clock=clock)
+                               latency=latency, clock=clock,
+                               on_members=self.kv.on_members if self.kv else None)
         # Only latency-aware policies read the samples; the others skip taking them.
         self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
                                  self.metrics.quarantines_of, clock)
@@ -96,7 +111,6 @@ class Router:
         self.max_attempts = max(1, max_attempts)
         self.max_migrations = max(0, max_migrations)
         self.timeouts = timeouts or Timeouts()
-        self.upstream_policy = upstream_policy or UpstreamPolicy.build()
         self.body_timeout_s = body_timeout_s
         self.draining = False
         self._api_key = f"Bearer {api_key}".encode() if api_key else b""
@@ -121,6 +135,7 @@ class Router:
         app.router.add_get("/ready", self.handle_ready)
         if serve_metrics:
             app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/v1/kv", self.handle_kv)
         app.on_startup.append(self._open_pool)
         app.on_cleanup.append(self._close_pool)
         return app
@@ -160,6 +175,8 @@ class Router:
             await self._warmer.stop()
         if self._pool is not None:
             await self._pool.close()
+        if self.kv is not None:
+            self.kv.close()
 
     def upstream(self) -> UpstreamPool:
         assert self._pool is not None, "the app has not started"
@@ -196,6 +213,24 @@ class Router:
             return web.Response(status=503, body=b'{"status":"no membership yet"}',
                                 content_type="application/json")
         return web.Response(body=b'{"status":"ready"}', content_type="application/json")
+
+    async def handle_kv(self, request: web.Request) -> web.Response:
+        """Per member: KV index state, blocks indexed, event lag (`--policy kv`)."""
+        if not self._authorized(request):
+            return self._refuse("unauthorized", unauthorized())
+        self.pairing.table()  # follow membership first
+        members = self.kv.status(time.time()) if self.kv is not None else []
+        return web.Response(body=_encode({"policy": self.policy, "members": members}),
+                            content_type="application/json")
+
+    async def _affinity(self, request: web.Request, body: dict[str, Any],
+                        model: str) -> Affinity:
+        """The request's input to pairing: the `kv` policy's exact prompt blocks
+        (tokenized off the loop when long), else what the policy computes."""
+        if self.kv is not None:
+            self.pairing.table()  # the model's tokenizer and block sizes follow membership
+            return await self.kv.affinity(body, model)
+        return self.pairing.pairer.affinity(request.headers.get(SESSION_HEADER, ""), body)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
@@ -266,8 +301,7 @@ class Router:
         stream_options = body.get("stream_options")
         return Call(
             path=request.path, body=body, model=model, stream=stream,
-            affinity=self.pairing.pairer.affinity(request.headers.get(SESSION_HEADER, ""),
-                                                  body),
+            affinity=await self._affinity(request, body, model),
             request_id=f"pdreg-{self._id_prefix}-{next(self._request_ids)}",
             started=started, wants_ids=body.get("return_token_ids") is True,
             include_usage=isinstance(stream_options, dict)

@@ -10,7 +10,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -188,6 +188,27 @@ class RouterMetrics:
         self.refused = counter(
             "pdreg_router_refused", "Client requests refused before pairing, by reason "
             "(not_json, too_deep, no_model, body_timeout, loop, unauthorized)", "reason")
+        # KV-aware pairing (`--policy kv`; router/kv_policy.py, router/kv_feed.py). Kept
+        # on prometheus_client's locked metrics: tokenization may run off the loop.
+        self.prompt_tokens = Counter(
+            "pdreg_router_prompt_tokens", "Prompt tokens routed with exact token ids "
+            "(kv policy)", ("model",), registry=r)
+        self.prompt_tokens_cached = Counter(
+            "pdreg_router_prompt_tokens_cached", "Of those, tokens the KV index predicted "
+            "cached at the chosen prefill", ("model",), registry=r)
+        self.kv_exact = Gauge(
+            "pdreg_router_kv_exact", "1 when the kv policy matches this model's prompts "
+            "exactly (tokenizer and block size known), 0 when it falls back to approximate "
+            "prefix affinity", ("model",), registry=r)
+        self.kv_inexact_requests = Counter(
+            "pdreg_router_kv_inexact_requests", "Requests the kv policy routed by approximate "
+            "prefix affinity, by why (no_tokenizer, not_tokenized, no_block_size)",
+            ("model", "why"), registry=r)
+        self.tokenize_seconds = Histogram(
+            "pdreg_router_tokenize_seconds", "Time to tokenize a prompt and key its blocks "
+            "(kv policy), on or off the event loop", ("model",),
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 1), registry=r)
         # The request path's children.
         self.requests_of = self.requests.labels
         self.ttft_of = self.ttft.labels

@@ -44,7 +44,11 @@ class Pairing:
     def __init__(self, view: MembershipSource, pairer: Pairer, *, locality_label: str,
                  protocols: Collection[str], quarantine: Quarantine, in_flight: InFlight,
                  picks_of: SeriesOf, latency: LatencyTracker,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float],
+                 on_members: Callable[[Mapping[str, LiveMember]], None] | None = None
+                 ) -> None:
+        """`on_members`: called with the members whenever membership (not only loads)
+        changed, before the next choice (the `kv` policy follows its publishers)."""
         self.view = view
         self.pairer = pairer
         self.quarantine = quarantine
@@ -54,6 +58,7 @@ class Pairing:
         self._picks_of = picks_of
         self._latency = latency
         self._clock = clock
+        self._on_members = on_members
         self._seen: Mapping[str, LiveMember] | None = None
         self._table = PairingTable({})
         self._known_models: set[str] = set()
@@ -81,6 +86,8 @@ class Pairing:
                 self._known_models.update(m.record.spec.model for m in members.values()
                                           if m.record.spec.role is not Role.API_SERVER)
             self._latency.retain(members.keys())
+            if self._on_members is not None:
+                self._on_members(members)
         self._seen = members
         return self._table
 

@@ -69,6 +69,8 @@ class RouterConfig:
     warm_connections: int = WARM_CONNECTIONS  # opened to each member that becomes routable
     # None: /metrics on the API port. A port (0 = the OS picks): /metrics there only.
     metrics_port: int | None = None
+    tokenizers: tuple[tuple[str, str], ...] = ()  # (model, path): --tokenizer MODEL=PATH
+    disagg_min_uncached_tokens: int = 0  # kv policy: skip the prefill leg below this
 
 
 class RouterServer:
@@ -86,7 +88,9 @@ class RouterServer:
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
             latency_decay_s=config.latency_decay_s, body_timeout_s=config.body_timeout_s,
-            warm_connections=config.warm_connections, adapters=adapters)
+            warm_connections=config.warm_connections, adapters=adapters,
+            tokenizers=dict(config.tokenizers),
+            disagg_min_uncached_tokens=config.disagg_min_uncached_tokens)
         # aiohttp closes a connection that has not delivered a whole request head within
         # keepalive_timeout of connecting or of its previous answer: the header deadline.
         self._serving = ServingThread(

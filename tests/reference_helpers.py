@@ -46,6 +46,8 @@ class EngineHandle:
     engine_id: str
     log_path: str
     returncode: int | None = field(default=None)
+    kv_events: str = ""  # the KV events PUB endpoint (with --kv-events), else ""
+    kv_events_replay: str = ""
 
     @property
     def host(self) -> str:
@@ -99,7 +101,9 @@ def start_engine(role: str = "mixed", backend: str = "sim", protocol: str = "vll
         raise RuntimeError(f"engine {role}/{backend} failed to start: {exc}\n{tail}") from exc
     return EngineHandle(proc=proc, url=ready["url"], kv_port=ready["kv_port"],
                         bootstrap_port=ready["bootstrap_port"], id=ready["id"],
-                        engine_id=ready["engine_id"], log_path=log_path)
+                        engine_id=ready["engine_id"], log_path=log_path,
+                        kv_events=ready.get("kv_events", ""),
+                        kv_events_replay=ready.get("kv_events_replay", ""))
 
 
 def start_engines(specs: Sequence[dict[str, Any]]) -> list[EngineHandle]:

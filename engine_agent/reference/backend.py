@@ -55,6 +55,15 @@ class Backend(Protocol):
 
     async def prefill(self, prompt: list[int]) -> Prefilled: ...
 
+    async def prefill_cached(self, prompt: list[int], cached_tokens: int,
+                             blocks: Sequence[Any]) -> Prefilled:
+        """`prefill` reusing the first `cached_tokens`' KV (prefix-cache `blocks`)."""
+        ...
+
+    def block_payload(self, prefilled: Prefilled, index: int, block_size: int) -> Any:
+        """What the prefix cache keeps of block `index` of a prefill's KV."""
+        ...
+
     def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> SequenceState: ...
 
     async def step(self, seq: SequenceState, token: int) -> Any:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +25,10 @@ from engine_agent.reference.backend import Backend, SamplingParams, prompt_diges
 from engine_agent.reference.bootstrap import RouteResolver
 from engine_agent.reference.kv_store import HeldKv, KvStore
 from engine_agent.reference.kv_transfer import KvClient, KvFetchError
+from engine_agent.reference.prefix_cache import PrefixCache
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.tokens import EOS_ID
+from registry.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,9 @@ class Generation:
 class Engine:
     def __init__(self, backend: Backend, scheduler: Scheduler, *, engine_id: str,
                  store: KvStore | None, kv_client: KvClient, resolver: RouteResolver,
-                 kv_host: str = "", kv_port: int = 0, fetch_timeout_s: float = 30.0) -> None:
+                 kv_host: str = "", kv_port: int = 0, fetch_timeout_s: float = 30.0,
+                 prefix_cache: PrefixCache | None = None,
+                 publish: Callable[[Sequence[KVEvent]], None] | None = None) -> None:
         self.backend = backend
         self.scheduler = scheduler
         self.engine_id = engine_id
@@ -138,6 +142,10 @@ class Engine:
         self.active = 0  # admitted or queued requests not yet closed
         self.requests_total = 0
         self.external_kv_tokens_total = 0  # prompt tokens whose KV came from a prefill
+        self.prefix_cache = prefix_cache  # None: every prefill computes the whole prompt
+        self.publish = publish  # KV events out (kv_publisher), or None
+        self.prompt_tokens_total = 0  # prompt tokens prefilled here
+        self.prefix_cache_hit_tokens_total = 0  # of which the prefix cache already held
 
     @property
     def in_flight(self) -> int:
@@ -184,13 +192,30 @@ class Engine:
             prefilled = await self._fetch(request.prompt, request.fetch)
             self.external_kv_tokens_total += prefilled.num_tokens
         else:
-            prefilled = await self.backend.prefill(request.prompt)
+            prefilled = await self._prefill(request.prompt)
         if request.hold is not None:
             return self._hold(request, prefilled, stack)
         sequence = self.backend.start_sequence(prefilled, request.params.max_tokens)
         self.scheduler.add_kv(prefilled.num_tokens)
         stack.callback(self.scheduler.free_kv, prefilled.num_tokens)
         return Generation(self, request, stack, prefilled.logits, sequence, None)
+
+    async def _prefill(self, prompt: list[int]) -> Any:
+        """Prefill, computing only what the prefix cache does not hold; cache the new
+        full blocks and publish what changed."""
+        self.prompt_tokens_total += len(prompt)
+        cache = self.prefix_cache
+        if cache is None:
+            return await self.backend.prefill(prompt)
+        hit = cache.lookup(prompt)
+        cached_tokens = hit.cached_blocks * cache.block_size
+        self.prefix_cache_hit_tokens_total += cached_tokens
+        prefilled = await self.backend.prefill_cached(prompt, cached_tokens, hit.payloads)
+        events = cache.store(prompt, hit.keys, lambda i: self.backend.block_payload(
+            prefilled, i, cache.block_size))
+        if events and self.publish is not None:
+            self.publish(events)
+        return prefilled
 
     def _hold(self, request: GenerationRequest, prefilled: Any,
               stack: contextlib.AsyncExitStack) -> Generation:

@@ -94,18 +94,31 @@ class TinyTransformer:
         return h @ self.w_head
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the whole prompt. Returns (kv (L, 2, H, n, Dh) contiguous, last logits (V,))."""
+    def prefill(self, prompt: list[int],
+                past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompt. Returns (kv (L, 2, H, n, Dh) contiguous, last logits (V,)).
+
+        `past`: the KV of the prompt's first m positions (a prefix-cache hit, m < n):
+        only positions m..n-1 are computed, attending to `past` and to each other."""
         cfg = self.config
         n = len(prompt)
-        x = self.tok_emb[torch.tensor(prompt)] + self.pos_emb[:n]
+        m = 0 if past is None else past.shape[3]
+        x = self.tok_emb[torch.tensor(prompt[m:])] + self.pos_emb[m:n]
+        mask = None
+        if m:  # query i (position m+i) sees every cached position and new ones up to itself
+            mask = torch.ones(n - m, n, dtype=torch.bool).tril(diagonal=m)
         kvs = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = F.layer_norm(x, (cfg.d_model,), layer.ln1)
             q, k, v = (h @ layer.w_qkv).split(cfg.d_model, dim=-1)
             q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + attn.transpose(0, 1).reshape(n, cfg.d_model) @ layer.w_out
+            if past is not None:
+                k = torch.cat((past[i, 0], k), dim=1)
+                v = torch.cat((past[i, 1], v), dim=1)
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + attn.transpose(0, 1).reshape(n - m, cfg.d_model) @ layer.w_out
             x = x + self._mlp(layer, x)
             kvs.append(torch.stack((k, v)))
         return torch.stack(kvs).contiguous(), self._logits(x[-1])

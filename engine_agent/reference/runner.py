@@ -27,12 +27,22 @@ from aiohttp import web
 from engine_agent.reference.backend import Backend, SamplingParams
 from engine_agent.reference.bootstrap import Route, RouteResolver, bootstrap_app
 from engine_agent.reference.engine import Engine, GenerationRequest
+from engine_agent.reference.kv_publisher import KvEventPublisher
 from engine_agent.reference.kv_store import KvStore
 from engine_agent.reference.kv_transfer import KvClient, KvServer
+from engine_agent.reference.prefix_cache import PrefixCache
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.server import EngineServer, ServerState
-from engine_agent.reference.tokens import encode
-from registry.protocol import Endpoints, Handshake, MemberSpec, MemberState, Role, role_name
+from engine_agent.reference.tokens import BYTES_TOKENIZER, encode
+from registry.protocol import (
+    Endpoints,
+    Handshake,
+    KvEventsSpec,
+    MemberSpec,
+    MemberState,
+    Role,
+    role_name,
+)
 from registry.security import ClientCurve
 
 logger = logging.getLogger(__name__)
@@ -65,6 +75,13 @@ class EngineConfig:
     sim_decode_s_per_token: float = 0.0
     sim_kv_bytes_per_token: int = 128
     labels: dict[str, str] = field(default_factory=dict)
+    # Prefix cache (prefill and mixed roles): on by default, like vLLM's. None = as many
+    # blocks as the KV capacity holds; 0 = off.
+    prefix_cache_blocks: int | None = None
+    block_size: int = 16  # tokens per cached block (vLLM's GPU default)
+    kv_events: bool = False  # publish KV events (vLLM's wire format) for KV-aware routers
+    kv_events_port: int = 0  # PUB port; 0 = any free one (advertised in the spec)
+    kv_events_replay_port: int = 0
 
 
 def make_backend(config: EngineConfig) -> Backend:
@@ -92,7 +109,8 @@ async def _warm_up(engine: Engine) -> None:
             pass
     finally:
         await generation.close()
-    engine.requests_total = 0
+    engine.requests_total = engine.prompt_tokens_total = 0
+    engine.prefix_cache_hit_tokens_total = 0
 
 
 async def _start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -144,7 +162,21 @@ async def run_engine(config: EngineConfig) -> int:
     agent: Any = None
     resolver = RouteResolver()
     kv_client = KvClient(ctx)
+    publisher: KvEventPublisher | None = None
+    caches = config.role in (Role.PREFILL, Role.MIXED)  # decodes get their KV from a prefill
+    blocks = (config.kv_capacity_tokens // config.block_size
+              if config.prefix_cache_blocks is None else config.prefix_cache_blocks)
+    prefix_cache = PrefixCache(config.block_size, blocks) if caches and blocks > 0 else None
     try:
+        kv_events: KvEventsSpec | None = None
+        if config.kv_events and prefix_cache is not None:
+            publisher = KvEventPublisher(config.host, config.kv_events_port,
+                                         config.kv_events_replay_port)
+            kv_events = KvEventsSpec(
+                endpoint=f"tcp://{advertise}:{publisher.port}",
+                replay_endpoint=f"tcp://{advertise}:{publisher.replay_port}",
+                block_size=config.block_size, hash_scheme="pdreg:content",
+                tokenizer=BYTES_TOKENIZER)
         bootstrap_port = 0
         if store is not None:
             kv_server = KvServer(ctx, store, engine_id, config.host, config.kv_port)
@@ -167,13 +199,16 @@ async def run_engine(config: EngineConfig) -> int:
                 protocol=config.protocol,
                 endpoints=Endpoints(http=url, kv_host=advertise if kv_port else "",
                                     kv_port=kv_port, bootstrap_port=bootstrap_port),
-                capacity=config.max_running, labels=config.labels, started_at=time.time())
+                capacity=config.max_running, labels=config.labels, started_at=time.time(),
+                kv_events=kv_events)
 
         agent, spec = _make_agent(config, spec_for, scheduler.load, port)
         backend = await loop.run_in_executor(None, make_backend, config)
         engine = Engine(backend, scheduler, engine_id=engine_id, store=store,
                         kv_client=kv_client, resolver=resolver, kv_host=advertise,
-                        kv_port=kv_port, fetch_timeout_s=config.kv_fetch_timeout_s)
+                        kv_port=kv_port, fetch_timeout_s=config.kv_fetch_timeout_s,
+                        prefix_cache=prefix_cache,
+                        publish=publisher.publish if publisher is not None else None)
         await _warm_up(engine)
         state.engine = engine
         if agent is not None:
@@ -183,6 +218,8 @@ async def run_engine(config: EngineConfig) -> int:
                     bootstrap_port)
         print(json.dumps({"event": "ready", "id": spec.id, "engine_id": engine_id,
                           "url": url, "kv_port": kv_port, "bootstrap_port": bootstrap_port,
+                          "kv_events": kv_events.endpoint if kv_events else "",
+                          "kv_events_replay": kv_events.replay_endpoint if kv_events else "",
                           "pid": os.getpid()}), flush=True)
         await stop.wait()
         state.draining = True
@@ -199,6 +236,8 @@ async def run_engine(config: EngineConfig) -> int:
         if kv_server is not None:
             kv_server.close()
         kv_client.close()
+        if publisher is not None:
+            publisher.close()
         await resolver.close()
         ctx.term()
         if backend is not None:

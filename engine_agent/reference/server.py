@@ -202,11 +202,13 @@ def render_metrics(state: ServerState) -> str:
     engine = state.engine
     model = f'model_name="{state.model}"'
     running = waiting = held = held_tokens = transfers = expired = total = external = 0
+    prompt_tokens = hit_tokens = 0
     usage = 0.0
     if engine is not None:
         sched = engine.scheduler
         running, waiting, usage = sched.running, sched.waiting, sched.kv_usage
         total, external = engine.requests_total, engine.external_kv_tokens_total
+        prompt_tokens, hit_tokens = engine.prompt_tokens_total, engine.prefix_cache_hit_tokens_total
         if engine.store is not None:
             held, held_tokens = len(engine.store.held), engine.store.held_tokens
             transfers, expired = engine.store.transferred_total, engine.store.expired_total
@@ -220,6 +222,12 @@ def render_metrics(state: ServerState) -> str:
         ("sglang:num_queue_reqs", "gauge", model, waiting),
         ("sglang:token_usage", "gauge", model, usage),
         ("pdreg:engine_requests_total", "counter", model, total),
+        # What the prefix cache really found: prompt tokens prefilled here, and of those
+        # the tokens whose KV was cached (vLLM's names count the same, in tokens).
+        ("pdreg:engine_prompt_tokens_total", "counter", model, prompt_tokens),
+        ("pdreg:engine_prefix_cache_hit_tokens_total", "counter", model, hit_tokens),
+        ("vllm:prefix_cache_queries_total", "counter", model, prompt_tokens),
+        ("vllm:prefix_cache_hits_total", "counter", model, hit_tokens),
         ("pdreg:kv_held_entries", "gauge", model, held),
         ("pdreg:kv_held_tokens", "gauge", model, held_tokens),
         ("pdreg:kv_transfers_total", "counter", model, transfers),

@@ -49,6 +49,17 @@ class SimBackend:
         payload = bytes(self.kv_bytes_per_token * len(prompt))
         return Prefilled(num_tokens=len(prompt), kv=payload, logits=_crc(prompt))
 
+    async def prefill_cached(self, prompt: list[int], cached_tokens: int,
+                             blocks: Sequence[Any]) -> Prefilled:
+        """A prefix-cache hit: only the uncached tokens cost prefill time."""
+        if self.prefill_s_per_token > 0:
+            await asyncio.sleep(self.prefill_s_per_token * (len(prompt) - cached_tokens))
+        payload = bytes(self.kv_bytes_per_token * len(prompt))
+        return Prefilled(num_tokens=len(prompt), kv=payload, logits=_crc(prompt))
+
+    def block_payload(self, prefilled: Prefilled, index: int, block_size: int) -> None:
+        return None  # the sim's KV is zeros: nothing to keep
+
     def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> SimSequence:
         return SimSequence(length=prefilled.num_tokens, crc=int(prefilled.logits))
 

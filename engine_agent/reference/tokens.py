@@ -9,6 +9,7 @@ from typing import Final
 BOS_ID: Final = 256
 EOS_ID: Final = 257
 VOCAB_SIZE: Final = 258
+BYTES_TOKENIZER: Final = "pdreg:bytes"  # how a member names this tokenizer (KvEventsSpec)
 MAX_UTF8_BYTES: Final = 4  # the longest UTF-8 sequence: a pending one is shorter
 
 

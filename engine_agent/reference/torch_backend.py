@@ -56,6 +56,24 @@ class TorchBackend:
         kv, logits = await self._run(self.model.prefill, prompt)
         return Prefilled(num_tokens=len(prompt), kv=kv, logits=logits)
 
+    async def prefill_cached(self, prompt: list[int], cached_tokens: int,
+                             blocks: Sequence[torch.Tensor]) -> Prefilled:
+        """Prefill reusing the KV of the prompt's first `cached_tokens` (a prefix-cache
+        hit, `blocks` in order): only the rest is computed, with identical results."""
+        if not cached_tokens:
+            return await self.prefill(prompt)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            return self.model.prefill(prompt, torch.cat(list(blocks), dim=3))
+
+        kv, logits = await self._run(run)
+        return Prefilled(num_tokens=len(prompt), kv=kv, logits=logits)
+
+    def block_payload(self, prefilled: Prefilled, index: int, block_size: int) -> torch.Tensor:
+        """Block `index` of a prefill's KV, copied: the cache outlives the request."""
+        kv: torch.Tensor = prefilled.kv
+        return kv[:, :, :, index * block_size:(index + 1) * block_size].clone()
+
     def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> TorchSequence:
         cache = self.model.new_cache(prefilled.kv, prefilled.num_tokens + max_new_tokens)
         return TorchSequence(cache=cache, length=prefilled.num_tokens)

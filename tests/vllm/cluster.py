@@ -250,7 +250,7 @@ class Engine:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, registry: str, vllm_venv: Path, model_dir: Path,
-              agent_extra: list[str]) -> None:
+              agent_extra: list[str], vllm_extra: tuple[str, ...] = ()) -> None:
         kv_role = "kv_producer" if self.role == "prefill" else "kv_consumer"
         kv_config = json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
                                 "kv_buffer_device": "cpu"})
@@ -275,6 +275,7 @@ class Engine:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", "512", "--served-model-name", MODEL_NAME, "--enforce-eager",
             "-O0", "--kv-transfer-config", kv_config, "--chat-template", str(CHAT_TEMPLATE),
+            *vllm_extra,
         ]
         self.proc.start(argv, env)
         say(f"started {self.name}: sidecar pid {self.proc.pid}, vLLM on port {self.port}, "

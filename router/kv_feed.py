@@ -1,0 +1,317 @@
+"""The router's KV event subscriptions: one SUB and one replay DEALER per member.
+
+An IO thread owns every socket and is the KV index's only writer (router/kv_index.py is
+pure; this module is its I/O). The event loop only reads the index, and tells the
+thread the current membership with `update` (an inproc PUSH: the thread sleeps in
+`poll` until a batch, a replay answer, a membership change or a replay deadline).
+
+- A ready member whose spec has `kv_events` is subscribed: SUB to its endpoint (its
+  topic), DEALER to its replay endpoint, and a replay from seq 0 for its history.
+- A member that leaves, stops being ready, or comes back as a new incarnation loses its
+  sockets and its blocks at once (a new incarnation starts again from nothing).
+- A gap asks a replay; a replay that does not answer within REPLAY_TIMEOUT_S, or that
+  cannot fill the gap, makes the member `unknown` (the index's rules).
+- Addresses are resolved here and must pass the router's upstream policy (no link-local,
+  and no loopback/private networks unless allowed), as for HTTP: a member's spec cannot
+  point the router's sockets anywhere the router may not send traffic. Messages are
+  size-capped (MAX_MESSAGE_BYTES) and a batch that fails to decode is counted and
+  dropped like a lost one (the gap logic recovers it by replay or says unknown).
+
+Trust: whoever can register a member can publish what it likes about its *own* cache;
+that attracts traffic to it only within the load bound, and it cannot touch another
+member's index.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+
+from registry.kv_events import REPLAY_END, decode_batch, decode_seq, encode_seq
+from registry.protocol import KvEventsSpec
+from router.kv_index import Applied, KvIndex, MemberIndex
+
+__all__ = ["FeedMember", "KvFeed"]
+
+logger = logging.getLogger(__name__)
+
+REPLAY_TIMEOUT_S: Final = 2.0  # a replay socket silent this long cannot fill the gap
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024  # one batch (a long prompt's tokens)
+SUB_HWM: Final = 100_000  # batches queued per member before ZeroMQ drops (a gap, replayed)
+MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
+_STOP: Final = b"stop"
+_UPDATE: Final = b"update"
+
+
+@dataclass(frozen=True, slots=True)
+class FeedMember:
+    id: str
+    incarnation: int
+    kv: KvEventsSpec
+
+
+@dataclass(slots=True)
+class _Subscription:
+    member: FeedMember
+    index: MemberIndex
+    sub: zmq.Socket
+    dealer: zmq.Socket | None
+    replay: str = ""  # the resolved replay address
+    replay_deadline: float = 0.0  # monotonic; 0 = no replay outstanding
+
+
+class FeedCounters:
+    """Plain ints the thread bumps and /metrics reads (a torn read is one count off)."""
+
+    def __init__(self) -> None:
+        self.batches = self.events = self.bad = self.refused = 0
+
+
+class KvFeed:
+    def __init__(self, index: KvIndex, *, allows: Callable[[str], bool] = lambda a: True,
+                 clock: Callable[[], float] = time.monotonic,
+                 replay_timeout_s: float = REPLAY_TIMEOUT_S) -> None:
+        self.index = index
+        self.counters = FeedCounters()
+        self._allows = allows
+        self._clock = clock
+        self._replay_timeout_s = replay_timeout_s
+        self._ctx = zmq.Context()
+        inproc = f"inproc://kv-feed-{id(self)}"
+        self._wake_in = self._ctx.socket(zmq.PULL)
+        self._wake_in.bind(inproc)
+        self._wake = self._ctx.socket(zmq.PUSH)  # the event loop's end
+        self._wake.connect(inproc)
+        self._updates: queue.SimpleQueue[list[FeedMember]] = queue.SimpleQueue()
+        self._subs: dict[str, _Subscription] = {}
+        self._by_socket: dict[zmq.Socket, _Subscription] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-feed", daemon=True)
+        self._thread.start()
+
+    # --- the event loop's side ----------------------------------------------------------
+
+    def update(self, members: Iterable[FeedMember]) -> None:
+        """The members to follow now (ready, with kv_events); others are dropped."""
+        if not self._closed:
+            self._updates.put(list(members))
+            self._wake.send(_UPDATE)
+
+    def close(self) -> None:
+        """Stop the thread, close every socket; safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.send(_STOP)
+        self._thread.join(timeout=5.0)
+        self._wake.close(linger=0)
+        self._ctx.term()
+
+    # --- the IO thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                ready = dict(self._poller.poll(self._poll_timeout_ms()))
+                if self._wake_in in ready and not self._drain_wakes():
+                    return
+                for sock in ready:
+                    sub = self._by_socket.get(sock)
+                    if sub is None:
+                        continue
+                    if sock is sub.sub:
+                        self._read_sub(sub)
+                    else:
+                        self._read_replay(sub)
+                self._check_replay_deadlines()
+        except Exception:  # the router keeps routing (by load) if its feed dies
+            logger.exception("[kv-feed] thread failed; KV-aware pairing is blind now")
+        finally:
+            for member_id in list(self._subs):
+                self._drop(member_id)
+            self._wake_in.close(linger=0)
+
+    def _poll_timeout_ms(self) -> int | None:
+        deadlines = [s.replay_deadline for s in self._subs.values() if s.replay_deadline]
+        if not deadlines:
+            return None
+        return max(0, int(1000 * (min(deadlines) - self._clock())) + 1)
+
+    def _drain_wakes(self) -> bool:
+        """Apply membership updates; False when told to stop."""
+        while True:
+            try:
+                message = self._wake_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if message == _STOP:
+                return False
+        latest: list[FeedMember] | None = None
+        while True:
+            try:
+                latest = self._updates.get_nowait()
+            except queue.Empty:
+                break
+        if latest is not None:
+            self._apply_membership(latest)
+        return True
+
+    def _apply_membership(self, members: list[FeedMember]) -> None:
+        wanted = {m.id: m for m in members}
+        for member_id, sub in list(self._subs.items()):
+            m = wanted.get(member_id)
+            if m is None or m.incarnation != sub.member.incarnation or m.kv != sub.member.kv:
+                self._drop(member_id)
+        for member_id, m in wanted.items():
+            if member_id not in self._subs:
+                self._subscribe(m)
+        self.index.retain(self._subs)
+
+    def _subscribe(self, m: FeedMember) -> None:
+        endpoint = self._resolve(m.kv.endpoint)
+        if endpoint is None:
+            self.counters.refused += 1
+            logger.warning("[kv-feed] %s: KV events endpoint %r refused by the upstream "
+                           "policy or unresolvable", m.id, m.kv.endpoint)
+            return
+        replay = self._resolve(m.kv.replay_endpoint) if m.kv.replay_endpoint else None
+        index = self.index.track(m.id, m.incarnation)
+        if index is None:  # tracked already (cannot happen after _drop); start afresh
+            self.index.forget(m.id)
+            index = self.index.track(m.id, m.incarnation)
+            assert index is not None
+        if m.kv.block_size:
+            index.block_size = m.kv.block_size
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.set_hwm(SUB_HWM)
+        sub.setsockopt(zmq.SUBSCRIBE, m.kv.topic.encode())
+        sub.connect(endpoint)
+        dealer = self._dealer(replay) if replay is not None else None
+        state = _Subscription(m, index, sub, dealer, replay=replay or "")
+        self._subs[m.id] = state
+        self._by_socket[sub] = state
+        self._poller.register(sub, zmq.POLLIN)
+        if dealer is not None:
+            self._by_socket[dealer] = state
+            self._poller.register(dealer, zmq.POLLIN)
+        logger.info("[kv-feed] subscribed %s (incarnation %d) at %s", m.id, m.incarnation,
+                    endpoint)
+        self._ask_replay(state, index.start_sync())
+
+    def _dealer(self, address: str) -> zmq.Socket:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        return dealer
+
+    def _reset_dealer(self, state: _Subscription) -> None:
+        """A new replay socket after a timeout: a late answer to the old request must not
+        be read as the answer to the next one."""
+        if state.dealer is None:
+            return
+        self._poller.unregister(state.dealer)
+        self._by_socket.pop(state.dealer, None)
+        state.dealer.close(linger=0)
+        state.dealer = self._dealer(state.replay)
+        self._by_socket[state.dealer] = state
+        self._poller.register(state.dealer, zmq.POLLIN)
+
+    def _drop(self, member_id: str) -> None:
+        state = self._subs.pop(member_id, None)
+        self.index.forget(member_id)
+        if state is None:
+            return
+        for sock in (state.sub, state.dealer):
+            if sock is not None:
+                self._poller.unregister(sock)
+                self._by_socket.pop(sock, None)
+                sock.close(linger=0)
+        logger.info("[kv-feed] dropped %s (incarnation %d)", member_id,
+                    state.member.incarnation)
+
+    def _resolve(self, address: str) -> str | None:
+        """tcp://host:port -> tcp://ip:port for the first address the policy allows."""
+        try:
+            parts = urlsplit(address)
+            host, port = parts.hostname, parts.port
+            if parts.scheme != "tcp" or not host or not port:
+                return None
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (ValueError, OSError):
+            return None
+        for info in infos:
+            ip = str(info[4][0])
+            if self._allows(ip):
+                return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+        return None
+
+    def _read_sub(self, state: _Subscription) -> None:
+        for _ in range(MAX_BATCHES_PER_WAKE):
+            try:
+                frames = state.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)
+
+    def _read_replay(self, state: _Subscription) -> None:
+        assert state.dealer is not None
+        for _ in range(MAX_BATCHES_PER_WAKE):
+            try:
+                frames = state.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # [b"", topic, seq, payload] (vLLM 0.32) or [b"", seq, payload]: from the end.
+            if len(frames) >= 2 and frames[-2] == REPLAY_END:
+                state.replay_deadline = 0.0
+                self._ask_replay(state, state.index.replay_done(complete=True))
+            else:
+                self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)
+
+    def _on_batch(self, state: _Subscription, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 2:
+                raise ValueError(f"{len(frames)} frames")
+            seq = decode_seq(frames[0])
+            if seq < 0:
+                raise ValueError("negative seq")
+            batch = decode_batch(frames[1])
+        except (ValueError, msgspec.DecodeError) as exc:
+            self.counters.bad += 1
+            logger.warning("[kv-feed] %s: bad batch dropped: %s", state.member.id, exc)
+            return
+        self.counters.batches += 1
+        self.counters.events += len(batch.events)
+        self._ask_replay(state, state.index.apply(seq, batch))
+
+    def _ask_replay(self, state: _Subscription, applied: Applied) -> None:
+        if applied is not Applied.GAP:
+            return
+        if state.dealer is None:  # no replay socket: the gap cannot be filled
+            state.replay_deadline = 0.0
+            self._ask_replay(state, state.index.replay_done(complete=False))
+            return
+        state.dealer.send_multipart([b"", encode_seq(state.index.replay_from)])
+        state.replay_deadline = self._clock() + self._replay_timeout_s
+
+    def _check_replay_deadlines(self) -> None:
+        now = self._clock()
+        for state in list(self._subs.values()):
+            if state.replay_deadline and now >= state.replay_deadline:
+                state.replay_deadline = 0.0
+                logger.warning("[kv-feed] %s: replay timed out", state.member.id)
+                self._reset_dealer(state)
+                self._ask_replay(state, state.index.replay_done(complete=False))

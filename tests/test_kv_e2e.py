@@ -1,0 +1,145 @@
+"""End to end with `--policy kv`: a real registry, reference engines publishing KV events
+(processes), the router's feed and index. A long shared prefix goes to the prefill that
+holds it; a restarted prefill's old blocks are never counted; the answer is unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from reference_helpers import EngineHandle, collect, metrics, start_engine, start_engines
+
+from pdreg.testing import free_low_port, wait_until
+from registry.client import MembershipView
+from registry.protocol import MemberState
+from registry.server import RegistryServer
+from router.service import RouterConfig, RouterServer
+
+WAIT_S = 30.0
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite nothing, and "
+          "never apologise. ") * 8  # ~750 bytes: ~47 blocks of 16 tokens
+
+
+@pytest.fixture
+def view(registry: RegistryServer) -> Iterator[MembershipView]:
+    v = MembershipView(registry.control_address).start()
+    try:
+        yield v
+    finally:
+        v.close()
+
+
+@pytest.fixture
+def router(view: MembershipView) -> Iterator[RouterServer]:
+    server = RouterServer(RouterConfig(port=0, policy="kv"), view).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def handles() -> Iterator[list[EngineHandle]]:
+    started: list[EngineHandle] = []
+    try:
+        yield started
+    finally:
+        for handle in started:
+            handle.stop(timeout_s=10)
+
+
+def kv_members(router: RouterServer) -> dict[str, dict[str, Any]]:
+    body = httpx.get(router.url + "/v1/kv", timeout=10).json()
+    return {m["id"]: m for m in body["members"]}
+
+
+def ready(view: MembershipView, *ids: str) -> bool:
+    members = view.members()
+    return all(i in members and members[i].record.state is MemberState.READY for i in ids)
+
+
+def router_metric(router: RouterServer, name: str) -> float:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def ask(http: httpx.Client, router: RouterServer, prompt: str) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True,
+            "return_token_ids": True}
+    r = http.post(router.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return collect(r, False)[0]
+
+
+def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
+        registry: RegistryServer, view: MembershipView, router: RouterServer,
+        handles: list[EngineHandle]) -> None:
+    control = registry.control_address
+    port = free_low_port()
+    kv = ["--kv-events"]
+    p1, p2, d = start_engines([
+        {"role": "prefill", "registry": control, "extra_args": [*kv, "--port", str(port)]},
+        {"role": "prefill", "registry": control, "extra_args": kv},
+        {"role": "decode", "registry": control}])
+    handles += [p1, p2, d]
+    assert view.wait_for(lambda m: ready(view, p1.id, p2.id, d.id), WAIT_S)
+    assert wait_until(lambda: [m["state"] for m in kv_members(router).values()]
+                      == ["live", "live"], WAIT_S)
+    mixed = start_engine(role="mixed")  # not registered: the single-instance reference
+    handles.append(mixed)
+    with httpx.Client(timeout=60) as http:
+        first = ask(http, router, SYSTEM + "What is 2+2?")
+        # The first prefill now holds the prefix: wait until the router's index has it.
+        assert wait_until(lambda: max(m["blocks"] for m in kv_members(router).values()) > 40,
+                          WAIT_S)
+        holder = max(kv_members(router).values(), key=lambda m: m["blocks"])["id"]
+        for question in ("Name a colour.", "Why is the sky blue?", "Count to three."):
+            prompt = SYSTEM + question
+            got = ask(http, router, prompt)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True,
+                    "return_token_ids": True}
+            assert got == collect(http.post(mixed.url + "/v1/completions", json=body),
+                                  False)[0]  # the answer is unchanged
+        assert first
+        by_id = {p1.id: p1, p2.id: p2}
+        hits = {i: metrics(h.url)["pdreg:engine_prefix_cache_hit_tokens_total"]
+                for i, h in by_id.items()}
+        other = next(i for i in by_id if i != holder)
+        assert hits[holder] >= 3 * 40 * 16 and hits[other] == 0  # every repeat hit, there
+        assert router_metric(router, "pdreg_router_prompt_tokens_cached_total") == hits[holder]
+
+        # Operators see it: `pdreg status --router` shows the index per member.
+        status = [sys.executable, "-m", "pdreg", "status", "--registry", control,
+                  "--router", router.url]
+        listed = subprocess.run([*status, "--json"], capture_output=True, text=True,
+                                timeout=60, check=True)
+        members = {m["id"]: m for m in json.loads(listed.stdout)}
+        assert members[holder]["kv_index"]["state"] == "live"
+        assert members[holder]["kv_index"]["blocks"] == kv_members(router)[holder]["blocks"]
+        assert members[d.id]["kv_events"] is None and "kv_index" not in members[d.id]
+        table = subprocess.run(status, capture_output=True, text=True, timeout=60, check=True)
+        assert "KV INDEX" in table.stdout and "live" in table.stdout
+
+        # The holder restarts (same id, new incarnation, empty cache): its old blocks must
+        # not be counted, whatever the timing of the feed.
+        holder_handle = by_id[holder]
+        old = kv_members(router)[holder]["incarnation"]
+        holder_handle.stop(timeout_s=10)
+        extra = [*kv, "--port", holder_handle.url.rsplit(":", 1)[1]]
+        restarted = start_engine(role="prefill", registry=control, extra_args=extra)
+        handles.append(restarted)
+        assert restarted.id == holder
+        assert view.wait_for(lambda m: ready(view, holder) and
+                             m[holder].record.spec.incarnation != old, WAIT_S)
+        cached_before = router_metric(router, "pdreg_router_prompt_tokens_cached_total")
+        ask(http, router, SYSTEM + "A question after the restart?")
+        assert router_metric(router, "pdreg_router_prompt_tokens_cached_total") == cached_before
+        assert wait_until(lambda: kv_members(router).get(holder, {}).get("incarnation")
+                          not in (None, old), WAIT_S)
+        assert wait_until(lambda: kv_members(router)[holder]["state"] == "live", WAIT_S)

@@ -1,0 +1,193 @@
+"""The router's KV feed over real ZeroMQ sockets: a test-owned engine publisher that can
+lose batches, answer replays or not; the index replays, or says unknown, never lies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from pdreg.testing import wait_until
+from registry.kv_blocks import block_keys
+from registry.kv_events import REPLAY_END, BlockStored, KVEventBatch, encode_batch, encode_seq
+from registry.protocol import KvEventsSpec
+from router.kv_feed import FeedMember, KvFeed
+from router.kv_index import IndexState, KvIndex
+
+WAIT_S = 15.0
+BLOCK = 4
+
+
+class FakeEngine:
+    """PUB + replay ROUTER, driven by the test: `publish(seq, ...)` numbers as told."""
+
+    def __init__(self, ctx: zmq.Context, replay: bool = True) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:0")
+        self.router = ctx.socket(zmq.ROUTER) if replay else None
+        if self.router is not None:
+            self.router.bind("tcp://127.0.0.1:0")
+        self.buffer: dict[int, bytes] = {}
+        self.answer_replays = True
+
+    def spec(self) -> KvEventsSpec:
+        replay = self.router.getsockopt(zmq.LAST_ENDPOINT).decode() if self.router else ""
+        return KvEventsSpec(self.pub.getsockopt(zmq.LAST_ENDPOINT).decode(), replay,
+                            block_size=BLOCK)
+
+    def batch(self, seq: int, tokens: list[int], parent: int | None = None) -> bytes:
+        keys = block_keys(tokens, BLOCK)
+        payload = encode_batch(KVEventBatch(1.0, [BlockStored(
+            [k + 1 for k in keys], parent, tokens, BLOCK, None, "GPU", None)]))
+        self.buffer[seq] = payload
+        return payload
+
+    def publish(self, seq: int, tokens: list[int], *, lose: bool = False) -> None:
+        payload = self.batch(seq, tokens)
+        if not lose:
+            self.pub.send_multipart([b"", encode_seq(seq), payload])
+
+    def serve_replays(self, keep_from: int = 0) -> None:
+        """Answer every waiting replay request from the buffer (seq >= keep_from)."""
+        assert self.router is not None
+        while self.router.poll(0):
+            client, _, start = self.router.recv_multipart()
+            if not self.answer_replays:
+                continue
+            first = int.from_bytes(start, "big")
+            for seq in sorted(self.buffer):
+                if seq >= max(first, keep_from):
+                    self.router.send_multipart([client, b"", b"", encode_seq(seq),
+                                                self.buffer[seq]])
+            self.router.send_multipart([client, b"", b"", REPLAY_END, b""])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def run_until(engine: FakeEngine, predicate, keep_from: int = 0) -> bool:
+    def step() -> bool:
+        if engine.router is not None:
+            engine.serve_replays(keep_from)
+        return bool(predicate())
+    return wait_until(step, WAIT_S, poll_s=0.02)
+
+
+A = [1, 2, 3, 4]
+B = [5, 6, 7, 8]
+C = [9, 9, 9, 9]
+
+
+def state(index: KvIndex) -> IndexState | None:
+    """The member's index state (None until the feed thread has subscribed)."""
+    m = index.members.get("p")
+    return None if m is None else m.state
+
+
+def next_seq(index: KvIndex) -> int | None:
+    m = index.members.get("p")
+    return None if m is None else m.next_seq
+
+
+def live_with(index: KvIndex, tokens: list[int]):
+    return lambda: (state(index) is IndexState.LIVE
+                    and index.cached_blocks("p", 1, block_keys(tokens, BLOCK)) == 1)
+
+
+def test_history_then_a_lost_batch_is_replayed(ctx):
+    engine = FakeEngine(ctx)
+    engine.publish(0, A, lose=True)  # before the router came: only the replay has it
+    index = KvIndex()
+    feed = KvFeed(index, replay_timeout_s=5.0)
+    try:
+        feed.update([FeedMember("p", 1, engine.spec())])
+        assert run_until(engine, live_with(index, A))
+        engine.publish(1, B, lose=True)  # lost on the way
+        # Publish until the SUB is connected (slow joiner): seq 2, resent as a duplicate.
+        assert run_until(engine, lambda: (engine.publish(2, C) or True)
+                         and next_seq(index) == 3)
+        assert run_until(engine, live_with(index, B))
+        assert index.members["p"].gaps >= 1 and index.members["p"].replays >= 1
+        assert feed.counters.batches >= 1
+    finally:
+        feed.close()
+        feed.close()
+        engine.close()
+
+
+def test_a_gap_the_replay_cannot_fill_is_unknown(ctx):
+    engine = FakeEngine(ctx)
+    index = KvIndex()
+    feed = KvFeed(index, replay_timeout_s=5.0)
+    try:
+        feed.update([FeedMember("p", 1, engine.spec())])
+        assert run_until(engine, lambda: state(index) is IndexState.LIVE)
+        assert run_until(engine, lambda: (engine.publish(0, A) or True)
+                         and next_seq(index) == 1)
+        engine.publish(1, B, lose=True)
+        del engine.buffer[1]  # and gone from the engine's replay buffer too
+        assert run_until(engine, lambda: (engine.publish(2, C) or True)
+                         and state(index) is IndexState.UNKNOWN, keep_from=2)
+        # Unknown is a lower bound: what came before the hole is no longer claimed.
+        assert index.cached_blocks("p", 1, block_keys(A, BLOCK)) == 0
+        assert index.cached_blocks("p", 1, block_keys(C, BLOCK)) == 1
+    finally:
+        feed.close()
+        engine.close()
+
+
+def test_silent_replay_times_out_to_unknown_and_leaving_drops_blocks(ctx):
+    engine = FakeEngine(ctx)
+    engine.answer_replays = False
+    index = KvIndex()
+    feed = KvFeed(index, replay_timeout_s=0.3)
+    try:
+        feed.update([FeedMember("p", 1, engine.spec())])
+        assert run_until(engine, lambda: state(index) is IndexState.UNKNOWN)
+        feed.update([])
+        assert wait_until(lambda: "p" not in index.members, WAIT_S)
+    finally:
+        feed.close()
+        engine.close()
+
+
+def test_endpoints_the_upstream_policy_refuses_are_not_connected(ctx):
+    engine = FakeEngine(ctx)
+    index = KvIndex()
+    feed = KvFeed(index, allows=lambda address: False)
+    try:
+        feed.update([FeedMember("p", 1, engine.spec())])
+        assert wait_until(lambda: feed.counters.refused == 1, WAIT_S)
+        assert "p" not in index.members
+    finally:
+        feed.close()
+        engine.close()
+
+
+def test_garbage_is_counted_and_changes_nothing(ctx):
+    engine = FakeEngine(ctx)
+    index = KvIndex()
+    feed = KvFeed(index, replay_timeout_s=5.0)
+    try:
+        feed.update([FeedMember("p", 1, engine.spec())])
+        assert run_until(engine, lambda: state(index) is IndexState.LIVE)
+
+        def garbage() -> bool:
+            engine.pub.send_multipart([b"", b"\x00" * 8, b"\xc1not msgpack"])
+            engine.pub.send_multipart([b"only one frame"])
+            return feed.counters.bad >= 2
+        assert wait_until(garbage, WAIT_S)
+        assert index.members["p"].state is IndexState.LIVE and not index.members["p"].blocks
+    finally:
+        feed.close()
+        engine.close()

@@ -1,0 +1,124 @@
+"""The `kv` policy's choices, as tables: cache wins until load outweighs it, the load
+bound spreads a hot prefix, stale or unsynced indexes claim nothing, conditional
+disaggregation, and the fallback to `prefix` for requests not matched exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_policies import NOW, member, view
+
+from registry.kv_blocks import block_keys
+from registry.kv_events import BlockStored, KVEventBatch
+from registry.protocol import Role
+from router.kv_index import KvIndex
+from router.kv_policy import KvAffinity, make_kv_pairer
+from router.policies import Affinity, make_pairer
+from router.table import PairingTable
+
+BLOCK = 4
+PROMPT = list(range(40))  # 10 blocks
+
+
+def indexed(holdings: dict[str, int]) -> KvIndex:
+    """An index where member id holds the first n blocks of PROMPT (LIVE)."""
+    index = KvIndex()
+    for member_id, n in holdings.items():
+        m = index.track(member_id, 1)
+        assert m is not None
+        m.start_sync()
+        m.replay_done(complete=True)
+        if n:
+            keys = block_keys(PROMPT, BLOCK)[:n]
+            m.apply(0, KVEventBatch(0.0, [BlockStored([k ^ 1 for k in keys], None,
+                                                      PROMPT[:n * BLOCK], BLOCK, None, "GPU",
+                                                      None)]))
+    return index
+
+
+def affinity(prompt: list[int] = PROMPT) -> KvAffinity:
+    return KvAffinity(key=12345, prompt_tokens=len(prompt),
+                      keys={BLOCK: block_keys(prompt, BLOCK)})
+
+
+def choose(index: KvIndex, members, in_flight=None, key=None, **kw):
+    pairer = make_kv_pairer(index, rng=random.Random(0), **kw)
+    table = PairingTable.build(view(*members))
+    request = affinity() if key is None else key
+    if isinstance(request, int):
+        request = Affinity(request)
+    return pairer.choose(table, "m", now=NOW, in_flight=in_flight or {},
+                         affinity=request), pairer
+
+
+DECODE = member("d", Role.DECODE)
+
+
+@pytest.mark.parametrize(("holdings", "loads", "in_flight", "expected"), [
+    ({"a": 9, "b": 0}, {}, {}, "a"),  # the cache wins
+    ({"a": 2, "b": 9}, {}, {}, "b"),  # the longer prefix wins
+    ({"a": 9, "b": 0}, {"a": 1}, {}, "a"),  # a stale-looking report does not outweigh it
+    ({"a": 9, "b": 0}, {}, {"a": 2}, "b"),  # over the load bound: spill
+])
+def test_prefill_choice(holdings, loads, in_flight, expected):
+    members = [member(i, running=loads.get(i, 0)) for i in holdings] + [DECODE]
+    pair, pairer = choose(indexed(holdings), members, in_flight)
+    assert pair is not None and pair.prefill.id == expected
+    cached = holdings[expected] * BLOCK
+    assert pairer.cached_tokens_of(pair) == cached
+
+
+def ring_pick(members, key: int) -> str:
+    """Where the `prefix` policy's ring puts `key` among these members."""
+    prefills = [m for m in members if m.role is Role.PREFILL]
+    pair = make_pairer("prefix", rng=random.Random(0)).choose(
+        PairingTable.build(view(*prefills, DECODE)), "m", now=NOW, in_flight={}, key=key)
+    assert pair is not None
+    return pair.prefill.id
+
+
+@pytest.mark.parametrize("fallback", [1, 2**40, 2**62 + 5])
+def test_cached_nowhere_goes_by_the_ring(fallback):
+    """Requests sharing a new prefix meet on one prefill (the ring), not on whichever
+    queue happened to be shortest."""
+    members = [member(i) for i in "abc"] + [DECODE]
+    key = KvAffinity(key=fallback, prompt_tokens=len(PROMPT),
+                     keys={BLOCK: block_keys(PROMPT, BLOCK)})
+    pair, pairer = choose(indexed({"a": 0, "b": 0, "c": 0}), members, key=key)
+    assert pair is not None and pair.prefill.id == ring_pick(members, fallback)
+    assert pairer.cached_tokens_of(pair) == 0
+
+
+def test_replaying_or_other_incarnations_claim_nothing():
+    index = indexed({"a": 9, "b": 0})
+    index.members["a"].pending[5] = KVEventBatch(0.0, [])  # a hole is open
+    pair, pairer = choose(index, [member("a"), member("b"), DECODE])
+    assert pair is not None and pairer.cached_tokens_of(pair) == 0
+    assert pair.prefill.id == ring_pick([member("a"), member("b")], 12345)
+    index = indexed({"a": 9, "b": 0})
+    pair, pairer = choose(index, [member("a", incarnation=2), member("b"), DECODE])
+    assert pair is not None and pairer.cached_tokens_of(pair) == 0  # a restarted: nothing
+
+
+def test_conditional_disaggregation_serves_on_the_decode():
+    """Skip the prefill leg when the decode itself would compute little: what its own
+    cache (indexed when it publishes events) does not hold."""
+    index = indexed({"a": 9, "d": 9})
+    almost = PROMPT[:38]  # the decode holds 9 blocks: 2 tokens left to compute
+    pair, _ = choose(index, [member("a"), DECODE], key=affinity(almost),
+                     disagg_min_uncached_tokens=8)
+    assert pair is not None and pair.direct and pair.decode.id == "d"
+    pair, _ = choose(indexed({"a": 9}), [member("a"), DECODE], key=affinity(almost),
+                     disagg_min_uncached_tokens=8)  # a decode caching nothing: 38 to do
+    assert pair is not None and not pair.direct and pair.prefill.id == "a"
+    pair, _ = choose(indexed({"a": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
+                     disagg_min_uncached_tokens=8)  # a short prompt: the decode does it
+    assert pair is not None and pair.direct
+
+
+def test_a_plain_key_goes_by_the_prefix_ring():
+    index = indexed({"a": 9, "b": 0, "c": 0})
+    members = [member(i) for i in "abc"] + [DECODE]
+    picks = {choose(index, members, key=7)[0].prefill.id for _ in range(5)}
+    assert len(picks) == 1  # deterministic ring, not the index
