@@ -56,6 +56,7 @@ from engine_agent.reference.tokens import encode  # noqa: E402
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until  # noqa: E402
 from registry.client import MembershipView  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
+from router.guard import LOOPBACK_ALLOW  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "kv.json"
 BLOCK = 16
@@ -181,7 +182,7 @@ def router_process(registry: str, name: str) -> Iterator[tuple[str, int]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
          registry, "--port", str(port), "--policy", policy, "--no-register",
-         "--drain-delay", "0", *extra],
+         "--drain-delay", "0", "--allow-upstream", LOOPBACK_ALLOW, *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     try:

@@ -18,6 +18,7 @@ from pdreg.testing import free_low_port, wait_until
 from registry.client import MembershipView
 from registry.protocol import MemberState
 from registry.server import RegistryServer
+from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 
 WAIT_S = 30.0
@@ -36,7 +37,8 @@ def view(registry: RegistryServer) -> Iterator[MembershipView]:
 
 @pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
-    server = RouterServer(RouterConfig(port=0, policy="kv"), view).start()
+    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW)
+    server = RouterServer(config, view).start()
     try:
         yield server
     finally:
