@@ -46,6 +46,7 @@ from deploy_support import (
 )
 
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
+from router.guard import LOOPBACK_ALLOW
 
 WAIT_S = 60.0  # start-up on a shared two-core machine
 SCRAPE_INTERVAL_S = 1
@@ -118,6 +119,8 @@ class Loopback:
             elif arg in HOST_FLAGS:
                 next(args)
                 localized.append("127.0.0.1")
+            elif arg == "--allow-upstream":  # the pod network's ranges, and loopback's
+                localized.append(f"{next(args)},{LOOPBACK_ALLOW}")
         return localized
 
     def value(self, text: str, services: set[str]) -> str:

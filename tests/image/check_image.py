@@ -466,6 +466,10 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
         argv, ports = with_ports([expand(str(a), container_env(router_container))
                                   for a in router_container["args"]],
                                  ("--port", "--metrics-port"))
+        # The engines answer on loopback here, where a cluster has its pod network: the
+        # manifest's allowance plus loopback.
+        argv = replaced(argv, "--allow-upstream",
+                        f"{flag(argv, '--allow-upstream')},127.0.0.0/8")
         router = cluster.run(
             "router", argv, {**container_env(router_container), "PDREG_REGISTRY": registry_address},
             volume_mounts(router_pod, router_container, secrets, scratch / "volumes"),
