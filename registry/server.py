@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
 SNAPSHOT_PERIOD_S = 0.5  # the HTTP snapshot picks up load changes at most this often
+# A membership change reaches the HTTP snapshot within this long. Building one costs
+# O(members) (a tuple of the cached records), so a burst of events costs one build, not
+# one per loop turn: at 100k members a build is ~1 ms, at most 1/SNAPSHOT_MIN_PERIOD_S a s.
+SNAPSHOT_MIN_PERIOD_S = 0.02
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 # /healthz answers 503 once the loop has not turned for this many heartbeat intervals
 # (at least HEALTHZ_MIN_STALL_S): the loop wakes every tick (<= 0.1 s), so that long
@@ -187,11 +191,6 @@ class RegistryServer:
     def http_url(self) -> str:
         return f"http://{_url_host(self.config.host)}:{self.http_port}" if self._http else ""
 
-    @property
-    def curve_public_key(self) -> bytes:
-        """The registry's CURVE public key (Z85), or b"" without CURVE."""
-        return self._curve.curve.public if self._curve is not None else b""
-
     # --- what other threads may call ---------------------------------------------------
 
     @property
@@ -232,10 +231,12 @@ class RegistryServer:
         decoder = control_decoder()  # one typed decoder, owned by this thread
         now = time.monotonic()
         next_digest = next_pulse = now
-        next_snapshot = now + SNAPSHOT_PERIOD_S
+        next_snapshot = now + SNAPSHOT_PERIOD_S  # moved closer when membership changes
+        last_snapshot = now
         while self._state is ShutdownState.RUNNING:
             # 1) Poll until the next deadline (never forever).
-            deadline = min(membership.next_deadline(now), next_digest, next_pulse)
+            deadline = min(membership.next_deadline(now), next_digest, next_pulse,
+                           next_snapshot)
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
             timeout_ms = math.ceil(max(0.0, (deadline - time.monotonic()) * 1e3))
             ready = dict(poller.poll(timeout_ms))
@@ -258,9 +259,11 @@ class RegistryServer:
                     if now >= next_pulse:
                         next_pulse = now + membership.timing.heartbeat_interval_s
                     next_digest = now + DIGEST_PERIOD_S
-                if changed or now >= next_snapshot:
+                if changed:
+                    next_snapshot = min(next_snapshot, last_snapshot + SNAPSHOT_MIN_PERIOD_S)
+                if now >= next_snapshot:
                     self._published = self._publisher.snapshot(membership, now)
-                    next_snapshot = now + SNAPSHOT_PERIOD_S
+                    last_snapshot, next_snapshot = now, now + SNAPSHOT_PERIOD_S
             except Exception:
                 # A bug in one step must not take membership down with it.
                 self.stats.loop_errors += 1
