@@ -43,6 +43,7 @@ from registry.addresses import (
 )
 from registry.frozen_map import FrozenMap
 from registry.protocol import (
+    MAX_NAME_CHARS,
     Event,
     Reply,
     Snapshot,
@@ -56,7 +57,8 @@ from registry.replica import Applied, LiveMember, Replica
 from registry.security import ClientCurve
 
 __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "LinkState", "LinkStatus", "LiveMember",
-           "MembershipView", "http_base", "parse_registries", "request_snapshot"]
+           "MembershipView", "http_base", "parse_models", "parse_registries",
+           "request_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +417,18 @@ class MembershipView:
             if self._running or self._thread is not None:
                 with contextlib.suppress(zmq.ZMQError):  # closing
                     self._wake_tx.send(b"", zmq.NOBLOCK)
+
+
+def parse_models(text: str) -> tuple[str, ...]:
+    """`A,B` -> ("A", "B"): the models a view subscribes to (empty: every model).
+
+    Raises ValueError on a name no member could have (the registry refuses those)."""
+    models = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    for model in models:
+        if len(model) > MAX_NAME_CHARS or not model.isprintable():
+            raise ValueError(f"model {model[:40]!r}: at most {MAX_NAME_CHARS} printable "
+                             f"characters")
+    return models
 
 
 def _newer(candidate: LiveMember, held: LiveMember) -> bool:

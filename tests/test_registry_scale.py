@@ -217,3 +217,26 @@ def check_frozen_map(batches, base_size):
         assert all(k in version for k in want)
         assert not any(f"k{i}" in version for i in range(12) if f"k{i}" not in want)
         assert version == want
+
+
+# --- the CLI flags -------------------------------------------------------------------------
+
+
+def test_router_and_planner_take_the_models_they_serve():
+    from pdreg import cli, cmd_planner
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["router", "--models", "llama, qwen,llama"]).models == (
+        "llama", "qwen")
+    assert parser.parse_args(["router"]).models == ()  # every model
+    planner = parser.parse_args(["planner", "--models", "qwen", "--model", "llama"])
+    assert cmd_planner._planned_models(planner) == ("llama", "qwen")
+    assert cmd_planner.config_from(planner).models == frozenset({"llama", "qwen"})
+
+
+def test_a_model_name_no_member_could_have_is_refused_at_the_command_line(capsys):
+    from pdreg import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["router", "--models", "bad\x01name"])
+    assert "printable" in capsys.readouterr().err
