@@ -17,8 +17,11 @@ from pdreg.args import (
     server_curve_of,
 )
 from registry.admission import MAX_MEMBERS
+from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.detector import HEARTBEAT_INTERVAL_S, LEASE_INTERVALS
 from registry.server import RegistryConfig, RegistryServer
+
+MAX_IO_THREADS = 64
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +45,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lease", type=float, default=None, metavar="S",
                    help=f"expire a silent member after S seconds "
                         f"(default and minimum {LEASE_INTERVALS:.0f} intervals)")
+    p.add_argument("--io-threads", type=_io_threads, default=1, metavar="N",
+                   help="libzmq I/O threads for the sockets (the event fan-out to many "
+                        "routers is their work; about one per 200 routers, up to the cores)")
+    p.add_argument("--load-max-age", type=float, default=LOAD_MAX_AGE_S, metavar="S",
+                   help="a load change too small to route on (a tenth of the value, two "
+                        "points of KV) reaches routers at most S late; 0 sends every "
+                        "change at once")
     p.set_defaults(func=run)
+
+
+def _io_threads(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_IO_THREADS:
+        raise argparse.ArgumentTypeError(f"--io-threads must be 1..{MAX_IO_THREADS}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             http_port=args.http_port, heartbeat_interval_s=args.heartbeat_interval,
             lease_s=lease, token=token, admin_token=secret_of(args, ADMIN_TOKEN),
             max_members=args.max_members, max_members_per_model=args.max_members_per_model,
-            curve=curve)
+            curve=curve, load_max_age_s=args.load_max_age, io_threads=args.io_threads)
         server = RegistryServer(config)
     except ValueError as exc:
         print(f"pdreg registry: {exc}", file=sys.stderr)

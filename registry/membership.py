@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from registry import sessions
 from registry.admission import Admission, Limits
+from registry.deadband import Deadband, is_news
 from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
 from registry.outcome import BAD_PROOF, OK, UNKNOWN, Outcome, refused
 from registry.preservation import Change, SelfPreservation
@@ -63,6 +64,7 @@ from registry.protocol import (
 
 logger = logging.getLogger(__name__)
 
+_NO_LOAD = Load()  # frozen, so one instance serves every default
 LAG_WARNING_S = 0.5  # a loop stall this long is logged as a warning (always compensated)
 
 __all__ = ["OK", "UNKNOWN", "Limits", "Membership", "Outcome"]
@@ -86,6 +88,8 @@ class _Entry:
     seen_before: float = 0.0
     admin_draining: bool = False  # an operator's drain sticks whatever the member says
     silent: bool = False  # in Membership._silent (counted toward self-preservation)
+    sent_load: Load = _NO_LOAD  # the load views were last sent (digest or record)
+    held_since: float = 0.0  # when a change inside the deadband was first held back
 
     def record(self, wall_offset: float) -> MemberRecord:
         return MemberRecord(
@@ -110,8 +114,11 @@ _ALLOWED = {
 class Membership:
     def __init__(self, epoch: int, config: DetectorConfig | None = None, *,
                  limits: Limits | None = None, wall_offset: float = 0.0,
-                 new_session: Callable[[], bytes] = sessions.new_session) -> None:
+                 new_session: Callable[[], bytes] = sessions.new_session,
+                 deadband: Deadband | None = None) -> None:
         self.epoch = epoch
+        # No deadband unless asked: pure-state users (and tests) see every change.
+        self.deadband = deadband or Deadband(max_age_s=0.0)
         self.config = config or DetectorConfig()
         self.limits = limits or Limits()
         self.version = 0
@@ -131,6 +138,8 @@ class Membership:
         self._stale: set[str] = set()
         self._outbox: list[MembershipEvent] = []
         self._dirty_loads: dict[str, set[str]] = {}  # model -> ids whose load changed
+        # Load changes inside the deadband, oldest first: they go out max_age_s late.
+        self._held: OrderedDict[str, _Entry] = OrderedDict()
         self._last_tick: float | None = None  # lag is measured from the first tick on
         self._preservation = SelfPreservation(self.config)
         self.last_lag_s = 0.0
@@ -214,7 +223,7 @@ class Membership:
                 return cap
         seen = now - self._lag_s
         entry = _Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=seen,
-                       seen_before=seen,
+                       seen_before=seen, sent_load=load,
                        heartbeat_at=now, session=self._new_session(), nonce=nonce)
         self._members[spec.id] = entry
         self._unsuspected[spec.id] = entry
@@ -417,13 +426,24 @@ class Membership:
         return events
 
     def take_load_digests(self, now: float) -> dict[str, list[LoadEntry]]:
-        """Loads that changed since the last call, grouped by model."""
+        """Loads that changed since the last call (past the deadband, or held back for
+        its max age), grouped by model."""
+        held = self._held
+        max_age_s = self.deadband.max_age_s
+        while held:
+            entry = _first(held)
+            if now - entry.held_since < max_age_s:
+                break
+            del held[entry.spec.id]
+            self._dirty_loads.setdefault(entry.spec.model, set()).add(entry.spec.id)
         digests: dict[str, list[LoadEntry]] = {}
         for model, ids in self._dirty_loads.items():
             entries = []
             for member_id in ids:
                 entry = self._members.get(member_id)
                 if entry is not None:
+                    held.pop(member_id, None)
+                    entry.sent_load = entry.load
                     entries.append(LoadEntry(member_id, entry.spec.incarnation, entry.load,
                                              now - entry.heartbeat_at))
             if entries:
@@ -486,7 +506,7 @@ class Membership:
             self._unsilent.move_to_end(member_id)
         if load != entry.load:
             entry.load = load
-            self._dirty_loads.setdefault(entry.spec.model, set()).add(member_id)
+            self._load_changed(entry, now)
         if entry.suspect:
             entry.suspect = False
             self._unsuspected[member_id] = entry
@@ -494,6 +514,19 @@ class Membership:
             logger.info("[registry] alive again id=%s", member_id)
         else:
             self._unsuspected.move_to_end(member_id)
+
+    def _load_changed(self, entry: _Entry, now: float) -> None:
+        """Queue a changed load for the next digest, or hold it if it is not news yet."""
+        member_id = entry.spec.id
+        dirty = self._dirty_loads.setdefault(entry.spec.model, set())
+        if member_id in dirty:
+            return  # going out anyway, with whatever load it has then
+        if is_news(entry.sent_load, entry.load, self.deadband):
+            dirty.add(member_id)
+            self._held.pop(member_id, None)
+        elif member_id not in self._held:
+            entry.held_since = now
+            self._held[member_id] = entry
 
     def _set_state(self, entry: _Entry, state: MemberState, now: float) -> None:
         if entry.admin_draining or state is entry.state:
@@ -514,6 +547,7 @@ class Membership:
         if not held:
             del self._records[entry.spec.model]
         self._stale.discard(member_id)
+        self._held.pop(member_id, None)
         self.admission.left(entry.spec.model)
         self._retime()
         self._publish(MemberLeft(self.epoch, self._next_version(), member_id,
@@ -523,6 +557,7 @@ class Membership:
 
     def _publish_update(self, entry: _Entry) -> None:
         record = entry.record(self.wall_offset)
+        entry.sent_load = entry.load  # the event carries it to every view
         self._records[entry.spec.model][entry.spec.id] = record
         self._stale.discard(entry.spec.id)
         self._publish(MemberUpdated(self.epoch, self._next_version(), record))

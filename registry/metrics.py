@@ -56,7 +56,6 @@ class LoopStats:
     sync_bytes: int = 0  # snapshot bytes sent (the same encoding goes to many views)
     snapshots_encoded: int = 0
     digest_entries: int = 0  # load entries published in digests
-    digest_entries_held: int = 0  # load changes inside the deadband, not published
     reports: Counter[str] = field(default_factory=Counter)
     handshake_failures: int = 0
     replies_dropped: int = 0
@@ -131,6 +130,9 @@ class RegistryCollector(Collector):
         yield _counter("pdreg_load_digests_published", "Load digests published.",
                        stats.digests)
         yield _counter("pdreg_syncs", "Snapshots served to views.", stats.syncs)
+        yield _counter("pdreg_load_digest_entries",
+                       "Member loads published in digests (changes past the deadband).",
+                       stats.digest_entries)
         yield _counter("pdreg_sync_bytes", "Snapshot bytes sent to views.", stats.sync_bytes)
         yield _counter("pdreg_snapshots_encoded",
                        "Snapshots encoded (each is sent to every view asking meanwhile).",

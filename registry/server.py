@@ -29,6 +29,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from registry.admission import MAX_MEMBERS, Limits
 from registry.control import ControlChannel
+from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
+from registry.deadband import Deadband
 from registry.detector import DetectorConfig
 from registry.http_thread import HttpThread
 from registry.membership import Membership, Outcome
@@ -69,6 +71,13 @@ class RegistryConfig:
     max_members: int = MAX_MEMBERS
     max_members_per_model: int = 0  # 0: only the total cap
     curve: ServerCurve | None = None  # CURVE on both ZeroMQ sockets when set
+    # A load change inside its deadband goes out at most this late (0: every change at
+    # once); see registry.deadband.
+    load_max_age_s: float = LOAD_MAX_AGE_S
+    io_threads: int = 1  # libzmq I/O threads: the PUB fan-out to many routers uses them
+
+    def deadband(self) -> Deadband:
+        return Deadband(max_age_s=self.load_max_age_s)
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(heartbeat_interval_s=self.heartbeat_interval_s,
@@ -101,8 +110,9 @@ class RegistryServer:
         self.stats = LoopStats()
         self._membership = Membership(self.epoch, self.config.detector(),
                                       limits=self.config.limits(),
-                                      wall_offset=time.time() - time.monotonic())
-        self._ctx = zmq.Context()
+                                      wall_offset=time.time() - time.monotonic(),
+                                      deadband=self.config.deadband())
+        self._ctx = zmq.Context(io_threads=self.config.io_threads)
         self._curve = CurveServer(self._ctx, self.config.curve) if self.config.curve else None
         self._control = self._ctx.socket(zmq.ROUTER)
         self._events = self._ctx.socket(zmq.PUB)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from membership_ops import READY, Fleet, Op, apply, fresh, ops, spec
 
 from registry.admission import Limits
+from registry.deadband import Deadband, is_news
 from registry.detector import DetectorConfig
 from registry.membership import Membership
 from registry.protocol import LeaveReason, Load, MemberLeft, MemberUpdated
@@ -188,3 +190,43 @@ def test_churn_keeps_every_live_member_and_answers_every_heartbeat():
     # And those that stopped past their lease were expired: churn is seen, not hidden.
     assert any(isinstance(e, MemberLeft) and e.reason is LeaveReason.EXPIRED for e in events)
     assert rebuilt_problems(m, 12.0) == []
+
+
+# --- digests that carry news ---------------------------------------------------------------
+
+BAND = Deadband(max_age_s=1.0)
+
+
+@pytest.mark.parametrize(("sent", "new", "news"), [
+    (Load(running=0), Load(running=1), True),  # small values: one request is news
+    (Load(running=50), Load(running=54), False),  # inside a tenth
+    (Load(running=50), Load(running=55), True),
+    (Load(waiting=0), Load(waiting=1), True),  # a queue forming
+    (Load(kv_usage=0.50), Load(kv_usage=0.51), False),
+    (Load(kv_usage=0.50), Load(kv_usage=0.53), True),
+    (Load(extra={"x": 10.0}), Load(extra={"x": 10.5}), False),
+    (Load(extra={"x": 10.0}), Load(extra={"x": 11.0}), True),
+    (Load(extra={"x": 0.0}), Load(extra={"x": 0.001}), True),  # from zero
+    (Load(), Load(extra={"x": 1.0}), True),  # a new figure
+])
+def test_what_counts_as_news(sent, new, news):
+    assert is_news(sent, new, BAND) is news
+    assert is_news(sent, new, Deadband(max_age_s=0.0)) is (sent != new)  # off: any change
+
+
+def test_a_change_inside_the_band_goes_out_at_its_max_age_and_a_big_one_at_once():
+    m = Fleet()
+    m.deadband = BAND
+    m.join(spec("a"), load=Load(running=50), now=0.0)
+    m.join(spec("b"), load=Load(running=50), now=0.0)
+    m.beat("a", 1, load=Load(running=52), now=0.1)  # a wobble
+    m.beat("b", 1, load=Load(running=80), now=0.1)  # news
+    assert [e.id for e in m.take_load_digests(0.2)["m"]] == ["b"]
+    m.beat("a", 1, load=Load(running=53), now=0.5)  # still within the band of 50
+    assert m.take_load_digests(0.6) == {}
+    late = m.take_load_digests(1.1)["m"]  # held since 0.1: its max age is up
+    assert [(e.id, e.load.running) for e in late] == [("a", 53)]
+    m.beat("a", 1, load=Load(running=56), now=1.2)  # within a tenth of 53, the value sent
+    assert m.take_load_digests(1.3) == {}
+    m.evict("a", 1.4)
+    assert m.take_load_digests(5.0) == {}  # a member gone takes its held change with it
