@@ -27,6 +27,7 @@ Sync's round trip time and size.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
 import multiprocessing as mp
@@ -74,6 +75,7 @@ PROBE_EVERY_S = 0.25
 PROBE_MODEL = "probe"
 MODELS = 8  # members spread over this many models (topics)
 CHURN_MEMBERS = 200
+SUB_RCVHWM = 20_000  # per subscriber: one that falls behind loses messages (counted)
 
 
 def member_spec(member_id: str, model: str, i: int, incarnation: int = 1) -> MemberSpec:
@@ -124,8 +126,9 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     everyone = [*fleet, *churners, probe]
     # Replies come back in order per socket: what each pending one was about.
     pending: list[deque[tuple[str, _Member | None]]] = [deque() for _ in socks]
-    counts = {"sent": 0, "ok": 0, "other": 0}
+    counts = {"sent": 0, "ok": 0, "other": 0, "registered": 0}
     interval = [1.0]
+    registered_hook: list = [lambda member: None]
 
     def send(k: int, payload: bytes, kind: str, member: _Member | None) -> None:
         socks[k].send(payload, zmq.NOBLOCK)
@@ -148,8 +151,10 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                 reply = decode(payload)
                 interval[0] = getattr(reply, "heartbeat_interval_s", interval[0])
                 if kind == "register" and member is not None:
+                    counts["registered"] += 1
                     if reply.status is ReplyStatus.OK:
                         member.session = reply.session
+                        registered_hook[0](member)
                 elif kind == "beat":
                     counts["ok" if reply.status is ReplyStatus.OK else "other"] += 1
 
@@ -157,22 +162,6 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
         send(k, encode(Register(spec=member.spec, nonce=member.nonce,
                                 state=MemberState.READY, load=Load(member.running))),
              "register", member)
-
-    # 1) Register everyone, WINDOW in flight per socket.
-    started = time.monotonic()
-    for i, member in enumerate(everyone):
-        k = i % SOCKETS
-        while len(pending[k]) >= WINDOW:
-            drain(10)
-        register(member, k)
-    while any(pending):
-        drain(50)
-    registered_s = time.monotonic() - started
-    missing = sum(1 for m in everyone if not m.session)
-    now = time.monotonic()
-    for member in everyone:
-        member.due = now + rng.random() * interval[0]
-    out.put(("registered", registered_s, missing, interval[0]))
 
     def beat(member: _Member, k: int, extra: dict[str, float] | None = None,
              state: MemberState = MemberState.READY) -> None:
@@ -185,14 +174,26 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
              "beat", member)
         counts["sent"] += 1
 
-    # 2) Heartbeat until told to stop; mark the window the parent asks for.
-    order = sorted(range(len(fleet) + len(churners)), key=lambda i: everyone[i].due)
-    cursor = 0
+    # Members heartbeat from the moment they are registered, as agents do, each in its
+    # own phase: a heap of (due, index). Registrations go out WINDOW in flight per socket.
+    due: list[tuple[float, int]] = []
+    for i in range(len(everyone)):
+        everyone[i].due = -1.0  # not registered yet
+    started = time.monotonic()
+    to_register = 0
+    registered_reported = False
     probes: list[float] = []
-    next_probe = time.monotonic() + 1.0
-    next_churn = time.monotonic() + (1.0 / churn_per_s if churn_per_s else math.inf)
+    next_probe = math.inf
+    next_churn = math.inf
     marks: dict[str, dict[str, float]] = {}
     down: list[_Member] = []
+
+    def on_registered(member: _Member) -> None:
+        heapq.heappush(due, (time.monotonic() + rng.random() * interval[0],
+                             everyone_index[member.spec.id]))
+
+    everyone_index = {m.spec.id: i for i, m in enumerate(everyone)}
+    registered_hook[0] = on_registered
     while True:
         try:
             message = ctl.get_nowait()
@@ -203,17 +204,26 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
         if message == "end":
             break
         now = time.monotonic()
-        # Due heartbeats, in phase order (the order is stable: every member keeps its
-        # phase, so the list cycles).
-        n = len(order)
-        budget = n
-        while budget and everyone[order[cursor]].due <= now:
-            member = everyone[order[cursor]]
-            member.due += interval[0]
+        # 1) Registrations, while the registered heartbeat.
+        while to_register < len(everyone) and len(pending[to_register % SOCKETS]) < WINDOW:
+            register(everyone[to_register], to_register % SOCKETS)
+            to_register += 1
+        if (not registered_reported and to_register == len(everyone)
+                and counts["registered"] >= len(everyone)):
+            registered_reported = True
+            missing = sum(1 for m in everyone if not m.session)
+            out.put(("registered", now - started, missing, interval[0]))
+            next_probe = now + 1.0
+            next_churn = now + (1.0 / churn_per_s if churn_per_s else math.inf)
+        # 2) Due heartbeats.
+        while due and due[0][0] <= now:
+            when, i = heapq.heappop(due)
+            member = everyone[i]
+            if member is probe:
+                continue  # the probe beats on its own schedule
             if member.up and member.session:
-                beat(member, cursor % SOCKETS)
-            cursor = (cursor + 1) % n
-            budget -= 1
+                beat(member, i % SOCKETS)
+                heapq.heappush(due, (when + interval[0], i))
         if now >= next_probe:
             next_probe += PROBE_EVERY_S
             state = MemberState.JOINING if len(probes) % 2 == 0 else MemberState.READY
@@ -238,9 +248,9 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                     member.session = b""
                     down.append(member)
         drain(0)
-        wait = min(everyone[order[cursor]].due, next_probe, next_churn) - time.monotonic()
-        if wait > 0:
-            drain(int(min(wait, 0.005) * 1e3) + 1)
+        wait = min(due[0][0] if due else math.inf, next_probe, next_churn) - time.monotonic()
+        if wait > 0 or to_register < len(everyone):
+            drain(int(min(max(wait, 0.0), 0.005) * 1e3) + 1)
     out.put(("done", marks, probes))
     ctx.destroy(linger=0)
 
@@ -255,7 +265,7 @@ def subscribers(events_address: str, count: int, ready: mp.Queue, ctl: mp.Queue,
     poller = zmq.Poller()
     for _ in range(count):
         s = ctx.socket(zmq.SUB)
-        s.setsockopt(zmq.RCVHWM, 0)
+        s.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
         s.setsockopt(zmq.SUBSCRIBE, b"")
         s.connect(f"tcp://{events_address}")
         poller.register(s, zmq.POLLIN)
@@ -292,7 +302,7 @@ def subscribers(events_address: str, count: int, ready: mp.Queue, ctl: mp.Queue,
                     if isinstance(event, MemberUpdated):
                         k = int(event.member.load.extra.get("probe", -1))
                         arrivals.setdefault(k, []).append(now)
-                elif first and body[:20].find(b"MemberUpdated") >= 0:
+                elif first and measuring and body[:20].find(b"MemberUpdated") >= 0:
                     event = decode(body)
                     if (isinstance(event, MemberUpdated) and event.member.suspect
                             and not event.member.spec.id.startswith("churn-")):
@@ -354,13 +364,15 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         events_port = request_snapshot(address, timeout_s=10).events_port
         events = f"{address.rpartition(':')[0]}:{events_port}"
         queues = {name: (mp.Queue(), mp.Queue()) for name in ("gen", "sub", "view")}
+        gen = mp.Process(target=generator, args=(address, members, churn, *queues["gen"]))
+        gen.start()
+        _, register_s, missing, interval = queues["gen"][1].get(timeout=600)
+        # Routers come once the fleet is up (100 of them in one process here could not
+        # take 100k joins each; in a real fleet each has its own host).
         ready: mp.Queue = mp.Queue()
         sub = mp.Process(target=subscribers, args=(events, subs, ready, *queues["sub"]))
         sub.start()
         ready.get(timeout=60)
-        gen = mp.Process(target=generator, args=(address, members, churn, *queues["gen"]))
-        gen.start()
-        _, register_s, missing, interval = queues["gen"][1].get(timeout=600)
         view = mp.Process(target=view_process, args=(address, *queues["view"]))
         view.start()
         time.sleep(max(2.0, 1.5 * interval))  # every member heartbeats once; view syncs

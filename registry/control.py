@@ -50,6 +50,13 @@ REJECT_LOG_EVERY_S: Final = 5.0
 # A cached snapshot is re-encoded when membership changed, or when it is older than this
 # (its loads age; digests only carry changes after it).
 SNAPSHOT_MAX_AGE_S: Final = 0.5
+# ... except that encoding may take at most about 1/SNAPSHOT_REUSE_FACTOR of the loop: a
+# snapshot that took E seconds to encode is served for SNAPSHOT_REUSE_FACTOR * E (at most
+# SNAPSHOT_REUSE_MAX_S) even if membership moved on meanwhile. A view that subscribed
+# before it was encoded applies the events after it; one that did not sees a version
+# gap and asks again. At 100k members an encoding takes ~0.1-0.3 s; at 1k, ~1 ms.
+SNAPSHOT_REUSE_FACTOR: Final = 10.0
+SNAPSHOT_REUSE_MAX_S: Final = 2.0
 SNAPSHOT_CACHE_ENTRIES: Final = 64  # model sets remembered (least recently used dropped)
 
 _Handler = Callable[[bytes, ControlMessage, bytes, float], "Outcome | None"]
@@ -230,19 +237,27 @@ class SnapshotCache:
     """Encoded snapshots per model set: encoded once per membership version (and at most
     SNAPSHOT_MAX_AGE_S old, as loads age), then the same bytes for every requester."""
 
-    def __init__(self) -> None:
-        # models -> (version, encoded at, bytes)
-        self._held: OrderedDict[tuple[str, ...], tuple[int, float, bytes]] = OrderedDict()
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        # models -> (version, encoded at, seconds it may be served whatever the version,
+        # bytes)
+        self._held: OrderedDict[tuple[str, ...], tuple[int, float, float, bytes]] = (
+            OrderedDict())
+        self._clock = clock  # measures encoding time only
 
     def get(self, channel: ControlChannel, models: list[str], now: float) -> bytes:
         key = tuple(sorted(set(models)))
         version = channel.membership.version
         held = self._held.get(key)
-        if held is not None and held[0] == version and now - held[1] < SNAPSHOT_MAX_AGE_S:
-            self._held.move_to_end(key)
-            return held[2]
+        if held is not None:
+            held_version, encoded_at, reuse_s, encoded = held
+            age = now - encoded_at
+            if age < reuse_s or (held_version == version and age < SNAPSHOT_MAX_AGE_S):
+                self._held.move_to_end(key)
+                return encoded
+        started = self._clock()
         encoded = channel.encode_snapshot(key)
-        self._held[key] = (version, now, encoded)
+        reuse_s = min(SNAPSHOT_REUSE_MAX_S, SNAPSHOT_REUSE_FACTOR * (self._clock() - started))
+        self._held[key] = (version, now, reuse_s, encoded)
         self._held.move_to_end(key)
         while len(self._held) > SNAPSHOT_CACHE_ENTRIES:
             self._held.popitem(last=False)

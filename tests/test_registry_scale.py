@@ -23,7 +23,12 @@ from raw_member import RawMember, member_spec
 from pdreg.testing import wait_until
 from registry import frozen_map
 from registry.client import MembershipView
-from registry.control import SNAPSHOT_MAX_AGE_S, ControlChannel
+from registry.control import (
+    SNAPSHOT_MAX_AGE_S,
+    SNAPSHOT_REUSE_FACTOR,
+    ControlChannel,
+    SnapshotCache,
+)
 from registry.frozen_map import FrozenMap
 from registry.metrics import LoopStats
 from registry.protocol import (
@@ -75,7 +80,7 @@ def test_a_snapshot_is_encoded_once_per_version_and_refreshed_as_it_ages(channel
     control, _ = channel
     membership = control.membership
     membership.join(spec("p0"), now=0.0)
-    cache = control._snapshots
+    cache = control._snapshots = SnapshotCache(clock=lambda: 0.0)  # encoding takes no time
     first = cache.get(control, [], 0.0)
     assert cache.get(control, [], 0.1) is first  # same version: the very same bytes
     assert control.stats.snapshots_encoded == 1
@@ -86,6 +91,22 @@ def test_a_snapshot_is_encoded_once_per_version_and_refreshed_as_it_ages(channel
     assert cache.get(control, [], 0.21 + SNAPSHOT_MAX_AGE_S) is not second  # loads aged
     assert cache.get(control, ["m"], 1.0) is not cache.get(control, ["other"], 1.0)
     assert _snapshot(cache.get(control, ["other"], 1.0)).members == []
+
+
+def test_a_snapshot_slow_to_encode_is_served_a_while_even_as_membership_moves(channel):
+    """Encoding a big fleet must not eat the loop: served for REUSE_FACTOR times as long
+    as it took, whatever changed (views catch up from events, or resync on a gap)."""
+    control, _ = channel
+    ticks = iter([0.0, 0.03, 1.0, 1.03])  # each encoding takes 30 ms
+    cache = control._snapshots = SnapshotCache(clock=lambda: next(ticks))
+    control.membership.join(spec("p0"), now=0.0)
+    first = cache.get(control, [], 0.0)
+    control.membership.join(spec("p1"), now=0.1)
+    reuse_s = SNAPSHOT_REUSE_FACTOR * 0.03
+    assert cache.get(control, [], reuse_s - 0.01) is first
+    assert control.stats.snapshots_encoded == 1
+    later = cache.get(control, [], reuse_s + 0.01)
+    assert {r.spec.id for r in _snapshot(later).members} == {"p0", "p1"}
 
 
 def test_many_views_asking_at_once_share_one_encoding(registry):
