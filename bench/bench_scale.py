@@ -64,6 +64,7 @@ from registry.protocol import (  # noqa: E402
     Register,
     ReplyStatus,
     Role,
+    Sync,
     event_decoder,
     make_encoder,
     reply_decoder,
@@ -418,8 +419,78 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         snapshot_mb=round(len(raw) / 1e6, 2))
 
 
+def _register_only(address: str, members: int) -> None:
+    """Register `members` without heartbeats (the registry runs with a long lease)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(f"tcp://{address}")
+    encode = make_encoder().encode
+    sent = received = 0
+    while received < members:
+        while sent < members and sent - received < WINDOW:
+            spec = member_spec(f"decode-{sent}", f"m{sent % MODELS}", sent)
+            sock.send(encode(Register(spec=spec, nonce=sessions.new_nonce(),
+                                      state=MemberState.READY)))
+            sent += 1
+        if sock.poll(1000):
+            sock.recv()
+            received += 1
+    ctx.destroy(linger=0)
+
+
+def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, object]:
+    """`views` DEALERs ask for a snapshot at once (as views starting together do); the
+    time until every one holds a snapshot, retrying after a refusal as a view does. The
+    snapshots are received, not decoded: decoding is each router's own CPU, elsewhere."""
+    with registry_process(5.0, 3600.0, src=src,
+                          extra=("--max-members", str(members + 1000))) as (address, pid):
+        _register_only(address, members)
+        ctx = zmq.Context()
+        socks = []
+        poller = zmq.Poller()
+        for _ in range(views):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.RCVHWM, 1)
+            s.connect(f"tcp://{address}")
+            poller.register(s, zmq.POLLIN)
+            socks.append(s)
+        request = make_encoder().encode(Sync())
+        time.sleep(1.0)  # every connection up
+        cpu0, t0 = _cpu_s(pid), time.monotonic()
+        for s in socks:
+            s.send(request)
+        waiting = set(range(views))
+        index = {s: k for k, s in enumerate(socks)}
+        retry: dict[int, float] = {}
+        syncs = refusals = 0
+        nbytes = 0
+        deadline = t0 + 900
+        while waiting and time.monotonic() < deadline:
+            for s, _ in poller.poll(100):
+                frame = s.recv(copy=False)
+                k = index[s]
+                if len(frame) > 1000 or frame.bytes[:20].find(b"Snapshot") >= 0:
+                    waiting.discard(k)
+                    syncs += 1
+                    nbytes += len(frame)
+                else:  # refused (rate): ask again a little later, as a view does
+                    refusals += 1
+                    retry[k] = time.monotonic() + 0.5
+            now = time.monotonic()
+            for k, at in list(retry.items()):
+                if now >= at:
+                    del retry[k]
+                    socks[k].send(request)
+        elapsed = time.monotonic() - t0
+        cpu = _cpu_s(pid) - cpu0
+        ctx.destroy(linger=0)
+    return {"tree": tree, "members": members, "views": views, "synced": views - len(waiting),
+            "seconds": round(elapsed, 1), "refusals": refusals,
+            "registry_cpu_s": round(cpu, 1), "gb_sent": round(nbytes / 1e9, 2)}
+
+
 def _sync_bytes(address: str) -> bytes:
-    from registry.protocol import Sync
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://{address}")
@@ -455,6 +526,8 @@ def main() -> int:
     parser.add_argument("--only-baseline", action="store_true")
     parser.add_argument("--registry-args", default="", help="extra args for this tree's registry")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--sync-storm", type=int, default=0, metavar="VIEWS",
+                        help="instead: VIEWS views asking for a snapshot at once")
     args = parser.parse_args()
     trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
     tmp = None
@@ -463,6 +536,12 @@ def main() -> int:
         trees.insert(0, (args.baseline, tmp, ()))
     results = []
     try:
+        if args.sync_storm:
+            for members in (int(m) for m in args.members.split(",")):
+                for name, src, _ in trees:
+                    print(json.dumps(sync_storm(name, src, members, args.sync_storm)),
+                          flush=True)
+            return 0
         for members in (int(m) for m in args.members.split(",")):
             for name, src, extra in trees:
                 result = run_one(name, src, members, args.subscribers, args.churn,

@@ -45,9 +45,11 @@ logger = logging.getLogger(__name__)
 DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
 SNAPSHOT_PERIOD_S = 0.5  # the HTTP snapshot picks up load changes at most this often
 # A membership change reaches the HTTP snapshot within this long. Building one costs
-# O(members) (a tuple of the cached records), so a burst of events costs one build, not
-# one per loop turn: at 100k members a build is ~1 ms, at most 1/SNAPSHOT_MIN_PERIOD_S a s.
+# O(members) (a tuple of the cached records, ~5-20 ms at 100k), so a burst of events costs
+# one build, not one per loop turn; and builds are at least SNAPSHOT_COST_FACTOR times
+# their own duration apart, so they take at most about a tenth of the loop.
 SNAPSHOT_MIN_PERIOD_S = 0.02
+SNAPSHOT_COST_FACTOR = 10.0
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 # /healthz answers 503 once the loop has not turned for this many heartbeat intervals
 # (at least HEALTHZ_MIN_STALL_S): the loop wakes every tick (<= 0.1 s), so that long
@@ -243,6 +245,7 @@ class RegistryServer:
         next_digest = next_pulse = now
         next_snapshot = now + SNAPSHOT_PERIOD_S  # moved closer when membership changes
         last_snapshot = now
+        snapshot_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a build costs
         while self._state is ShutdownState.RUNNING:
             # 1) Poll until the next deadline (never forever).
             deadline = min(membership.next_deadline(now), next_digest, next_pulse,
@@ -270,10 +273,14 @@ class RegistryServer:
                         next_pulse = now + membership.timing.heartbeat_interval_s
                     next_digest = now + DIGEST_PERIOD_S
                 if changed:
-                    next_snapshot = min(next_snapshot, last_snapshot + SNAPSHOT_MIN_PERIOD_S)
+                    next_snapshot = min(next_snapshot, last_snapshot + snapshot_gap_s)
                 if now >= next_snapshot:
+                    building = time.monotonic()
                     self._published = self._publisher.snapshot(membership, now)
-                    last_snapshot, next_snapshot = now, now + SNAPSHOT_PERIOD_S
+                    cost_s = time.monotonic() - building
+                    snapshot_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
+                    last_snapshot = now
+                    next_snapshot = now + max(SNAPSHOT_PERIOD_S, snapshot_gap_s)
             except Exception:
                 # A bug in one step must not take membership down with it.
                 self.stats.loop_errors += 1
