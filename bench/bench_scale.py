@@ -70,8 +70,10 @@ from registry.protocol import (  # noqa: E402
     reply_decoder,
 )
 
-SOCKETS = 8  # generator DEALERs (the registry does not care which carries whom)
-WINDOW = 4_000  # registrations in flight per socket
+SOCKETS = 64  # generator DEALERs (the registry does not care which carries whom)
+# Registrations in flight per socket. Replies on one socket must stay below the ROUTER's
+# send queue (1,000), or the registry drops them (as it would for a member not reading).
+WINDOW = 32
 PROBE_EVERY_S = 0.25
 PROBE_MODEL = "probe"
 MODELS = 8  # members spread over this many models (topics)
@@ -259,15 +261,22 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
 # --- subscribers (raw SUB sockets, as a router's view holds) -------------------------------
 
 
-def subscribers(events_address: str, count: int, ready: mp.Queue, ctl: mp.Queue,
-                out: mp.Queue) -> None:
+def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queue,
+                ctl: mp.Queue, out: mp.Queue) -> None:
+    """With `per_model`, every subscriber but the first serves one model, as a router
+    started with --models does (its topic, the probe's and the pulse); the first one
+    takes every topic (the bytes a router serving every model receives)."""
     ctx = zmq.Context()
     socks = []
     poller = zmq.Poller()
-    for _ in range(count):
+    for k in range(count):
         s = ctx.socket(zmq.SUB)
         s.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
-        s.setsockopt(zmq.SUBSCRIBE, b"")
+        if per_model and k:
+            for model in (f"m{k % MODELS}", PROBE_MODEL, ""):
+                s.setsockopt(zmq.SUBSCRIBE, model.encode() + b"\0")
+        else:
+            s.setsockopt(zmq.SUBSCRIBE, b"")
         s.connect(f"tcp://{events_address}")
         poller.register(s, zmq.POLLIN)
         socks.append(s)
@@ -335,6 +344,7 @@ class Result:
     tree: str
     members: int
     subscribers: int
+    per_model: bool
     churn_per_s: float
     interval_s: float
     register_s: float
@@ -358,7 +368,7 @@ class Result:
 
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
-            measure_s: float, extra: tuple[str, ...]) -> Result:
+            measure_s: float, extra: tuple[str, ...], per_model: bool = False) -> Result:
     with registry_process(1.0, 3.0, src=src,
                           extra=("--max-members", str(2 * members + 1000), *extra)
                           ) as (address, pid):
@@ -371,7 +381,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         # Routers come once the fleet is up (100 of them in one process here could not
         # take 100k joins each; in a real fleet each has its own host).
         ready: mp.Queue = mp.Queue()
-        sub = mp.Process(target=subscribers, args=(events, subs, ready, *queues["sub"]))
+        sub = mp.Process(target=subscribers,
+                         args=(events, subs, per_model, ready, *queues["sub"]))
         sub.start()
         ready.get(timeout=60)
         view = mp.Process(target=view_process, args=(address, *queues["view"]))
@@ -404,7 +415,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
     answered = end["ok"] - start["ok"]
     delivered = messages * subs
     return Result(
-        tree=tree, members=members, subscribers=subs, churn_per_s=churn, interval_s=interval,
+        tree=tree, members=members, subscribers=subs, per_model=per_model, churn_per_s=churn, interval_s=interval,
         register_s=round(register_s, 1), not_registered=missing,
         offered_per_s=round((end["sent"] - start["sent"]) / window),
         answered_per_s=round(answered / window), refused=int(end["other"] - start["other"]),
@@ -526,6 +537,8 @@ def main() -> int:
     parser.add_argument("--only-baseline", action="store_true")
     parser.add_argument("--registry-args", default="", help="extra args for this tree's registry")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--per-model", action="store_true",
+                        help="subscribers serve one model each (router --models)")
     parser.add_argument("--sync-storm", type=int, default=0, metavar="VIEWS",
                         help="instead: VIEWS views asking for a snapshot at once")
     args = parser.parse_args()
@@ -545,7 +558,7 @@ def main() -> int:
         for members in (int(m) for m in args.members.split(",")):
             for name, src, extra in trees:
                 result = run_one(name, src, members, args.subscribers, args.churn,
-                                 args.measure, extra)
+                                 args.measure, extra, args.per_model)
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
