@@ -415,7 +415,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
     answered = end["ok"] - start["ok"]
     delivered = messages * subs
     return Result(
-        tree=tree, members=members, subscribers=subs, per_model=per_model, churn_per_s=churn, interval_s=interval,
+        tree=tree, members=members, subscribers=subs, per_model=per_model, churn_per_s=churn,
+        interval_s=interval,
         register_s=round(register_s, 1), not_registered=missing,
         offered_per_s=round((end["sent"] - start["sent"]) / window),
         answered_per_s=round(answered / window), refused=int(end["other"] - start["other"]),
