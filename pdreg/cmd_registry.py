@@ -16,10 +16,9 @@ from pdreg.args import (
     secret_of,
     server_curve_of,
 )
-from registry.admission import MAX_MEMBERS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.detector import HEARTBEAT_INTERVAL_S, LEASE_INTERVALS
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import DEFAULT_MAX_MEMBERS, RegistryConfig, RegistryServer
 
 MAX_IO_THREADS = 64
 
@@ -36,8 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_server_curve_arguments(p)
     p.add_argument("--insecure", action="store_true",
                    help="listen beyond loopback with neither CURVE nor a token")
-    p.add_argument("--max-members", type=int, default=MAX_MEMBERS, metavar="N",
-                   help="refuse registrations beyond N members")
+    p.add_argument("--max-members", type=int, default=DEFAULT_MAX_MEMBERS, metavar="N",
+                   help="refuse registrations beyond N members (default: what one "
+                        "registry was measured to hold; see the README)")
     p.add_argument("--max-members-per-model", type=int, default=0, metavar="N",
                    help="refuse registrations beyond N members of one model (0: no such cap)")
     p.add_argument("--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S,

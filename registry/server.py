@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from registry.admission import MAX_MEMBERS, Limits
+from registry.admission import Limits
 from registry.control import ControlChannel
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.deadband import Deadband
@@ -50,6 +50,10 @@ SNAPSHOT_PERIOD_S = 0.5  # the HTTP snapshot picks up load changes at most this 
 # their own duration apart, so they take at most about a tenth of the loop.
 SNAPSHOT_MIN_PERIOD_S = 0.02
 SNAPSHOT_COST_FACTOR = 10.0
+# --max-members default: what bench/bench_scale.py measured one registry to hold on 2
+# shared cores (100k members at the 5 s interval it dictates then, every heartbeat
+# answered, 10 changes/s, nobody wrongly suspected); 800k GPUs at TP 8.
+DEFAULT_MAX_MEMBERS = 100_000
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 # /healthz answers 503 once the loop has not turned for this many heartbeat intervals
 # (at least HEALTHZ_MIN_STALL_S): the loop wakes every tick (<= 0.1 s), so that long
@@ -70,7 +74,7 @@ class RegistryConfig:
     lease_s: float = 3.0
     token: str = ""  # registrations must carry it when set
     admin_token: str = ""  # drain/evict must carry it when set
-    max_members: int = MAX_MEMBERS
+    max_members: int = DEFAULT_MAX_MEMBERS
     max_members_per_model: int = 0  # 0: only the total cap
     curve: ServerCurve | None = None  # CURVE on both ZeroMQ sockets when set
     # A load change inside its deadband goes out at most this late (0: every change at
