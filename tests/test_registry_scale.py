@@ -261,3 +261,149 @@ def test_a_model_name_no_member_could_have_is_refused_at_the_command_line(capsys
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["router", "--models", "bad\x01name"])
     assert "printable" in capsys.readouterr().err
+
+
+# --- churn over real sockets ---------------------------------------------------------------
+
+CHURN_MEMBERS = 2_000
+CHURN_FLIPS_PER_S = 20
+CHURN_SECONDS = 6.0
+
+
+def test_under_churn_every_heartbeat_is_answered_and_no_steady_member_expires():
+    """2,000 members heartbeating every second over a few sockets (as many agents would),
+    while 20 times a second a `churn-*` member leaves or comes back as a new incarnation.
+    Every heartbeat gets an OK, and no member that kept beating is expired."""
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1,
+                                             heartbeat_interval_s=1.0, lease_s=6.0)).start()
+    ctx = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.connect(f"tcp://127.0.0.1:{registry.events_port}")
+        fleet = _ChurnFleet(ctx, registry.control_address)
+        fleet.register_all()
+        fleet.run(CHURN_SECONDS)
+        assert wait_until(lambda: fleet.collect() or fleet.answered == fleet.sent, WAIT_S)
+        expired = _expired_ids(sub)
+        assert fleet.sent >= CHURN_MEMBERS * (CHURN_SECONDS - 1)
+        assert fleet.refused == 0
+        assert fleet.flips >= CHURN_FLIPS_PER_S * (CHURN_SECONDS - 1)
+        assert {i for i in expired if not i.startswith("churn-")} == set()
+        assert len(registry.members()) >= CHURN_MEMBERS
+    finally:
+        ctx.destroy(linger=0)
+        registry.close()
+
+
+def _expired_ids(sub: zmq.Socket) -> set[str]:
+    from registry.protocol import LeaveReason, MemberLeft, event_decoder
+
+    decode = event_decoder().decode
+    expired = set()
+    while sub.poll(200):
+        _, body = sub.recv_multipart()
+        event = decode(body)
+        if isinstance(event, MemberLeft) and event.reason is LeaveReason.EXPIRED:
+            expired.add(event.id)
+    return expired
+
+
+class _ChurnFleet:
+    SOCKETS = 16
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        from registry import sessions
+
+        self.sessions = sessions
+        self.socks = [ctx.socket(zmq.DEALER) for _ in range(self.SOCKETS)]
+        for s in self.socks:
+            s.connect(f"tcp://{address}")
+        self.encode = make_encoder().encode
+        self.decode = reply_decoder().decode
+        self.specs = [member_spec(f"decode-10.0.{i // 250}.{i % 250}-1", http="http://10.0.0.1:1")
+                      for i in range(CHURN_MEMBERS)]
+        self.specs += [member_spec(f"churn-{j}", http="http://10.0.0.2:1") for j in range(50)]
+        self.keys: dict[int, bytes] = {}
+        self.seq: dict[int, int] = {}
+        self.pending: list[list[tuple[str, int]]] = [[] for _ in self.socks]
+        self.sent = self.answered = self.refused = self.flips = 0
+
+    def _send(self, i: int, kind: str, payload: bytes) -> None:
+        k = i % self.SOCKETS
+        self.socks[k].send(payload)
+        self.pending[k].append((kind, i))
+
+    def register(self, i: int) -> None:
+        from registry.protocol import MemberState, Register
+
+        self._send(i, "register", self.encode(Register(
+            spec=self.specs[i], nonce=self.sessions.new_nonce(), state=MemberState.READY)))
+
+    def register_all(self) -> None:
+        for i in range(len(self.specs)):
+            self.register(i)
+            if i % 200 == 199:
+                self.collect()
+        assert wait_until(lambda: self.collect() or len(self.keys) == len(self.specs), WAIT_S)
+
+    def beat(self, i: int) -> None:
+        from registry.protocol import Heartbeat, Load, MemberState
+
+        self.seq[i] = self.seq.get(i, 0) + 1
+        spec_ = self.specs[i]
+        beat = Heartbeat(spec_.id, spec_.incarnation, self.seq[i], MemberState.READY,
+                         Load(running=self.seq[i] % 5))
+        self._send(i, "beat", self.sessions.seal(self.keys[i], self.encode(beat)))
+        self.sent += 1
+
+    def flip(self, j: int) -> None:
+        from registry.protocol import Bye, ByeReason
+
+        i = CHURN_MEMBERS + j % 50
+        if i in self.keys:  # up: leave
+            self.seq[i] = self.seq.get(i, 0) + 1
+            spec_ = self.specs[i]
+            self._send(i, "bye", self.sessions.seal(self.keys.pop(i), self.encode(
+                Bye(spec_.id, spec_.incarnation, self.seq[i], ByeReason.SHUTDOWN))))
+        else:  # down: come back as a new incarnation
+            self.specs[i] = msgspec.structs.replace(
+                self.specs[i], incarnation=self.specs[i].incarnation + 1)
+            self.seq[i] = 0
+            self.register(i)
+        self.flips += 1
+
+    def collect(self) -> None:
+        for k, s in enumerate(self.socks):
+            while s.poll(0):
+                reply = self.decode(s.recv())
+                kind, i = self.pending[k].pop(0)
+                if kind == "register" and reply.status is ReplyStatus.OK:
+                    self.keys[i] = reply.session
+                elif kind == "beat":
+                    if reply.status is ReplyStatus.OK:
+                        self.answered += 1
+                    else:
+                        self.refused += 1
+
+    def run(self, seconds: float) -> None:
+        """Each steady member beats once a second in its own phase; churn runs beside (each
+        churn member flips every 2.5 s, well inside its lease, so it needs no beats)."""
+        import time
+
+        start = time.monotonic()
+        phases = sorted((i * 1.0 / CHURN_MEMBERS, i) for i in range(CHURN_MEMBERS))
+        beats_done = 0
+        flips_done = 0
+        while (elapsed := time.monotonic() - start) < seconds:
+            due_beats = int(elapsed * CHURN_MEMBERS)
+            while beats_done < due_beats:
+                _, i = phases[beats_done % CHURN_MEMBERS]
+                self.beat(i)
+                beats_done += 1
+            while flips_done < int(elapsed * CHURN_FLIPS_PER_S):
+                self.flip(flips_done)
+                flips_done += 1
+            self.collect()
+            time.sleep(0.002)
