@@ -172,13 +172,15 @@ class ControlChannel:
             self._reject(identity, "version", f"protocol version {sync.protocol_version}; "
                          f"this registry speaks {PROTOCOL_VERSION}")
             return
-        wait_s = self._syncs.peer_wait_s(identity, now)
-        if wait_s <= 0:
-            encoded = self._snapshots.get(self, sync.models, now)
-            wait_s = self._syncs.bytes_wait_s(identity, len(encoded), now)
+        # Charged before encoding, on an estimate from the records it will hold: peers
+        # asking for many different model sets (each a fresh encoding) from fresh
+        # connections still cannot make the loop encode more than the byte budget.
+        estimate = self.membership.count(sync.models) * self._snapshots.bytes_per_record
+        wait_s = self._syncs.wait_s(identity, estimate, now)
         if wait_s > 0:
             self._reject(identity, "rate", f"too many syncs; retry in {wait_s:.2f}s")
             return
+        encoded = self._snapshots.get(self, sync.models, now)
         self.stats.syncs += 1
         self.stats.sync_bytes += len(encoded)
         self._send(identity, encoded, copy=len(encoded) < _ZERO_COPY_BYTES)
@@ -243,6 +245,7 @@ class SnapshotCache:
         self._held: OrderedDict[tuple[str, ...], tuple[int, float, float, bytes]] = (
             OrderedDict())
         self._clock = clock  # measures encoding time only
+        self.bytes_per_record = 256  # learned from each encoding, for the limiter's estimate
 
     def get(self, channel: ControlChannel, models: list[str], now: float) -> bytes:
         key = tuple(sorted(set(models)))
@@ -256,6 +259,9 @@ class SnapshotCache:
                 return encoded
         started = self._clock()
         encoded = channel.encode_snapshot(key)
+        records = channel.membership.count(key)
+        if records:
+            self.bytes_per_record = max(64, len(encoded) // records)
         reuse_s = min(SNAPSHOT_REUSE_MAX_S, SNAPSHOT_REUSE_FACTOR * (self._clock() - started))
         self._held[key] = (version, now, reuse_s, encoded)
         self._held.move_to_end(key)

@@ -407,3 +407,41 @@ class _ChurnFleet:
                 flips_done += 1
             self.collect()
             time.sleep(0.002)
+
+
+def test_strangers_asking_for_many_model_sets_cannot_make_the_loop_encode_past_its_budget():
+    """Who may Sync: anyone who reaches the control port (a view holds no credential).
+    What a stranger can change: nothing; what it can cost: encodings. Each distinct model
+    set is a fresh encoding, and fresh connections get fresh per-peer bursts, so the byte
+    budget is charged before encoding, on an estimate."""
+    from registry.protocol import control_decoder
+
+    ctx = zmq.Context()
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        router.bind("inproc://control-flood")
+        membership = fresh()
+        for i in range(50):
+            membership.join(spec(f"p{i}"), now=0.0)
+        control = ControlChannel(router, membership, LoopStats(), epoch=7, token="")
+        # Room for about three snapshots of these 50 members, and no refill.
+        control._syncs = SyncLimiter(bytes_per_s=1e-9, burst_bytes=3.5 * 50 * 256)
+        strangers = []
+        for i in range(20):  # each from a fresh connection, each a new model set
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("inproc://control-flood")
+            dealer.send(make_encoder().encode(Sync(models=["m", f"x{i}"])))
+            strangers.append(dealer)
+        decoder = control_decoder()
+        while router.poll(100):
+            control.process(0.0, decoder)
+        replies = [reply_decoder().decode(d.recv()) for d in strangers]
+        served = [r for r in replies if isinstance(r, Snapshot)]
+        # About three (the estimate is learned from the first encoding), never twenty.
+        assert 3 <= len(served) <= 5
+        assert all(len(r.members) == 50 for r in served)
+        assert control.stats.snapshots_encoded == len(served)  # refused: never encoded
+        assert control.stats.rejections["rate"] == 20 - len(served)
+        assert len(membership) == 50  # and nothing changed
+    finally:
+        ctx.destroy(linger=0)
