@@ -398,6 +398,11 @@ class Membership:
             entry.silent = True
             silent[entry.spec.id] = entry
 
+    def _age(self, entry: _Entry, now: float) -> float:
+        """Seconds since `entry` was last heard, less any registry stall since (the age
+        every deadline rule uses; `entry.last_seen` is on the registry's clock)."""
+        return now - self._lag_s - entry.last_seen
+
     def _silent_at(self, moment: float) -> int:
         """How many members had been silent for silent_after_s at `moment` (in the past).
 
