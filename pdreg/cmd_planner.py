@@ -23,7 +23,7 @@ from planner.inputs import PLANNER_PROTOCOL
 from planner.rule import Bounds, RuleConfig
 from planner.service import PlannerServer
 from planner.tick import PlannerConfig
-from registry.client import MembershipView
+from registry.client import MembershipView, parse_models
 from registry.protocol import MemberState
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "--planner URL)")
     p.add_argument("--model", dest="models", action="append", default=[], metavar="NAME",
                    help="plan only this model (repeatable; default every model)")
+    p.add_argument("--models", dest="model_list", default=(), type=_models,
+                   metavar="NAME[,NAME]", help="plan only these models, and subscribe to "
+                   "their events alone (with --model: both sets)")
     p.add_argument("--interval", type=_positive, default=2.0, metavar="S",
                    help="seconds between planning rounds")
     g = p.add_argument_group("targets")
@@ -112,7 +115,7 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
         rule=rule, interval_s=args.interval, load_window_s=args.load_window,
         latency_quantile=args.latency_quantile,
         default_capacity=args.default_capacity, scrape_timeout_s=args.scrape_timeout,
-        models=frozenset(args.models), exec_argv=tuple(shlex.split(args.exec_command)),
+        models=frozenset(_planned_models(args)), exec_argv=tuple(shlex.split(args.exec_command)),
         exec_timeout_s=args.exec_timeout)
 
 
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    view = MembershipView(args.registry, curve=curve, token=token).start()
+    view = MembershipView(args.registry, models=_planned_models(args), curve=curve,
+                          token=token).start()
     server: PlannerServer | None = None
     agent: Agent | None = None
     try:
@@ -145,6 +149,18 @@ def run(args: argparse.Namespace) -> int:
             server.close()
         view.close()
     return 0
+
+
+def _planned_models(args: argparse.Namespace) -> tuple[str, ...]:
+    """--model and --models together; empty: every model."""
+    return tuple(dict.fromkeys((*args.models, *args.model_list)))
+
+
+def _models(text: str) -> tuple[str, ...]:
+    try:
+        return parse_models(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> float:

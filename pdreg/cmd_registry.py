@@ -16,9 +16,11 @@ from pdreg.args import (
     secret_of,
     server_curve_of,
 )
-from registry.admission import MAX_MEMBERS
+from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.detector import HEARTBEAT_INTERVAL_S, LEASE_INTERVALS
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import DEFAULT_MAX_MEMBERS, RegistryConfig, RegistryServer
+
+MAX_IO_THREADS = 64
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,8 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "--tls-key), so admin tokens do not cross the network in clear")
     p.add_argument("--tls-key", default=None, metavar="FILE",
                    help="the private key of --tls-cert (PEM)")
-    p.add_argument("--max-members", type=int, default=MAX_MEMBERS, metavar="N",
-                   help="refuse registrations beyond N members")
+    p.add_argument("--max-members", type=int, default=DEFAULT_MAX_MEMBERS, metavar="N",
+                   help="refuse registrations beyond N members (default: what one "
+                        "registry was measured to hold; see the README)")
     p.add_argument("--max-members-per-model", type=int, default=0, metavar="N",
                    help="refuse registrations beyond N members of one model (0: no such cap)")
     p.add_argument("--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S,
@@ -48,7 +51,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lease", type=float, default=None, metavar="S",
                    help=f"expire a silent member after S seconds "
                         f"(default and minimum {LEASE_INTERVALS:.0f} intervals)")
+    p.add_argument("--io-threads", type=_io_threads, default=1, metavar="N",
+                   help="libzmq I/O threads for the sockets (the event fan-out to many "
+                        "routers is their work; about one per 200 routers, up to the cores)")
+    p.add_argument("--load-max-age", type=float, default=LOAD_MAX_AGE_S, metavar="S",
+                   help="a load change too small to route on (a tenth of the value, two "
+                        "points of KV) reaches routers at most S late; 0 sends every "
+                        "change at once")
     p.set_defaults(func=run)
+
+
+def _io_threads(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_IO_THREADS:
+        raise argparse.ArgumentTypeError(f"--io-threads must be 1..{MAX_IO_THREADS}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
             http_port=args.http_port, heartbeat_interval_s=args.heartbeat_interval,
             lease_s=lease, token=token, admin_token=admin_token,
             max_members=args.max_members, max_members_per_model=args.max_members_per_model,
-            curve=curve, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "")
+            curve=curve, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
+            load_max_age_s=args.load_max_age, io_threads=args.io_threads)
         server = RegistryServer(config)
     except ValueError as exc:
         print(f"pdreg registry: {exc}", file=sys.stderr)

@@ -26,7 +26,7 @@ from pdreg.args import (
     insecure_refusal,
     secret_of,
 )
-from registry.client import MembershipView
+from registry.client import MembershipView, parse_models
 from registry.protocol import ROUTER_PROTOCOL, MemberState
 from router.app import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_ATTEMPTS, MAX_MIGRATIONS
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, parse_networks
@@ -68,6 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="kv policy: a prompt the chosen prefill would compute fewer than N "
                         "tokens of skips the prefill leg (the decode prefills it); 0 = off")
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
+    p.add_argument("--models", default="", type=_models, metavar="NAME[,NAME]",
+                   help="serve only these models: the view subscribes to their events "
+                        "alone (default: every model the registry has)")
     p.add_argument("--locality-label", default="", metavar="KEY",
                    help="prefer P->D pairs with the same value of this member label (e.g. zone)")
     p.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS,
@@ -122,6 +125,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _models(text: str) -> tuple[str, ...]:
+    try:
+        return parse_models(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _networks(text: str) -> str:
     try:
         parse_networks(text)
@@ -145,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
-    view = MembershipView(args.registry, curve=curve, token=token).start()
+    view = MembershipView(args.registry, models=args.models, curve=curve, token=token).start()
     server: RouterServer | None = None
     agent: Agent | None = None
     try:

@@ -16,7 +16,10 @@ from registry.protocol import MemberSpec, ReplyStatus
 
 logger = logging.getLogger(__name__)
 
-MAX_MEMBERS = 20_000  # --max-members default: 160k GPUs at TP 8, with room for routers
+# --max-members default: what bench/bench_scale.py measured one registry to hold on 2
+# shared cores (100k members at the 5 s interval it dictates then, every heartbeat
+# answered, 10 changes/s, nobody wrongly suspected); 800k GPUs at TP 8.
+MAX_MEMBERS = 100_000
 # Incarnations are time_ns() at process start: one further ahead of the registry's clock
 # than this could only be meant to outlive every real restart of that id.
 MAX_INCARNATION_AHEAD_S = 60.0

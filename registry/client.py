@@ -9,6 +9,15 @@ Per registry the view keeps one link through these states:
 Subscribe first, then ask for the snapshot (ZeroMQ Guide ch. 5). What a link holds and
 how snapshots and events apply to it is `registry.replica.Replica`, pure state; this
 module owns the sockets, the timers and the merge of several registries.
+
+A view syncs once on start: the first snapshot names the event port, so the view
+subscribes then and applies that same snapshot. A change published before the
+subscription took hold shows as a version gap in the next event or digest (a digest comes
+every interval at the latest), and only then does it sync again. The thread polls until
+its next deadline (sync timeout, silence, a carried member's drop), never on a fixed tick.
+
+Readers get a `FrozenMap`: each update shares everything but what changed with the one
+before, so an update costs the changed members, not a copy of the whole view.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ import logging
 import math
 import threading
 import time
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +42,9 @@ from registry.addresses import (
     parse_registries,
     request_snapshot,
 )
+from registry.frozen_map import FrozenMap
 from registry.protocol import (
+    MAX_NAME_CHARS,
     Event,
     Reply,
     Snapshot,
@@ -48,7 +58,8 @@ from registry.replica import Applied, LiveMember, Replica
 from registry.security import ClientCurve
 
 __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "LinkState", "LinkStatus", "LiveMember",
-           "MembershipView", "http_base", "parse_registries", "request_snapshot"]
+           "MembershipView", "http_base", "parse_models", "parse_registries",
+           "request_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +68,6 @@ SYNC_BACKOFF_MAX_S = 2.0
 EVENTS_RCVHWM = 100_000
 AWAY_AFTER_INTERVALS = 3.0  # registry silent this long (pulses come every interval): away
 MIN_AWAY_AFTER_S = 1.0
-TICK_S = 0.1
 
 
 class LinkState(enum.Enum):
@@ -118,7 +128,7 @@ class MembershipView:
         self.token = token  # proves Syncs to a registry beyond loopback (sessions.prove_sync)
         self._ctx = zmq.Context()
         self._links = [_Link(address, Replica(address)) for address in self.addresses]
-        self._members: Mapping[str, LiveMember] = types.MappingProxyType({})
+        self._members: FrozenMap[LiveMember] = FrozenMap()
         self._changed = threading.Condition()
         self._listeners: list[Callable[[Mapping[str, LiveMember]], None]] = []
         wake = f"inproc://pdreg-view-{id(self)}"
@@ -132,7 +142,6 @@ class MembershipView:
         self._running = False
         self._thread: threading.Thread | None = None
         self._encoder = make_encoder()
-        self.generation = 0  # bumps on every published change
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -210,7 +219,9 @@ class MembershipView:
             changed = False
             for link in self._links:
                 changed |= self._check_timers(link, now)
-            ready = dict(self._poller.poll(TICK_S * 1e3))
+            # Poll until the next deadline; rounded up, as pyzmq truncates to whole ms.
+            timeout_ms = math.ceil(max(0.0, self._next_deadline(now) - now) * 1e3)
+            ready = dict(self._poller.poll(timeout_ms))
             if self._wake_rx in ready:
                 self._drain_wake()
             now = time.monotonic()
@@ -238,6 +249,22 @@ class MembershipView:
                     link.backoff_s = min(SYNC_BACKOFF_MAX_S, link.backoff_s * 2)
                 self._send_sync(link, now)
         return changed
+
+    def _next_deadline(self, now: float) -> float:
+        """When `_check_timers` next has something to do for some link."""
+        deadline = math.inf
+        for link in self._links:
+            if link.state is LinkState.LIVE:
+                deadline = min(deadline, link.last_heard + link.away_after_s)
+            elif link.sync_sent_at:
+                deadline = min(deadline, max(link.sync_sent_at + SYNC_TIMEOUT_S,
+                                             link.next_sync_at))
+            else:
+                deadline = min(deadline, link.next_sync_at)
+            drop_at = link.replica.next_drop_at()
+            if drop_at is not None:
+                deadline = min(deadline, drop_at)
+        return max(deadline, now)
 
     def _send_sync(self, link: _Link, now: float) -> None:
         if link.dealer is None:
@@ -308,10 +335,10 @@ class MembershipView:
         link.sync_sent_at = 0.0
         link.backoff_s = 0.1
         if needs_subscription:
-            # Subscribe first, then snapshot: this snapshot only taught us the port.
+            # This snapshot taught us the port. Subscribe now and use it all the same:
+            # whatever changed before the subscription took hold shows as a version gap
+            # (the next event, or the next digest within an interval), which resyncs.
             self._subscribe(link, snapshot.events_port)
-            self._send_sync(link, now)
-            return False
         replica = link.replica
         replica.apply_snapshot(snapshot, now, time.time())
         link.state = LinkState.LIVE
@@ -355,19 +382,27 @@ class MembershipView:
         return applied is Applied.CHANGED
 
     def _publish(self) -> None:
+        changed: set[str] = set()
+        for link in self._links:
+            changed |= link.replica.take_changed()
+        if not changed:
+            return
+        updates: dict[str, LiveMember | None] = {}
         if len(self._links) == 1:
-            merged = dict(self._links[0].replica.members)
+            members = self._links[0].replica.members
+            for member_id in changed:
+                updates[member_id] = members.get(member_id)
         else:
-            merged = {}
-            for link in self._links:
-                for member_id, member in link.replica.members.items():
-                    held = merged.get(member_id)
-                    if held is None or _newer(member, held):
-                        merged[member_id] = member
-        view = types.MappingProxyType(merged)
+            for member_id in changed:
+                best: LiveMember | None = None
+                for link in self._links:
+                    member = link.replica.members.get(member_id)
+                    if member is not None and (best is None or _newer(member, best)):
+                        best = member
+                updates[member_id] = best
+        view = self._members.updated(updates)
         with self._changed:
             self._members = view
-            self.generation += 1
             self._changed.notify_all()
         for callback in self._listeners:
             try:
@@ -387,6 +422,18 @@ class MembershipView:
             if self._running or self._thread is not None:
                 with contextlib.suppress(zmq.ZMQError):  # closing
                     self._wake_tx.send(b"", zmq.NOBLOCK)
+
+
+def parse_models(text: str) -> tuple[str, ...]:
+    """`A,B` -> ("A", "B"): the models a view subscribes to (empty: every model).
+
+    Raises ValueError on a name no member could have (the registry refuses those)."""
+    models = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    for model in models:
+        if len(model) > MAX_NAME_CHARS or not model.isprintable():
+            raise ValueError(f"model {model[:40]!r}: at most {MAX_NAME_CHARS} printable "
+                             f"characters")
+    return models
 
 
 def _newer(candidate: LiveMember, held: LiveMember) -> bool:

@@ -3,6 +3,10 @@
 Per message: frame -> decode -> admission (token, version, spec) or session proof ->
 one `Membership` transition -> one reply. A refusal is counted by kind, logged at most
 every REJECT_LOG_EVERY_S, and answered with REJECTED; it never touches a member.
+
+Messages are dispatched by their exact Struct type (`_handlers`): a type without a
+handler is refused, never taken for another. A Sync is answered with a snapshot encoded
+once per (models, version) and sent as the same bytes to every requester (`SnapshotCache`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -41,7 +47,21 @@ logger = logging.getLogger(__name__)
 
 BATCH_MAX_MESSAGES: Final = 1024  # control messages handled between two ticks
 _MORE: Final = zmq.SNDMORE | zmq.NOBLOCK
+_ZERO_COPY_BYTES: Final = 64 * 1024  # below this a copy is cheaper than the bookkeeping
 REJECT_LOG_EVERY_S: Final = 5.0
+# A cached snapshot is re-encoded when membership changed, or when it is older than this
+# (its loads age; digests only carry changes after it).
+SNAPSHOT_MAX_AGE_S: Final = 0.5
+# ... except that encoding may take at most about 1/SNAPSHOT_REUSE_FACTOR of the loop: a
+# snapshot that took E seconds to encode is served for SNAPSHOT_REUSE_FACTOR * E (at most
+# SNAPSHOT_REUSE_MAX_S) even if membership moved on meanwhile. A view that subscribed
+# before it was encoded applies the events after it; one that did not sees a version
+# gap and asks again. At 100k members an encoding takes ~0.1-0.3 s; at 1k, ~1 ms.
+SNAPSHOT_REUSE_FACTOR: Final = 10.0
+SNAPSHOT_REUSE_MAX_S: Final = 2.0
+SNAPSHOT_CACHE_ENTRIES: Final = 64  # model sets remembered (least recently used dropped)
+
+_Handler = Callable[[bytes, ControlMessage, bytes, float], "Outcome | None"]
 
 
 class ControlChannel:
@@ -61,6 +81,16 @@ class ControlChannel:
         self.http_port = 0
         self._encoder = make_encoder()
         self._syncs = SyncLimiter()
+        self._snapshots = SnapshotCache()
+        # One handler per message type: returns the outcome to reply with, or None when
+        # it answered itself (a Sync gets a snapshot, not a Reply).
+        self._handlers: dict[type, _Handler] = {
+            Heartbeat: self._on_heartbeat,
+            Register: self._on_register,
+            Bye: self._on_bye,
+            Report: self._on_report,
+            Sync: self._on_sync,
+        }
         self._ok_reply: tuple[float, bytes] = (0.0, b"")  # (interval, encoded OK reply)
         self._last_reject_log = 0.0
         self._rejects_unlogged = 0
@@ -91,27 +121,14 @@ class ControlChannel:
             self._handle(identity, message, payload, now)
 
     def _handle(self, identity: bytes, message: ControlMessage, payload: bytes,
-                now: float) -> None:
-        membership = self.membership
-        stats = self.stats
-        if type(message) is Heartbeat:  # the hot path first
-            stats.heartbeats += 1
-            outcome = membership.heartbeat(message, payload, now)
-            if outcome.status is not ReplyStatus.OK:  # (DRAIN is an accepted heartbeat)
-                stats.count_heartbeat_result(outcome.status)
-        elif type(message) is Register:
-            outcome = self._register(message, now)
-            stats.count_registration(outcome)
-            if outcome.session and self._token_key:
-                self._reply_sealed(identity, outcome, message.nonce)
-                return
-        elif type(message) is Bye:
-            outcome = membership.bye(message, payload)
-        elif type(message) is Report:
-            outcome = membership.report(message, payload, now)
-            stats.count_report(outcome)
-        else:  # Sync
-            self._send_snapshot(identity, message, now)
+                 now: float) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is None:  # decodable, but nothing here serves it: never guess
+            self._reject(identity, "unhandled",
+                         f"no handler for {type(message).__name__} messages")
+            return
+        outcome = handler(identity, message, payload, now)
+        if outcome is None:
             return
         if outcome.status is ReplyStatus.REJECTED:
             about = message.spec.id if type(message) is Register else message.id
@@ -119,6 +136,35 @@ class ControlChannel:
                          banned_s=outcome.banned_s)
             return
         self._reply(identity, outcome)
+
+    def _on_heartbeat(self, identity: bytes, message: Heartbeat, payload: bytes,
+                      now: float) -> Outcome:
+        self.stats.heartbeats += 1
+        outcome = self.membership.heartbeat(message, payload, now)
+        if outcome.status is not ReplyStatus.OK:  # (DRAIN is an accepted heartbeat)
+            self.stats.count_heartbeat_result(outcome.status)
+        return outcome
+
+    def _on_register(self, identity: bytes, message: Register, payload: bytes,
+                     now: float) -> Outcome | None:
+        outcome = self._register(message, now)
+        self.stats.count_registration(outcome)
+        if outcome.session and self._token_key:
+            self._reply_sealed(identity, outcome, message.nonce)
+            return None
+        return outcome
+
+    def _on_bye(self, identity: bytes, message: Bye, payload: bytes, now: float) -> Outcome:
+        return self.membership.bye(message, payload)
+
+    def _on_report(self, identity: bytes, message: Report, payload: bytes,
+                   now: float) -> Outcome:
+        outcome = self.membership.report(message, payload, now)
+        self.stats.count_report(outcome)
+        return outcome
+
+    def _on_sync(self, identity: bytes, message: Sync, payload: bytes, now: float) -> None:
+        self._send_snapshot(identity, message, now)
 
     def _register(self, message: Register, now: float) -> Outcome:
         if self.token:
@@ -149,17 +195,27 @@ class ControlChannel:
             self._reject(identity, "token", "snapshots need the fleet token (a Sync proved "
                          "with it: MembershipView(token=...), pdreg --token-file)")
             return
-        membership = self.membership
-        wait_s = self._syncs.wait_s(identity, membership.count(sync.models), now)
+        # Charged before encoding, on an estimate from the records it will hold: peers
+        # asking for many different model sets (each a fresh encoding) from fresh
+        # connections still cannot make the loop encode more than the byte budget.
+        estimate = self.membership.count(sync.models) * self._snapshots.bytes_per_record
+        wait_s = self._syncs.wait_s(identity, estimate, now)
         if wait_s > 0:
             self._reject(identity, "rate", f"too many syncs; retry in {wait_s:.2f}s")
             return
+        encoded = self._snapshots.get(self, sync.models, now)
+        self.stats.syncs += 1
+        self.stats.sync_bytes += len(encoded)
+        self._send(identity, encoded, copy=len(encoded) < _ZERO_COPY_BYTES)
+
+    def encode_snapshot(self, models: tuple[str, ...]) -> bytes:
+        membership = self.membership
         snapshot = Snapshot(epoch=self.epoch, version=membership.version,
-                            members=membership.records(sync.models),
+                            members=membership.records(models),
                             heartbeat_interval_s=membership.timing.heartbeat_interval_s,
                             events_port=self.events_port, http_port=self.http_port)
-        self.stats.syncs += 1
-        self._send(identity, self._encoder.encode(snapshot))
+        self.stats.snapshots_encoded += 1
+        return self._encoder.encode(snapshot)
 
     def _sync_proved(self, sync: Sync) -> bool:
         unsealed = self._encoder.encode(msgspec.structs.replace(sync, proof=NO_PROOF))
@@ -213,12 +269,48 @@ class ControlChannel:
         self._reply(identity, Outcome(ReplyStatus.REJECTED, f"{reason}: {detail}"[:500],
                                       banned_s=banned_s))
 
-    def _send(self, identity: bytes, payload: bytes) -> None:
+    def _send(self, identity: bytes, payload: bytes, *, copy: bool = True) -> None:
         # Two plain sends cost ~1 us less than send_multipart(copy=False) for a small reply
-        # (pyzmq copies small frames anyway and goes zero-copy above COPY_THRESHOLD).
+        # (pyzmq copies small frames anyway and goes zero-copy above COPY_THRESHOLD). A
+        # snapshot goes zero-copy: every requester's frame shares the one encoded buffer.
         sock = self.sock
         try:
             sock.send(identity, _MORE)
-            sock.send(payload, zmq.NOBLOCK)
+            sock.send(payload, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             self.stats.replies_dropped += 1  # that peer stopped reading; it will retry
+
+
+class SnapshotCache:
+    """Encoded snapshots per model set: encoded once per membership version (and at most
+    SNAPSHOT_MAX_AGE_S old, as loads age), then the same bytes for every requester."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        # models -> (version, encoded at, seconds it may be served whatever the version,
+        # bytes)
+        self._held: OrderedDict[tuple[str, ...], tuple[int, float, float, bytes]] = (
+            OrderedDict())
+        self._clock = clock  # measures encoding time only
+        self.bytes_per_record = 256  # learned from each encoding, for the limiter's estimate
+
+    def get(self, channel: ControlChannel, models: list[str], now: float) -> bytes:
+        key = tuple(sorted(set(models)))
+        version = channel.membership.version
+        held = self._held.get(key)
+        if held is not None:
+            held_version, encoded_at, reuse_s, encoded = held
+            age = now - encoded_at
+            if age < reuse_s or (held_version == version and age < SNAPSHOT_MAX_AGE_S):
+                self._held.move_to_end(key)
+                return encoded
+        started = self._clock()
+        encoded = channel.encode_snapshot(key)
+        records = channel.membership.count(key)
+        if records:
+            self.bytes_per_record = max(64, len(encoded) // records)
+        reuse_s = min(SNAPSHOT_REUSE_MAX_S, SNAPSHOT_REUSE_FACTOR * (self._clock() - started))
+        self._held[key] = (version, now, reuse_s, encoded)
+        self._held.move_to_end(key)
+        while len(self._held) > SNAPSHOT_CACHE_ENTRIES:
+            self._held.popitem(last=False)
+        return encoded

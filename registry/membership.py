@@ -13,7 +13,19 @@ lands in an outbox the loop drains with `take_events()`. Load figures are not ch
 they are coalesced into per-model digests (`take_load_digests()`).
 
 Times: `now` is a monotonic clock (seconds). `wall_offset` turns it into unix time for the
-records clients see (`registered_at`, `heartbeat_at`).
+records clients see (`registered_at`, `heartbeat_at`). Deadlines (`last_seen`,
+`seen_before`) run on the registry's own clock, `now` minus every loop stall compensated so
+far (`_lag_s`): moving that one offset gives every member the stall back at once.
+
+Work per call grows with what changed, not with the fleet (a 100k-member registry turns
+its loop thousands of times a second). Members are kept in three orders by `last_seen`,
+each an OrderedDict whose front is the next to cross one threshold:
+    _members      all of them          -> the oldest is the next to expire
+    _unsuspected  those not suspect    -> the front is the next to turn suspect
+    _unsilent     those not yet silent -> the front is the next to count as silent
+(`_silent` holds the rest, also in order). A heartbeat moves its member to the end of each;
+a tick pops from the fronts only while something is due, and re-checks the age it acts
+on. Records are cached per member (`_records`) and rebuilt only for members that changed.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from dataclasses import dataclass
 
 from registry import sessions
 from registry.admission import Admission, Limits
+from registry.deadband import Deadband, is_news
 from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
 from registry.outcome import BAD_PROOF, DRAIN, OK, UNKNOWN, Outcome, refused
 from registry.preservation import Change, SelfPreservation
@@ -51,6 +64,7 @@ from registry.protocol import (
 
 logger = logging.getLogger(__name__)
 
+_NO_LOAD = Load()  # frozen, so one instance serves every default
 LAG_WARNING_S = 0.5  # a loop stall this long is logged as a warning (always compensated)
 # A seq may jump ahead of the last one accepted by at most this much. An agent adds one
 # per request (2**32 is over a year of requests at 100/s), so only a forger jumps
@@ -84,6 +98,9 @@ class _Entry:
     seen_before: float = 0.0
     admin_draining: bool = False  # an operator's drain sticks whatever the member says
     reports: dict[str, float] | None = None  # reporter id -> when it last reported this one
+    silent: bool = False  # in Membership._silent (counted toward self-preservation)
+    sent_load: Load = _NO_LOAD  # the load views were last sent (digest or record)
+    held_since: float = 0.0  # when a change inside the deadband was first held back
 
     def record(self, wall_offset: float) -> MemberRecord:
         return MemberRecord(
@@ -108,8 +125,11 @@ _ALLOWED = {
 class Membership:
     def __init__(self, epoch: int, config: DetectorConfig | None = None, *,
                  limits: Limits | None = None, wall_offset: float = 0.0,
-                 new_session: Callable[[], bytes] = sessions.new_session) -> None:
+                 new_session: Callable[[], bytes] = sessions.new_session,
+                 deadband: Deadband | None = None) -> None:
         self.epoch = epoch
+        # No deadband unless asked: pure-state users (and tests) see every change.
+        self.deadband = deadband or Deadband(max_age_s=0.0)
         self.config = config or DetectorConfig()
         self.limits = limits or Limits()
         self.version = 0
@@ -117,10 +137,20 @@ class Membership:
         self._new_session = new_session
         self.admission = Admission(self.limits, wall_offset)
         # Ordered by last_seen: a heartbeat moves its member to the end, so the silent
-        # ones gather at the front and a tick only looks at those.
+        # ones gather at the front and a tick only looks at those (see the module doc).
         self._members: OrderedDict[str, _Entry] = OrderedDict()
+        self._unsuspected: OrderedDict[str, _Entry] = OrderedDict()
+        self._unsilent: OrderedDict[str, _Entry] = OrderedDict()
+        self._silent: OrderedDict[str, _Entry] = OrderedDict()
+        self._lag_s = 0.0  # every loop stall compensated so far (see the module doc)
+        # The current record of each member, per model; ids in _stale are rebuilt on read
+        # (a heartbeat only marks its member: most records are never read between two).
+        self._records: dict[str, dict[str, MemberRecord]] = {}
+        self._stale: set[str] = set()
         self._outbox: list[MembershipEvent] = []
         self._dirty_loads: dict[str, set[str]] = {}  # model -> ids whose load changed
+        # Load changes inside the deadband, oldest first: they go out max_age_s late.
+        self._held: OrderedDict[str, _Entry] = OrderedDict()
         self._last_tick: float | None = None  # lag is measured from the first tick on
         self._preservation = SelfPreservation(self.config)
         self.last_lag_s = 0.0
@@ -143,9 +173,15 @@ class Membership:
         return entry.record(self.wall_offset) if entry else None
 
     def records(self, models: Iterable[str] = ()) -> list[MemberRecord]:
-        wanted = set(models)
-        return [e.record(self.wall_offset) for e in self._members.values()
-                if not wanted or e.spec.model in wanted]
+        """Every member's record (of `models`, if any): O(members returned + changed)."""
+        self._refresh_records()
+        wanted = set(models) if models else self._records.keys()
+        out: list[MemberRecord] = []
+        for model in wanted:
+            held = self._records.get(model)
+            if held:
+                out.extend(held.values())
+        return out
 
     def count(self, models: Iterable[str] = ()) -> int:
         """How many records `records(models)` returns, without building them."""
@@ -157,18 +193,16 @@ class Membership:
     def models(self) -> set[str]:
         return set(self.admission.per_model)
 
-    def heartbeat_ages(self, now: float) -> dict[str, float]:
-        return {mid: now - e.heartbeat_at for mid, e in self._members.items()}
-
     def next_deadline(self, now: float) -> float:
         """When `tick` next has something to do (at the latest one tick period away)."""
         deadline = now + self.config.tick_period_s
         timing = self.timing
-        for entry in self._members.values():
-            if entry.suspect:
-                deadline = min(deadline, entry.last_seen + timing.lease_s)
-                continue
-            return min(deadline, entry.last_seen + timing.suspect_after_s)
+        if self._members:
+            oldest = _first(self._members)
+            deadline = min(deadline, oldest.last_seen + self._lag_s + timing.lease_s)
+        if self._unsuspected:
+            first = _first(self._unsuspected)
+            deadline = min(deadline, first.last_seen + self._lag_s + timing.suspect_after_s)
         return deadline
 
     # --- transitions -------------------------------------------------------------------
@@ -201,14 +235,18 @@ class Membership:
             cap = self.admission.cap_problem(len(self), spec.model, None)
             if cap is not None:
                 return cap
-        entry = _Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=now,
-                       seen_before=now,
+        seen = now - self._lag_s
+        entry = _Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=seen,
+                       seen_before=seen, sent_load=load,
                        heartbeat_at=now, session=self._new_session(), nonce=nonce)
         self._members[spec.id] = entry
+        self._unsuspected[spec.id] = entry
+        self._unsilent[spec.id] = entry
         self.admission.joined(spec.model)
         self._retime()
-        self._publish(MemberJoined(self.epoch, self._next_version(),
-                                   entry.record(self.wall_offset)))
+        record = entry.record(self.wall_offset)
+        self._records.setdefault(spec.model, {})[spec.id] = record
+        self._publish(MemberJoined(self.epoch, self._next_version(), record))
         logger.info("[registry] join id=%s incarnation=%d role=%s model=%s state=%s",
                     spec.id, spec.incarnation, role_name(spec.role), spec.model,
                     state.name.lower())
@@ -264,6 +302,7 @@ class Membership:
             return weighed
         if not entry.suspect:
             entry.suspect = True
+            del self._unsuspected[report.member]
             self._publish_update(entry)
             logger.info("[registry] suspect id=%s reported by %s: %s", report.member,
                         report.id, report.problem[:200].encode("unicode_escape").decode())
@@ -294,7 +333,7 @@ class Membership:
                 del reports[other]
         while len(reports) > MAX_REPORTERS_TRACKED:
             del reports[min(reports, key=reports.__getitem__)]
-        fresh = now - entry.last_seen <= REPORT_FRESH_INTERVALS * interval
+        fresh = self._age(entry, now) <= REPORT_FRESH_INTERVALS * interval
         if fresh and len(reports) < REPORTERS_TO_OVERRULE:
             return Outcome(ReplyStatus.OK, "outweighed: its own heartbeats are fresh",
                            kind="outweighed")
@@ -325,64 +364,117 @@ class Membership:
         return OK
 
     def tick(self, now: float) -> None:
-        """Suspect the late, expire the long gone. Run on the loop's timer, not on messages."""
+        """Suspect the late, expire the long gone. Run on the loop's timer, not on messages.
+
+        O(members crossing a threshold), not O(members): each step pops from the front of
+        an order while its member is past the threshold, and checks the age it acts on.
+        """
         previous, self._last_tick = self._last_tick, now
         lag = 0.0 if previous is None else loop_lag(previous, now, self.config.tick_period_s)
         if lag > 0:
             # The registry was stalled, not the members: give everyone that time back.
             self.last_lag_s = lag
-            for entry in self._members.values():
-                entry.last_seen += lag
-                entry.seen_before += lag
+            self._lag_s += lag
             # Small stalls are routine on a busy host; only a long one is worth a warning.
             log = logger.warning if lag >= LAG_WARNING_S else logger.debug
             log("[registry] loop lag %.3fs: deadlines moved", lag)
+        t = now - self._lag_s  # the registry's clock, which last_seen runs on
         timing = self.timing
-        silent: list[_Entry] = []
-        look_until = min(timing.suspect_after_s, timing.silent_after_s)
-        for entry in self._members.values():
-            age = now - entry.last_seen
-            if age <= look_until:
+        unsuspected = self._unsuspected
+        while unsuspected:
+            entry = _first(unsuspected)
+            age = t - entry.last_seen
+            if age <= timing.suspect_after_s:
                 break  # ordered by last_seen: everyone after this one is fresher
-            if age > timing.silent_after_s:
-                silent.append(entry)
-            if age > timing.suspect_after_s and not entry.suspect:
-                entry.suspect = True
-                self._publish_update(entry)
-                logger.info("[registry] suspect id=%s age=%.1fs", entry.spec.id, age)
-        # Self-preservation is decided when someone is due to expire (the oldest silent
-        # member is past its lease), and re-checked every tick while it holds. The decision
-        # counts who was silent when that lease ran out, not at this tick: members that
-        # woke in between must not make a fleet-wide silence look like a few deaths.
-        due = bool(silent) and now - silent[0].last_seen > timing.lease_s
+            del unsuspected[entry.spec.id]
+            entry.suspect = True
+            self._publish_update(entry)
+            logger.info("[registry] suspect id=%s age=%.1fs", entry.spec.id, age)
+        self._count_silent(t)
+        # Self-preservation is decided when someone is due to expire (the oldest member is
+        # past its lease), and re-checked every tick while it holds. The decision counts
+        # who was silent when that lease ran out, not at this tick: members that woke in
+        # between must not make a fleet-wide silence look like a few deaths.
+        oldest = _first(self._members) if self._members else None
+        due = oldest is not None and t - oldest.last_seen > timing.lease_s
         change = Change.NONE
         if self._preservation.active:
-            change = self._preservation.update(len(silent), len(self._members), now)
+            change = self._preservation.update(len(self._silent), len(self._members), now)
         elif due:
-            expired_at = silent[0].last_seen + timing.lease_s
+            assert oldest is not None
+            expired_at = oldest.last_seen + timing.lease_s
             change = self._preservation.update(self._silent_at(expired_at),
                                                len(self._members), now)
         if change is Change.OFF:
             # A silent fleet wakes one member at a time: the first ones back end the pause,
             # and the rest, a moment behind, must not be expired in that moment. Those
-            # still silent get what is left of a lease from now on.
-            floor = now - timing.silent_after_s
-            for entry in silent:
+            # still silent get what is left of a lease from now on (and so are not silent).
+            floor = t - timing.silent_after_s
+            woken = list(self._silent.values())
+            self._silent.clear()
+            for entry in reversed(woken):  # oldest ends up first, as the order requires
                 entry.last_seen = max(entry.last_seen, floor)
-            silent = []
+                entry.silent = False
+                self._unsilent[entry.spec.id] = entry
+                self._unsilent.move_to_end(entry.spec.id, last=False)
+            return
         if self._preservation.active:
             return
-        for entry in silent:
-            age = now - entry.last_seen
-            if age > timing.lease_s:
-                logger.info("[registry] expire id=%s age=%.1fs", entry.spec.id, age)
-                self._remove(entry.spec.id, LeaveReason.EXPIRED)
+        members = self._members
+        while members:
+            entry = _first(members)
+            age = t - entry.last_seen
+            if age <= timing.lease_s:
+                break
+            logger.info("[registry] expire id=%s age=%.1fs", entry.spec.id, age)
+            self._remove(entry.spec.id, LeaveReason.EXPIRED)
+
+    def _count_silent(self, t: float) -> None:
+        """Bring `_silent` up to date at registry time `t`: exactly the members whose age
+        is past silent_after_s (that threshold grows with the fleet, so both ends move)."""
+        limit = self.timing.silent_after_s
+        silent, unsilent = self._silent, self._unsilent
+        while silent:
+            entry = _last(silent)
+            if t - entry.last_seen > limit:
+                break
+            del silent[entry.spec.id]
+            entry.silent = False
+            unsilent[entry.spec.id] = entry
+            unsilent.move_to_end(entry.spec.id, last=False)
+        while unsilent:
+            entry = _first(unsilent)
+            if t - entry.last_seen <= limit:
+                break
+            del unsilent[entry.spec.id]
+            entry.silent = True
+            silent[entry.spec.id] = entry
+
+    def _age(self, entry: _Entry, now: float) -> float:
+        """Seconds since `entry` was last heard, less any registry stall since (the age
+        every deadline rule uses; `entry.last_seen` is on the registry's clock)."""
+        return now - self._lag_s - entry.last_seen
 
     def _silent_at(self, moment: float) -> int:
-        """How many members had been silent for silent_after_s at `moment` (in the past)."""
+        """How many members had been silent for silent_after_s at `moment` (in the past).
+
+        A member counts if its last heartbeat at that moment was before `limit`: either it
+        has not been heard since (a prefix of `_members`), or its latest heartbeat came
+        after `moment` and the one before it was before `limit` (a suffix). The walks stop
+        at the first member that cannot count, so they cost what changed, not the fleet.
+        """
         limit = moment - self.timing.silent_after_s
-        return sum(1 for e in self._members.values()
-                   if (e.last_seen if e.last_seen <= moment else e.seen_before) < limit)
+        count = 0
+        for entry in self._members.values():
+            if entry.last_seen >= limit:
+                break
+            count += 1
+        for entry in reversed(self._members.values()):
+            if entry.last_seen <= moment:
+                break
+            if entry.seen_before < limit:
+                count += 1
+        return count
 
     # --- outputs -----------------------------------------------------------------------
 
@@ -391,13 +483,24 @@ class Membership:
         return events
 
     def take_load_digests(self, now: float) -> dict[str, list[LoadEntry]]:
-        """Loads that changed since the last call, grouped by model."""
+        """Loads that changed since the last call (past the deadband, or held back for
+        its max age), grouped by model."""
+        held = self._held
+        max_age_s = self.deadband.max_age_s
+        while held:
+            entry = _first(held)
+            if now - entry.held_since < max_age_s:
+                break
+            del held[entry.spec.id]
+            self._dirty_loads.setdefault(entry.spec.model, set()).add(entry.spec.id)
         digests: dict[str, list[LoadEntry]] = {}
         for model, ids in self._dirty_loads.items():
             entries = []
             for member_id in ids:
                 entry = self._members.get(member_id)
                 if entry is not None:
+                    held.pop(member_id, None)
+                    entry.sent_load = entry.load
                     entries.append(LoadEntry(member_id, entry.spec.incarnation, entry.load,
                                              now - entry.heartbeat_at))
             if entries:
@@ -443,7 +546,7 @@ class Membership:
         already. While the holder heartbeats, the claim is refused as "contested",
         counted and logged, and the holder notices nothing.
         """
-        silent_s = now - current.last_seen
+        silent_s = self._age(current, now)
         if silent_s > self.timing.lease_s:
             return None
         return refused(f"id {spec.id!r} is held by incarnation {current.spec.incarnation}, "
@@ -468,16 +571,41 @@ class Membership:
         return Outcome(ReplyStatus.OK, session=entry.session)
 
     def _seen(self, entry: _Entry, load: Load, now: float) -> None:
-        entry.seen_before, entry.last_seen = entry.last_seen, now
+        member_id = entry.spec.id
+        entry.seen_before, entry.last_seen = entry.last_seen, now - self._lag_s
         entry.heartbeat_at = now
-        self._members.move_to_end(entry.spec.id)
+        self._stale.add(member_id)
+        # To the end of every order: it is now the freshest.
+        self._members.move_to_end(member_id)
+        if entry.silent:
+            entry.silent = False
+            del self._silent[member_id]
+            self._unsilent[member_id] = entry
+        else:
+            self._unsilent.move_to_end(member_id)
         if load != entry.load:
             entry.load = load
-            self._dirty_loads.setdefault(entry.spec.model, set()).add(entry.spec.id)
+            self._load_changed(entry, now)
         if entry.suspect:
             entry.suspect = False
+            self._unsuspected[member_id] = entry
             self._publish_update(entry)
-            logger.info("[registry] alive again id=%s", entry.spec.id)
+            logger.info("[registry] alive again id=%s", member_id)
+        else:
+            self._unsuspected.move_to_end(member_id)
+
+    def _load_changed(self, entry: _Entry, now: float) -> None:
+        """Queue a changed load for the next digest, or hold it if it is not news yet."""
+        member_id = entry.spec.id
+        dirty = self._dirty_loads.setdefault(entry.spec.model, set())
+        if member_id in dirty:
+            return  # going out anyway, with whatever load it has then
+        if is_news(entry.sent_load, entry.load, self.deadband):
+            dirty.add(member_id)
+            self._held.pop(member_id, None)
+        elif member_id not in self._held:
+            entry.held_since = now
+            self._held[member_id] = entry
 
     def _set_state(self, entry: _Entry, state: MemberState, now: float) -> None:
         if entry.admin_draining or state is entry.state:
@@ -491,6 +619,14 @@ class Membership:
 
     def _remove(self, member_id: str, reason: LeaveReason) -> None:
         entry = self._members.pop(member_id)
+        self._unsuspected.pop(member_id, None)
+        (self._silent if entry.silent else self._unsilent).pop(member_id)
+        held = self._records[entry.spec.model]
+        del held[member_id]
+        if not held:
+            del self._records[entry.spec.model]
+        self._stale.discard(member_id)
+        self._held.pop(member_id, None)
         self.admission.left(entry.spec.model)
         self._retime()
         self._publish(MemberLeft(self.epoch, self._next_version(), member_id,
@@ -499,8 +635,19 @@ class Membership:
             logger.info("[registry] leave id=%s reason=%s", member_id, reason.name.lower())
 
     def _publish_update(self, entry: _Entry) -> None:
-        self._publish(MemberUpdated(self.epoch, self._next_version(),
-                                    entry.record(self.wall_offset)))
+        record = entry.record(self.wall_offset)
+        entry.sent_load = entry.load  # the event carries it to every view
+        self._records[entry.spec.model][entry.spec.id] = record
+        self._stale.discard(entry.spec.id)
+        self._publish(MemberUpdated(self.epoch, self._next_version(), record))
+
+    def _refresh_records(self) -> None:
+        """Rebuild the cached records of the members that heartbeat since the last read."""
+        members, records, offset = self._members, self._records, self.wall_offset
+        for member_id in self._stale:
+            entry = members[member_id]
+            records[entry.spec.model][member_id] = entry.record(offset)
+        self._stale.clear()
 
     def _next_version(self) -> int:
         # The one place the version moves: each change gets the next number.
@@ -512,3 +659,11 @@ class Membership:
 
     def _retime(self) -> None:
         self.timing = timing_for(self.config, len(self._members))
+
+
+def _first(order: OrderedDict[str, _Entry]) -> _Entry:
+    return next(iter(order.values()))
+
+
+def _last(order: OrderedDict[str, _Entry]) -> _Entry:
+    return next(reversed(order.values()))

@@ -37,6 +37,7 @@ REJECTION_REASONS = [
     "malformed", "invalid", "oversized", "frames", "refused",  # the message itself
     "token", "version", "banned", "departed", "incarnation", "cap", "takeover",  # register
     "proof", "replay", "reporter", "rate",  # sessions, reports, sync rate
+    "unhandled",  # a message type the control channel has no handler for
 ]
 
 
@@ -52,6 +53,9 @@ class LoopStats:
     events: int = 0
     digests: int = 0
     syncs: int = 0
+    sync_bytes: int = 0  # snapshot bytes sent (the same encoding goes to many views)
+    snapshots_encoded: int = 0
+    digest_entries: int = 0  # load entries published in digests
     reports: Counter[str] = field(default_factory=Counter)
     handshake_failures: int = 0
     replies_dropped: int = 0
@@ -126,6 +130,13 @@ class RegistryCollector(Collector):
         yield _counter("pdreg_load_digests_published", "Load digests published.",
                        stats.digests)
         yield _counter("pdreg_syncs", "Snapshots served to views.", stats.syncs)
+        yield _counter("pdreg_load_digest_entries",
+                       "Member loads published in digests (changes past the deadband).",
+                       stats.digest_entries)
+        yield _counter("pdreg_sync_bytes", "Snapshot bytes sent to views.", stats.sync_bytes)
+        yield _counter("pdreg_snapshots_encoded",
+                       "Snapshots encoded (each is sent to every view asking meanwhile).",
+                       stats.snapshots_encoded)
         yield _labelled_counter("pdreg_failure_reports",
                                 "Failure reports from routers, by result.", "result",
                                 stats.reports, ["accepted", "ignored", "rejected", "unknown",

@@ -63,6 +63,7 @@ class Publisher:
                                     loads[start:start + DIGEST_MAX_ENTRIES], interval)
                 self.sock.send_multipart((topic, encode(digest)))
                 sent += 1
+            self.stats.digest_entries += len(loads)
         self.stats.digests += sent
 
     def snapshot(self, membership: Membership, now: float) -> Published:

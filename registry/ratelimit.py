@@ -1,10 +1,11 @@
-"""Limits on snapshot requests: a Sync costs the loop O(members), a heartbeat O(1).
+"""Limits on snapshot requests: a Sync costs the network O(members), a heartbeat O(1).
 
 Two token buckets, both pure (the clock is passed in):
-- per peer (one ZeroMQ connection): PEER_BURST syncs, refilled at PEER_SYNCS_PER_S (a view
-  syncs twice on start: once to learn the event port, once after subscribing);
-- overall, in member records: peers that reconnect to get a new identity still cannot
-  spend more than a share of the loop on snapshots.
+- per peer (one ZeroMQ connection): PEER_BURST syncs, refilled at PEER_SYNCS_PER_S;
+- overall, in bytes sent: a snapshot is encoded once per version and the same bytes go to
+  every requester, so what a sync costs is the bytes it puts on the wire (the loop only
+  hands libzmq a reference). Peers that reconnect to get a new identity still cannot
+  take more than BYTES_PER_S of the registry's bandwidth.
 
 A view that is refused keeps its last view and asks again after its sync timeout.
 """
@@ -17,8 +18,10 @@ from typing import Final
 
 PEER_BURST: Final = 4.0
 PEER_SYNCS_PER_S: Final = 2.0
-RECORDS_PER_S: Final = 200_000.0  # ~20 snapshots/s of 10,000 members
-BURST_RECORDS: Final = 1_000_000.0  # 100 views resyncing at once at 10,000 members
+# ~20 snapshots/s of 100k members (~25 MB each): 1,000 views starting together at 100k
+# members are served in under a minute. Loopback and a 10 GbE link carry it.
+BYTES_PER_S: Final = 512e6
+BURST_BYTES: Final = 1e9
 MAX_PEERS_TRACKED: Final = 10_000
 
 
@@ -44,17 +47,19 @@ class TokenBucket:
 class SyncLimiter:
     def __init__(self, *, peer_burst: float = PEER_BURST,
                  peer_syncs_per_s: float = PEER_SYNCS_PER_S,
-                 records_per_s: float = RECORDS_PER_S,
-                 burst_records: float = BURST_RECORDS) -> None:
+                 bytes_per_s: float = BYTES_PER_S,
+                 burst_bytes: float = BURST_BYTES) -> None:
         self.peer_burst = peer_burst
         self.peer_syncs_per_s = peer_syncs_per_s
-        self._records: TokenBucket | None = None
-        self._records_rate = (burst_records, records_per_s)
+        self._bytes: TokenBucket | None = None
+        self._bytes_rate = (burst_bytes, bytes_per_s)
         self._peers: OrderedDict[bytes, TokenBucket] = OrderedDict()  # least recent first
 
-    def wait_s(self, peer: bytes, records: int, now: float) -> float:
-        """0 if `peer` may have a snapshot of `records` members now (and charge it), else
-        how long it should wait."""
+    def peer_wait_s(self, peer: bytes, now: float) -> float:
+        """0 if `peer` may sync now (and charge it one sync), else how long to wait.
+
+        Checked before a snapshot is encoded, so a flood from one peer costs no encoding.
+        """
         bucket = self._peers.get(peer)
         if bucket is None:
             bucket = TokenBucket(self.peer_burst, self.peer_syncs_per_s, self.peer_burst, now)
@@ -63,12 +68,21 @@ class SyncLimiter:
         self._peers.move_to_end(peer)
         while len(self._peers) > MAX_PEERS_TRACKED:
             self._peers.popitem(last=False)
+        return wait
+
+    def wait_s(self, peer: bytes, size: int, now: float) -> float:
+        """Both checks in turn: 0 if `peer` may have `size` bytes now (and both are charged)."""
+        return self.peer_wait_s(peer, now) or self.bytes_wait_s(peer, size, now)
+
+    def bytes_wait_s(self, peer: bytes, size: int, now: float) -> float:
+        """0 if a snapshot of `size` bytes may go to `peer` now (and charge it), else how
+        long to wait; then the peer's sync is handed back (it was not served)."""
+        if self._bytes is None:
+            capacity, rate = self._bytes_rate
+            self._bytes = TokenBucket(capacity, rate, capacity, now)
+        wait = self._bytes.take(float(max(1, size)), now)
         if wait:
-            return wait
-        if self._records is None:
-            capacity, rate = self._records_rate
-            self._records = TokenBucket(capacity, rate, capacity, now)
-        wait = self._records.take(float(max(1, records)), now)
-        if wait:
-            bucket.tokens += 1.0  # not served: the peer's own budget is not spent
+            bucket = self._peers.get(peer)
+            if bucket is not None:
+                bucket.tokens += 1.0
         return wait

@@ -80,6 +80,9 @@ class Replica:
         # same load: their loads are current as of then (a member whose heartbeats stop
         # is marked suspect by the registry instead).
         self.loads_confirmed_at: dict[str, float] = {}
+        # Ids whose member changed or went since `take_changed()`: what a view merges,
+        # so an update costs what changed, not the whole membership.
+        self._changed: set[str] = set()
 
     @property
     def synced(self) -> bool:
@@ -88,6 +91,15 @@ class Replica:
     @property
     def carried(self) -> frozenset[str]:
         return frozenset(self._carried)
+
+    def next_drop_at(self) -> float | None:
+        """When `drop_carried` next has something to do (None: nothing carried)."""
+        return min(self._carried.values()) if self._carried else None
+
+    def take_changed(self) -> set[str]:
+        """Ids whose member changed or left since the last call."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def apply_snapshot(self, snapshot: Snapshot, now: float, wall_now: float) -> None:
         """Replace what we hold with `snapshot` (keeping old-epoch members a while)."""
@@ -109,6 +121,8 @@ class Replica:
                     del self._carried[member_id]
                 else:
                     fresh[member_id] = self.members[member_id]
+        self._changed.update(self.members)
+        self._changed.update(fresh)
         self.members = fresh
         self.epoch = snapshot.epoch
         self.version = snapshot.version
@@ -130,9 +144,11 @@ class Replica:
             if current is not None and current.record.spec.incarnation == event.incarnation:
                 del self.members[event.id]
                 self._carried.pop(event.id, None)
+                self._changed.add(event.id)
             return Applied.CHANGED
         record = event.member
         self.members[record.spec.id] = LiveMember(record, record.load, now, self.source)
+        self._changed.add(record.spec.id)
         self._carried.pop(record.spec.id, None)
         return Applied.CHANGED
 
@@ -142,6 +158,7 @@ class Replica:
         for member_id in due:
             del self._carried[member_id]
             del self.members[member_id]
+            self._changed.add(member_id)
             logger.info("[view] %s: %s did not re-register; dropped", self.source, member_id)
         return bool(due)
 
@@ -154,5 +171,6 @@ class Replica:
             if current is not None and current.record.spec.incarnation == entry.incarnation:
                 self.members[entry.id] = LiveMember(current.record, entry.load,
                                                     now - entry.heartbeat_age_s, self.source)
+                self._changed.add(entry.id)
                 applied = Applied.CHANGED
         return applied

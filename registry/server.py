@@ -28,6 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from registry.admission import MAX_MEMBERS, Limits
 from registry.control import ControlChannel
+from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
+from registry.deadband import Deadband
 from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
 from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
@@ -41,6 +43,13 @@ logger = logging.getLogger(__name__)
 
 DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
 SNAPSHOT_PERIOD_S = 0.5  # the HTTP snapshot picks up load changes at most this often
+# A membership change reaches the HTTP snapshot within this long. Building one costs
+# O(members) (a tuple of the cached records, ~5-20 ms at 100k), so a burst of events costs
+# one build, not one per loop turn; and builds are at least SNAPSHOT_COST_FACTOR times
+# their own duration apart, so they take at most about a tenth of the loop.
+SNAPSHOT_MIN_PERIOD_S = 0.02
+SNAPSHOT_COST_FACTOR = 10.0
+DEFAULT_MAX_MEMBERS = MAX_MEMBERS  # --max-members (registry.admission says why)
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 # /healthz answers 503 once the loop has not turned for this many heartbeat intervals
 # (at least HEALTHZ_MIN_STALL_S): the loop wakes every tick (<= 0.1 s), so that long
@@ -61,11 +70,18 @@ class RegistryConfig:
     lease_s: float = 3.0
     token: str = ""  # registrations must carry it when set
     admin_token: str = ""  # drain/evict must carry it when set
-    max_members: int = MAX_MEMBERS
+    max_members: int = DEFAULT_MAX_MEMBERS
     max_members_per_model: int = 0  # 0: only the total cap
     curve: ServerCurve | None = None  # CURVE on both ZeroMQ sockets when set
     tls_cert: str = ""  # with tls_key: HTTPS on the HTTP side (uvicorn's certificate/key)
     tls_key: str = ""
+    # A load change inside its deadband goes out at most this late (0: every change at
+    # once); see registry.deadband.
+    load_max_age_s: float = LOAD_MAX_AGE_S
+    io_threads: int = 1  # libzmq I/O threads: the PUB fan-out to many routers uses them
+
+    def deadband(self) -> Deadband:
+        return Deadband(max_age_s=self.load_max_age_s)
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(heartbeat_interval_s=self.heartbeat_interval_s,
@@ -92,8 +108,9 @@ class RegistryServer:
         self.stats = LoopStats()
         self._membership = Membership(self.epoch, self.config.detector(),
                                       limits=self.config.limits(),
-                                      wall_offset=time.time() - time.monotonic())
-        self._ctx = zmq.Context()
+                                      wall_offset=time.time() - time.monotonic(),
+                                      deadband=self.config.deadband())
+        self._ctx = zmq.Context(io_threads=self.config.io_threads)
         self._curve = CurveServer(self._ctx, self.config.curve) if self.config.curve else None
         # Without CURVE the same ZAP handler still limits new connections per address.
         self._zap = self._curve or CurveServer(self._ctx, None)
@@ -195,11 +212,6 @@ class RegistryServer:
         scheme = "https" if self.config.tls_cert else "http"
         return f"{scheme}://{_url_host(self.config.host)}:{self.http_port}" if self._http else ""
 
-    @property
-    def curve_public_key(self) -> bytes:
-        """The registry's CURVE public key (Z85), or b"" without CURVE."""
-        return self._curve.curve.public if self._curve is not None else b""
-
     # --- what other threads may call ---------------------------------------------------
 
     @property
@@ -240,10 +252,13 @@ class RegistryServer:
         decoder = control_decoder()  # one typed decoder, owned by this thread
         now = time.monotonic()
         next_digest = next_pulse = now
-        next_snapshot = now + SNAPSHOT_PERIOD_S
+        next_snapshot = now + SNAPSHOT_PERIOD_S  # moved closer when membership changes
+        last_snapshot = now
+        snapshot_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a build costs
         while self._state is ShutdownState.RUNNING:
             # 1) Poll until the next deadline (never forever).
-            deadline = min(membership.next_deadline(now), next_digest, next_pulse)
+            deadline = min(membership.next_deadline(now), next_digest, next_pulse,
+                           next_snapshot)
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
             timeout_ms = math.ceil(max(0.0, (deadline - time.monotonic()) * 1e3))
             ready = dict(poller.poll(timeout_ms))
@@ -266,9 +281,15 @@ class RegistryServer:
                     if now >= next_pulse:
                         next_pulse = now + membership.timing.heartbeat_interval_s
                     next_digest = now + DIGEST_PERIOD_S
-                if changed or now >= next_snapshot:
+                if changed:
+                    next_snapshot = min(next_snapshot, last_snapshot + snapshot_gap_s)
+                if now >= next_snapshot:
+                    building = time.monotonic()
                     self._published = self._publisher.snapshot(membership, now)
-                    next_snapshot = now + SNAPSHOT_PERIOD_S
+                    cost_s = time.monotonic() - building
+                    snapshot_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
+                    last_snapshot = now
+                    next_snapshot = now + max(SNAPSHOT_PERIOD_S, snapshot_gap_s)
             except Exception:
                 # A bug in one step must not take membership down with it.
                 self.stats.loop_errors += 1

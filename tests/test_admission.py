@@ -207,8 +207,8 @@ def test_evict_without_a_member_or_ban_is_unknown():
 
 
 def test_sync_limiter_per_peer_and_overall():
-    limiter = SyncLimiter(peer_burst=2, peer_syncs_per_s=1, records_per_s=100,
-                          burst_records=100)
+    limiter = SyncLimiter(peer_burst=2, peer_syncs_per_s=1, bytes_per_s=100,
+                          burst_bytes=100)
     assert limiter.wait_s(b"a", 10, 0.0) == 0
     assert limiter.wait_s(b"a", 10, 0.0) == 0
     assert limiter.wait_s(b"a", 10, 0.0) == pytest.approx(1.0)  # a's burst is spent

@@ -1,0 +1,612 @@
+"""The registry at fleet scale: a big fleet heartbeating, routers subscribed, churn.
+
+    .venv/bin/python bench/bench_scale.py [--members 10000,100000] [--subscribers 100]
+        [--churn 10] [--measure 10] [--baseline 97f4301]
+
+Per registry (this tree, and with --baseline a commit of this repository extracted with
+`git archive` into a temporary directory) and per fleet size, in one run, side by side:
+
+- the registry runs as `pdreg registry` in its own process (HTTP off), as deployed;
+- a load generator process registers the members and heartbeats each one at the interval
+  the registry dictates, from its own phase, with a load that changes (a random walk of
+  running requests and KV use), signed as agents sign; with --churn R, R times a second a
+  `churn-*` member says bye or comes back as a new incarnation; a probe member flips its
+  state every PROBE_EVERY_S (a membership event);
+- a subscriber process holds --subscribers raw SUB sockets (what a router's view holds):
+  bytes received, and when each probe event arrived (propagation);
+- a view process runs one real `MembershipView` (its CPU while the fleet runs).
+
+Reported over the measured window (after every member has registered and heartbeat at
+least once): heartbeats offered and answered OK, registry CPU (% of a core, and per
+heartbeat and per delivered PUB message), propagation p50/p99 of the probe's events to
+every subscriber, PUB bytes per router per second, view CPU, members wrongly suspected
+(a `MemberUpdated` with suspect set for a member that never stopped), and afterwards a
+Sync's round trip time and size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import msgspec
+import zmq
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_registry import _cpu_s, registry_process  # noqa: E402
+
+from registry import sessions  # noqa: E402
+from registry.client import MembershipView, request_snapshot  # noqa: E402
+from registry.protocol import (  # noqa: E402
+    Bye,
+    ByeReason,
+    Endpoints,
+    Heartbeat,
+    Load,
+    MemberSpec,
+    MemberState,
+    MemberUpdated,
+    Register,
+    ReplyStatus,
+    Role,
+    Sync,
+    event_decoder,
+    make_encoder,
+    reply_decoder,
+)
+
+SOCKETS = 64  # generator DEALERs (the registry does not care which carries whom)
+# Registrations in flight per socket. Replies on one socket must stay below the ROUTER's
+# send queue (1,000), or the registry drops them (as it would for a member not reading).
+WINDOW = 32
+PROBE_EVERY_S = 0.25
+PROBE_MODEL = "probe"
+MODELS = 8  # members spread over this many models (topics)
+CHURN_MEMBERS = 200
+SUB_RCVHWM = 20_000  # per subscriber: one that falls behind loses messages (counted)
+
+
+def member_spec(member_id: str, model: str, i: int, incarnation: int = 1) -> MemberSpec:
+    host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
+    return MemberSpec(id=member_id, incarnation=incarnation,
+                      role=Role.PREFILL if i % 2 else Role.DECODE, model=model,
+                      protocol="reference",
+                      endpoints=Endpoints(http=f"http://{host}:8000", kv_host=host,
+                                          kv_port=5600),
+                      labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
+
+
+@dataclass
+class _Member:
+    spec: MemberSpec
+    nonce: bytes
+    session: bytes = b""
+    seq: int = 0
+    running: int = 0
+    kv: float = 0.0
+    up: bool = True
+    due: float = 0.0
+
+
+# --- the load generator ------------------------------------------------------------------
+
+
+def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
+              out: mp.Queue) -> None:
+    rng = random.Random(7)
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(SOCKETS):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.connect(f"tcp://{address}")
+        socks.append(s)
+    encode = make_encoder().encode
+    decode = reply_decoder().decode
+    fleet = [_Member(member_spec(f"decode-{i}", f"m{i % MODELS}", i), sessions.new_nonce(),
+                     running=rng.randrange(64), kv=rng.random())
+             for i in range(members)]
+    churners = [_Member(member_spec(f"churn-{j}", f"m{j % MODELS}", members + j),
+                        sessions.new_nonce()) for j in range(CHURN_MEMBERS if churn_per_s else 0)]
+    probe = _Member(member_spec("probe-0", PROBE_MODEL, members + CHURN_MEMBERS + 1),
+                    sessions.new_nonce())
+    everyone = [*fleet, *churners, probe]
+    # Replies come back in order per socket: what each pending one was about.
+    pending: list[deque[tuple[str, _Member | None]]] = [deque() for _ in socks]
+    counts = {"sent": 0, "ok": 0, "other": 0, "registered": 0}
+    interval = [1.0]
+    registered_hook: list = [lambda member: None]
+
+    def send(k: int, payload: bytes, kind: str, member: _Member | None) -> None:
+        socks[k].send(payload, zmq.NOBLOCK)
+        pending[k].append((kind, member))
+
+    poller = zmq.Poller()
+    for s in socks:
+        poller.register(s, zmq.POLLIN)
+    index = {s: k for k, s in enumerate(socks)}
+
+    def drain(timeout_ms: int) -> None:
+        for s, _ in poller.poll(timeout_ms):
+            k = index[s]
+            while True:
+                try:
+                    payload = s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                kind, member = pending[k].popleft()
+                reply = decode(payload)
+                interval[0] = getattr(reply, "heartbeat_interval_s", interval[0])
+                if kind == "register" and member is not None:
+                    counts["registered"] += 1
+                    if reply.status is ReplyStatus.OK:
+                        member.session = reply.session
+                        registered_hook[0](member)
+                elif kind == "beat":
+                    counts["ok" if reply.status is ReplyStatus.OK else "other"] += 1
+
+    def register(member: _Member, k: int) -> None:
+        send(k, encode(Register(spec=member.spec, nonce=member.nonce,
+                                state=MemberState.READY, load=Load(member.running))),
+             "register", member)
+
+    def beat(member: _Member, k: int, extra: dict[str, float] | None = None,
+             state: MemberState = MemberState.READY) -> None:
+        member.seq += 1
+        member.running = max(0, member.running + rng.choice((-2, -1, 0, 0, 1, 2)))
+        member.kv = min(1.0, max(0.0, member.kv + rng.uniform(-0.01, 0.01)))
+        load = Load(member.running, 0, round(member.kv, 4), extra or {})
+        send(k, sessions.seal(member.session, encode(Heartbeat(
+            member.spec.id, member.spec.incarnation, member.seq, state, load))),
+             "beat", member)
+        counts["sent"] += 1
+
+    # Members heartbeat from the moment they are registered, as agents do, each in its
+    # own phase: a heap of (due, index). Registrations go out WINDOW in flight per socket.
+    due: list[tuple[float, int]] = []
+    for i in range(len(everyone)):
+        everyone[i].due = -1.0  # not registered yet
+    started = time.monotonic()
+    to_register = 0
+    registered_reported = False
+    probes: list[float] = []
+    next_probe = math.inf
+    next_churn = math.inf
+    marks: dict[str, dict[str, float]] = {}
+    down: list[_Member] = []
+
+    def on_registered(member: _Member) -> None:
+        heapq.heappush(due, (time.monotonic() + rng.random() * interval[0],
+                             everyone_index[member.spec.id]))
+
+    everyone_index = {m.spec.id: i for i, m in enumerate(everyone)}
+    registered_hook[0] = on_registered
+    while True:
+        try:
+            message = ctl.get_nowait()
+        except Exception:
+            message = None
+        if message in ("start", "end"):
+            marks[message] = {**counts, "t": time.monotonic(), "probes": len(probes)}
+        if message == "end":
+            break
+        now = time.monotonic()
+        # 1) Registrations, while the registered heartbeat.
+        while to_register < len(everyone) and len(pending[to_register % SOCKETS]) < WINDOW:
+            register(everyone[to_register], to_register % SOCKETS)
+            to_register += 1
+        if (not registered_reported and to_register == len(everyone)
+                and counts["registered"] >= len(everyone)):
+            registered_reported = True
+            missing = sum(1 for m in everyone if not m.session)
+            out.put(("registered", now - started, missing, interval[0]))
+            next_probe = now + 1.0
+            next_churn = now + (1.0 / churn_per_s if churn_per_s else math.inf)
+        # 2) Due heartbeats.
+        while due and due[0][0] <= now:
+            when, i = heapq.heappop(due)
+            member = everyone[i]
+            if member is probe:
+                continue  # the probe beats on its own schedule
+            if member.up and member.session:
+                beat(member, i % SOCKETS)
+                heapq.heappush(due, (when + interval[0], i))
+        if now >= next_probe:
+            next_probe += PROBE_EVERY_S
+            state = MemberState.JOINING if len(probes) % 2 == 0 else MemberState.READY
+            probes.append(time.monotonic())
+            beat(probe, 0, {"probe": float(len(probes) - 1)}, state)
+        while now >= next_churn:
+            next_churn += 1.0 / churn_per_s
+            if down and (rng.random() < 0.5 or len(down) > len(churners) // 2):
+                member = down.pop(0)
+                member.spec = msgspec.structs.replace(member.spec,
+                                                      incarnation=member.spec.incarnation + 1)
+                member.nonce, member.seq, member.up = sessions.new_nonce(), 0, True
+                register(member, 1)
+            else:
+                member = rng.choice(churners)
+                if member.up and member.session:
+                    member.seq += 1
+                    send(1, sessions.seal(member.session, encode(Bye(
+                        member.spec.id, member.spec.incarnation, member.seq,
+                        ByeReason.SHUTDOWN))), "bye", member)
+                    member.up = False
+                    member.session = b""
+                    down.append(member)
+        drain(0)
+        wait = min(due[0][0] if due else math.inf, next_probe, next_churn) - time.monotonic()
+        if wait > 0 or to_register < len(everyone):
+            drain(int(min(max(wait, 0.0), 0.005) * 1e3) + 1)
+    out.put(("done", marks, probes))
+    ctx.destroy(linger=0)
+
+
+# --- subscribers (raw SUB sockets, as a router's view holds) -------------------------------
+
+
+def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queue,
+                ctl: mp.Queue, out: mp.Queue) -> None:
+    """With `per_model`, every subscriber but the first serves one model, as a router
+    started with --models does (its topic, the probe's and the pulse); the first one
+    takes every topic (the bytes a router serving every model receives)."""
+    ctx = zmq.Context()
+    socks = []
+    poller = zmq.Poller()
+    for k in range(count):
+        s = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
+        if per_model and k:
+            for model in (f"m{k % MODELS}", PROBE_MODEL, ""):
+                s.setsockopt(zmq.SUBSCRIBE, model.encode() + b"\0")
+        else:
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(f"tcp://{events_address}")
+        poller.register(s, zmq.POLLIN)
+        socks.append(s)
+    decode = event_decoder().decode
+    probe_topic = PROBE_MODEL.encode() + b"\0"
+    measuring = False
+    nbytes = messages = 0
+    arrivals: dict[int, list[float]] = {}  # probe k -> arrival time per subscriber
+    wrongly_suspect: set[str] = set()
+    ready.put("subscribed")
+    while True:
+        try:
+            message = ctl.get_nowait()
+        except Exception:
+            message = None
+        if message == "start":
+            measuring, nbytes, messages = True, 0, 0
+        elif message == "end":
+            break
+        for s, _ in poller.poll(20):
+            first = s is socks[0]
+            while True:
+                try:
+                    topic, body = s.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                now = time.monotonic()
+                if first and measuring:
+                    nbytes += len(topic) + len(body)
+                    messages += 1
+                if topic == probe_topic:
+                    event = decode(body)
+                    if isinstance(event, MemberUpdated):
+                        k = int(event.member.load.extra.get("probe", -1))
+                        arrivals.setdefault(k, []).append(now)
+                elif first and measuring and body[:20].find(b"MemberUpdated") >= 0:
+                    event = decode(body)
+                    if (isinstance(event, MemberUpdated) and event.member.suspect
+                            and not event.member.spec.id.startswith("churn-")):
+                        wrongly_suspect.add(event.member.spec.id)
+    out.put((nbytes, messages, arrivals, sorted(wrongly_suspect)))
+    ctx.destroy(linger=0)
+
+
+def view_process(address: str, ctl: mp.Queue, out: mp.Queue) -> None:
+    view = MembershipView(address).start()
+    cpu0 = time.process_time()
+    while True:
+        message = ctl.get()
+        if message == "start":
+            cpu0 = time.process_time()
+            t0 = time.monotonic()
+        elif message == "end":
+            break
+    cpu = time.process_time() - cpu0
+    out.put((cpu / max(1e-9, time.monotonic() - t0), len(view.members())))
+    view.close()
+
+
+# --- one run -------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    tree: str
+    members: int
+    subscribers: int
+    per_model: bool
+    churn_per_s: float
+    interval_s: float
+    register_s: float
+    not_registered: int
+    offered_per_s: float
+    sent_total: int  # heartbeats the generator sent, the whole run
+    handled_total: int  # heartbeats the registry handled, the whole run (its own counter)
+    answered_per_s: float  # OK replies the generator read back
+    refused: int
+    registry_core_pct: float
+    registry_us_per_heartbeat: float
+    registry_us_per_delivered_msg: float
+    propagation_p50_ms: float
+    propagation_p99_ms: float
+    probes_lost: int
+    pub_bytes_per_router_per_s: float
+    pub_msgs_per_router_per_s: float
+    view_core_pct: float
+    view_members: int
+    wrongly_suspect: int
+    snapshot_ms: float
+    snapshot_mb: float
+
+
+def run_one(tree: str, src: str, members: int, subs: int, churn: float,
+            measure_s: float, extra: tuple[str, ...], per_model: bool = False,
+            warmup_s: float = 0.0) -> Result:
+    with registry_process(1.0, 3.0, src=src,
+                          extra=("--max-members", str(2 * members + 1000), "--http-port", "0",
+                                 *extra)) as (address, pid):
+        hello = request_snapshot(address, timeout_s=10)
+        events_port = hello.events_port
+        metrics_url = f"http://{address.rpartition(':')[0]}:{hello.http_port}/metrics"
+        events = f"{address.rpartition(':')[0]}:{events_port}"
+        queues = {name: (mp.Queue(), mp.Queue()) for name in ("gen", "sub", "view")}
+        gen = mp.Process(target=generator, args=(address, members, churn, *queues["gen"]))
+        gen.start()
+        _, register_s, missing, interval = queues["gen"][1].get(timeout=600)
+        # Routers come once the fleet is up (100 of them in one process here could not
+        # take 100k joins each; in a real fleet each has its own host).
+        ready: mp.Queue = mp.Queue()
+        sub = mp.Process(target=subscribers,
+                         args=(events, subs, per_model, ready, *queues["sub"]))
+        sub.start()
+        ready.get(timeout=60)
+        view = mp.Process(target=view_process, args=(address, *queues["view"]))
+        view.start()
+        # Every member heartbeats once, the view syncs, the registration backlog drains.
+        time.sleep(max(2.0, 1.5 * interval, warmup_s))
+        for name in queues:
+            queues[name][0].put("start")
+        cpu0, t0 = _cpu_s(pid), time.monotonic()
+        time.sleep(measure_s)
+        cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
+        for name in queues:
+            queues[name][0].put("end")
+        _, marks, probes = queues["gen"][1].get(timeout=120)
+        nbytes, messages, arrivals, suspects = queues["sub"][1].get(timeout=120)
+        view_core, view_members = queues["view"][1].get(timeout=120)
+        for p in (gen, sub, view):
+            p.join(timeout=30)
+        # Scraped once, after the window: at 100k members /metrics is ~10 MB and takes the
+        # registry's HTTP thread ~1.5 s, which would stall the loop inside the window.
+        time.sleep(2.0)
+        handled = _heartbeats_handled(metrics_url)
+        t_sync = time.perf_counter()
+        raw = _sync_bytes(address)
+        snapshot_s = time.perf_counter() - t_sync
+    start, end = marks["start"], marks["end"]
+    window = end["t"] - start["t"]
+    lat = []
+    lost = 0
+    for k in range(int(start["probes"]), int(end["probes"])):
+        got = arrivals.get(k, [])
+        lost += subs - len(got)
+        lat.extend(1e3 * (t - probes[k]) for t in got)
+    lat.sort()
+    answered = end["ok"] - start["ok"]
+    delivered = messages * subs
+    return Result(
+        tree=tree, members=members, subscribers=subs, per_model=per_model, churn_per_s=churn,
+        interval_s=interval,
+        register_s=round(register_s, 1), not_registered=missing,
+        offered_per_s=round((end["sent"] - start["sent"]) / window),
+        sent_total=int(end["sent"]), handled_total=int(handled),
+        answered_per_s=round(answered / window), refused=int(end["other"] - start["other"]),
+        registry_core_pct=round(100 * cpu / elapsed, 1),
+        registry_us_per_heartbeat=round(1e6 * cpu / max(1, answered), 1),
+        registry_us_per_delivered_msg=round(1e6 * cpu / max(1, delivered), 2),
+        propagation_p50_ms=round(_pct(lat, 0.5), 1), propagation_p99_ms=round(_pct(lat, 0.99), 1),
+        probes_lost=lost, pub_bytes_per_router_per_s=round(nbytes / elapsed),
+        pub_msgs_per_router_per_s=round(messages / elapsed),
+        view_core_pct=round(100 * view_core, 1), view_members=view_members,
+        wrongly_suspect=len(suspects), snapshot_ms=round(1e3 * snapshot_s, 1),
+        snapshot_mb=round(len(raw) / 1e6, 2))
+
+
+def _register_only(address: str, members: int) -> None:
+    """Register `members` without heartbeats (the registry runs with a long lease)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(f"tcp://{address}")
+    encode = make_encoder().encode
+    sent = received = 0
+    while received < members:
+        while sent < members and sent - received < WINDOW:
+            spec = member_spec(f"decode-{sent}", f"m{sent % MODELS}", sent)
+            sock.send(encode(Register(spec=spec, nonce=sessions.new_nonce(),
+                                      state=MemberState.READY)))
+            sent += 1
+        if sock.poll(1000):
+            sock.recv()
+            received += 1
+    ctx.destroy(linger=0)
+
+
+def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, object]:
+    """`views` DEALERs ask for a snapshot at once (as views starting together do); the
+    time until every one holds a snapshot, retrying after a refusal as a view does. The
+    snapshots are received, not decoded: decoding is each router's own CPU, elsewhere."""
+    with registry_process(5.0, 3600.0, src=src,
+                          extra=("--max-members", str(members + 1000))) as (address, pid):
+        _register_only(address, members)
+        ctx = zmq.Context()
+        socks = []
+        poller = zmq.Poller()
+        for _ in range(views):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.RCVHWM, 1)
+            s.connect(f"tcp://{address}")
+            poller.register(s, zmq.POLLIN)
+            socks.append(s)
+        request = make_encoder().encode(Sync())
+        time.sleep(1.0)  # every connection up
+        cpu0, t0 = _cpu_s(pid), time.monotonic()
+        for s in socks:
+            s.send(request)
+        waiting = set(range(views))
+        index = {s: k for k, s in enumerate(socks)}
+        retry: dict[int, float] = {}
+        syncs = refusals = 0
+        nbytes = 0
+        deadline = t0 + 900
+        while waiting and time.monotonic() < deadline:
+            for s, _ in poller.poll(100):
+                frame = s.recv(copy=False)
+                k = index[s]
+                if len(frame) > 1000 or frame.bytes[:20].find(b"Snapshot") >= 0:
+                    waiting.discard(k)
+                    syncs += 1
+                    nbytes += len(frame)
+                else:  # refused (rate): ask again a little later, as a view does
+                    refusals += 1
+                    retry[k] = time.monotonic() + 0.5
+            now = time.monotonic()
+            for k, at in list(retry.items()):
+                if now >= at:
+                    del retry[k]
+                    socks[k].send(request)
+        elapsed = time.monotonic() - t0
+        cpu = _cpu_s(pid) - cpu0
+        ctx.destroy(linger=0)
+    return {"tree": tree, "members": members, "views": views, "synced": views - len(waiting),
+            "seconds": round(elapsed, 1), "refusals": refusals,
+            "registry_cpu_s": round(cpu, 1), "gb_sent": round(nbytes / 1e9, 2)}
+
+
+def _heartbeats_handled(metrics_url: str) -> float:
+    """The registry's own count of heartbeats handled (scraped: it costs the loop nothing)."""
+    import httpx
+
+    for line in httpx.get(metrics_url, timeout=30).text.splitlines():
+        if line.startswith("pdreg_heartbeats_total "):
+            return float(line.split()[1])
+    return math.nan
+
+
+def _sync_bytes(address: str) -> bytes:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://{address}")
+    s.send(make_encoder().encode(Sync()))
+    assert s.poll(60_000), "no snapshot"
+    raw = s.recv()
+    s.close(linger=0)
+    return raw
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def baseline_tree(commit: str) -> str:
+    """This repository at `commit`, extracted into a temporary directory."""
+    target = tempfile.mkdtemp(prefix="pdreg-baseline-")
+    archive = subprocess.run(["git", "-C", ROOT, "archive", commit], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", target], input=archive, check=True)
+    return target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--members", default="10000,100000")
+    parser.add_argument("--subscribers", type=int, default=100)
+    parser.add_argument("--churn", type=float, default=0.0, help="changes per second")
+    parser.add_argument("--measure", type=float, default=10.0, help="seconds measured")
+    parser.add_argument("--warmup", type=float, default=0.0,
+                        help="seconds between the last registration and the window")
+    parser.add_argument("--baseline", default="", help="a commit to run beside this tree")
+    parser.add_argument("--only-baseline", action="store_true")
+    parser.add_argument("--registry-args", default="", help="extra args for this tree's registry")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--per-model", action="store_true",
+                        help="subscribers serve one model each (router --models)")
+    parser.add_argument("--sync-storm", type=int, default=0, metavar="VIEWS",
+                        help="instead: VIEWS views asking for a snapshot at once")
+    args = parser.parse_args()
+    trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
+    tmp = None
+    if args.baseline:
+        tmp = baseline_tree(args.baseline)
+        trees.insert(0, (args.baseline, tmp, ()))
+    results = []
+    try:
+        if args.sync_storm:
+            for members in (int(m) for m in args.members.split(",")):
+                for name, src, _ in trees:
+                    print(json.dumps(sync_storm(name, src, members, args.sync_storm)),
+                          flush=True)
+            return 0
+        for members in (int(m) for m in args.members.split(",")):
+            for name, src, extra in trees:
+                result = run_one(name, src, members, args.subscribers, args.churn,
+                                 args.measure, extra, args.per_model, args.warmup)
+                results.append(result)
+                print(json.dumps(asdict(result)), flush=True)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not args.json:
+        _table(results)
+    return 0
+
+
+def _table(results: list[Result]) -> None:
+    cols = ["tree", "members", "churn_per_s", "interval_s", "offered_per_s", "sent_total",
+            "handled_total",
+            "answered_per_s",
+            "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
+            "propagation_p50_ms", "propagation_p99_ms", "probes_lost",
+            "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect", "snapshot_ms",
+            "snapshot_mb", "register_s"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        row = asdict(r)
+        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
