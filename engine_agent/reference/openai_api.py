@@ -6,7 +6,7 @@ Extras understood: `ignore_eos`, `return_token_ids` (vLLM: `prompt_token_ids` an
 fields are ignored, as vLLM does by default. Unlike OpenAI, the default temperature is 0
 (greedy), so tests and demos are repeatable.
 
-What a router needs to continue a generation elsewhere is vLLM's exactly (notes §6):
+What a router needs to continue a generation elsewhere is vLLM's exactly (docs/engines.md §6):
 `"prompt": [ids]` is accepted, `return_token_ids` gives the ids out, and `max_tokens`
 means what vLLM makes of it: absent on /v1/completions = 16, null (and absent on chat) =
 up to the context length. Response shapes follow vLLM's too: `token_ids` and
