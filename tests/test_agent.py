@@ -149,7 +149,7 @@ def test_keeps_trying_while_registry_is_down_and_joins_when_it_appears(
     srv = make_server(port)
     try:
         assert wait_until(lambda: spec.id in srv.members(), TIMEOUT_S)
-        assert agent.registered
+        assert wait_until(lambda: agent.registered, TIMEOUT_S)  # its reply may come later
     finally:
         srv.close()
 
@@ -364,8 +364,9 @@ def test_a_woken_loop_goes_back_to_sleep(server: RegistryServer, agents: list[Ag
     agents.append(agent.start())
     assert wait_until(lambda: agent.registered, TIMEOUT_S)
     agent.set_state(MemberState.READY)
-    assert wait_until(lambda: server.members()[agent.spec.id].state is MemberState.READY,
-                      TIMEOUT_S)
+    # members() is the published view: it may not hold the member yet when it registered.
+    assert wait_until(lambda: getattr(server.members().get(agent.spec.id), "state", None)
+                      is MemberState.READY, TIMEOUT_S)
     before = rounds
     time.sleep(1.0)  # the window counted: one heartbeat interval is 0.2 s
     # A sleeping loop turns a few times per interval (send, reply); a spinning one
