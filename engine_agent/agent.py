@@ -119,6 +119,9 @@ class Agent:
         # whatever the owner sets, so every registry (and a restarted one) reports it.
         self._admin_drained = False
         self._bye_reason = ByeReason.SHUTDOWN
+        # An operator banned this id at one of its registries: (seconds, monotonic time
+        # told). The bye passes the ban on to every registry that holds a session.
+        self._ban: tuple[float, float] | None = None
         self._shutdown = ShutdownState.RUNNING
         self._last_good_load = Load()
         self._load_failed = False  # log a failing callback once per failure streak
@@ -330,11 +333,15 @@ class Agent:
                            "every registry", link.address, self._spec.id)
             self.set_state(MemberState.DRAINING)
             self._admin_drained = True
-        if reply.banned_s > 0 and self._shutdown is ShutdownState.RUNNING:
-            logger.error("[agent] registry %s: id=%s is banned for %.0fs (an operator evicted "
-                         "it); saying bye to every registry and registering no more",
-                         link.address, self._spec.id, reply.banned_s)
-            self._shutdown = ShutdownState.REQUESTED  # the loop says bye, then exits
+        # Also while saying bye: a late Register reply may be the one that says it.
+        if reply.banned_s > 0 and (self._ban is None or reply.banned_s > self._ban[0]):
+            self._ban = (reply.banned_s, time.monotonic())
+            if self._shutdown is ShutdownState.RUNNING:
+                logger.error("[agent] registry %s: id=%s is banned for %.0fs (an operator "
+                             "evicted it); passing the ban on to every registry and "
+                             "registering no more", link.address, self._spec.id,
+                             reply.banned_s)
+                self._shutdown = ShutdownState.REQUESTED  # the loop says bye, then exits
 
     def _say_bye(self, context: zmq.Context, encoder: msgspec.msgpack.Encoder,
                  decoder: msgspec.msgpack.Decoder) -> None:
@@ -346,8 +353,7 @@ class Agent:
                 continue  # never registered there (or gave up): nothing to remove
             sock = link.open_socket(context, self._curve)
             try:
-                sock.send_multipart(link.bye(self._spec, self._bye_reason, encoder),
-                                    zmq.NOBLOCK)
+                sock.send_multipart(self._bye_frames(link, encoder), zmq.NOBLOCK)
             except zmq.Again:
                 continue
             waiting[sock] = 1 if link.idle else 2
@@ -366,8 +372,16 @@ class Agent:
                     poller.unregister(sock)
         skipped = [link.address for link in self._links if link.socket in waiting]
         logger.info("[agent] bye id=%s reason=%s%s", self._spec.id,
-                    self._bye_reason.name.lower(),
+                    "banned" if self._ban else self._bye_reason.name.lower(),
                     f" (no answer from {','.join(skipped)})" if skipped else "")
+
+    def _bye_frames(self, link: Link, encoder: msgspec.msgpack.Encoder) -> list[bytes]:
+        if self._ban is None:
+            return link.bye(self._spec, self._bye_reason, encoder)
+        ban_s, told_at = self._ban
+        # What is left of the ban: a registry that hears it later holds it no longer.
+        left_s = max(0.0, ban_s - (time.monotonic() - told_at))
+        return link.banned_bye(self._spec, left_s, encoder)
 
     def _finish_registrations(self, deadline: float, decoder: msgspec.msgpack.Decoder) -> None:
         """Wait (until `deadline`) for Registers still in flight: a bye needs the session

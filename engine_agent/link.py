@@ -28,6 +28,7 @@ from registry import sessions
 from registry.detector import HEARTBEAT_INTERVAL_S
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
+    BannedBye,
     Bye,
     ByeReason,
     Heartbeat,
@@ -128,6 +129,13 @@ class Link:
         self.seq += 1
         return self._signed(encoder, Bye(id=spec.id, incarnation=spec.incarnation,
                                          seq=self.seq, reason=reason))
+
+    def banned_bye(self, spec: MemberSpec, ban_s: float,
+                   encoder: msgspec.msgpack.Encoder) -> list[bytes]:
+        """The bye of a member an operator banned: this registry holds the ban too."""
+        self.seq += 1
+        return self._signed(encoder, BannedBye(id=spec.id, incarnation=spec.incarnation,
+                                               seq=self.seq, ban_s=ban_s))
 
     def _signed(self, encoder: msgspec.msgpack.Encoder, message: object) -> list[bytes]:
         return [sessions.seal(self.session, encoder.encode(message))]

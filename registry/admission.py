@@ -24,6 +24,7 @@ MAX_MEMBERS = 100_000
 # than this could only be meant to outlive every real restart of that id.
 MAX_INCARNATION_AHEAD_S = 60.0
 MAX_BANS = 10_000
+MAX_BAN_S = 30 * 24 * 3600.0  # the longest ban an operator (or a banned member) can set
 MAX_DEPARTED = 10_000  # (id, incarnation) pairs that said bye, newest kept
 
 
@@ -101,12 +102,33 @@ class Admission:
 
     def ban(self, member_id: str, now: float, ban_s: float) -> Outcome | None:
         """Refuse `member_id`'s registrations for `ban_s`; why not, or None."""
-        self._bans = {i: end for i, end in self._bans.items() if end > now}
-        if len(self._bans) >= MAX_BANS and member_id not in self._bans:
+        if not self._room_for(member_id, now):
             return refused(f"{MAX_BANS} ids are banned already", "bans")
         self._bans[member_id] = now + ban_s
         logger.warning("[registry] ban id=%s for %.0fs (admin)", member_id, ban_s)
         return None
+
+    def ban_passed_on(self, member_id: str, now: float, ban_s: float) -> bool:
+        """A ban another registry set, passed on by the banned member (`BannedBye`);
+        whether it is held now.
+
+        The rules, as the member can only ever speak for its own id:
+        - at most MAX_BAN_S, the longest an operator here could set;
+        - it only lengthens a ban held here, never shortens one an operator set;
+        - within MAX_BANS, like an operator's ban.
+        """
+        ban_s = min(ban_s, MAX_BAN_S)
+        if ban_s <= 0 or not self._room_for(member_id, now):
+            return False
+        end = max(now + ban_s, self._bans.get(member_id, 0.0))
+        self._bans[member_id] = end
+        logger.warning("[registry] ban id=%s for %.0fs (passed on by the member from "
+                       "another registry)", member_id, end - now)
+        return True
+
+    def _room_for(self, member_id: str, now: float) -> bool:
+        self._bans = {i: end for i, end in self._bans.items() if end > now}
+        return len(self._bans) < MAX_BANS or member_id in self._bans
 
     def banned(self, now: float) -> dict[str, float]:
         """Ids banned now and the seconds each ban has left."""

@@ -29,6 +29,7 @@ from registry.protocol import (
     MAX_MESSAGE_BYTES,
     NO_PROOF,
     PROTOCOL_VERSION,
+    BannedBye,
     Bye,
     ControlMessage,
     Heartbeat,
@@ -88,6 +89,7 @@ class ControlChannel:
             Heartbeat: self._on_heartbeat,
             Register: self._on_register,
             Bye: self._on_bye,
+            BannedBye: self._on_banned_bye,
             Report: self._on_report,
             Sync: self._on_sync,
         }
@@ -156,6 +158,10 @@ class ControlChannel:
 
     def _on_bye(self, identity: bytes, message: Bye, payload: bytes, now: float) -> Outcome:
         return self.membership.bye(message, payload)
+
+    def _on_banned_bye(self, identity: bytes, message: BannedBye, payload: bytes,
+                       now: float) -> Outcome:
+        return self.membership.banned_bye(message, payload, now)
 
     def _on_report(self, identity: bytes, message: Report, payload: bytes,
                    now: float) -> Outcome:

@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from registry.admission import MAX_BAN_S
 from registry.dashboard import dashboard_router
 from registry.http_guard import BodyLimit
 from registry.metrics import LoopStats, make_metrics_registry
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from registry.outcome import Outcome
 
 ADMIN_TIMEOUT_S = 5.0
-MAX_BAN_S = 30 * 24 * 3600.0
 
 
 class RegistryHandle(Protocol):
@@ -154,7 +154,8 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
 
     @app.get("/v1/bans", dependencies=reader)
     def bans() -> list[dict[str, Any]]:
-        """Ids an operator evicted with a ban, and the seconds each ban has left."""
+        """Ids an operator evicted with a ban (here, or at another registry: the banned
+        member passed it on), and the seconds each ban has left."""
         published = server.published
         elapsed = time.time() - published.taken_at
         return [{"id": member_id, "seconds_left": round(max(0.0, left - elapsed), 1)}

@@ -43,6 +43,7 @@ from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
 from registry.outcome import BAD_PROOF, DRAIN, OK, UNKNOWN, Outcome, refused
 from registry.preservation import Change, SelfPreservation
 from registry.protocol import (
+    BannedBye,
     Bye,
     ByeReason,
     Heartbeat,
@@ -281,6 +282,36 @@ class Membership:
             return entry
         leave = LeaveReason.CRASHED if bye.reason is ByeReason.CRASHED else LeaveReason.BYE
         self._remove(bye.id, leave)
+        self.admission.said_bye(bye.id, bye.incarnation)
+        return OK
+
+    def banned_bye(self, bye: BannedBye, payload: bytes, now: float) -> Outcome:
+        """A member an operator banned at another registry leaves, and the ban with it.
+
+        How a ban reaches every registry and survives a restart of any (the member
+        carries it, as with a drain):
+        - An operator bans an id at registry A (`evict --ban`). A refuses its Registers
+          with `Reply.banned_s`; the member's agent then sends this to every registry
+          where it holds a session, and stops registering anywhere.
+        - A later process with that id registers everywhere. Any registry still holding
+          the ban refuses it with `banned_s`, so the ones that accepted it (a restarted
+          A that forgot) hear this and hold the ban again.
+        Guards:
+        - Sealed with the member's own session, `seq` new (`_authenticate`): only the
+          member itself can send it, and it can only ban its own id. A stranger, a forged
+          proof or a replay changes nothing.
+        - An id not held here changes nothing (nobody to authenticate).
+        - The length is capped and only ever lengthens a ban (`Admission.ban_passed_on`).
+          It is no more than the member could do by leaving and staying away; a fleet-
+          token holder gets nothing it could not by keeping the id registered.
+        """
+        if bye.id not in self._members:
+            return OK  # already gone, and unproven: nothing to record
+        entry = self._authenticate(bye.id, bye.incarnation, bye.seq, payload, bye.proof)
+        if isinstance(entry, Outcome):
+            return entry
+        self.admission.ban_passed_on(bye.id, now, bye.ban_s)
+        self._remove(bye.id, LeaveReason.EVICTED)
         self.admission.said_bye(bye.id, bye.incarnation)
         return OK
 

@@ -3,7 +3,8 @@
 Control channel (engine agent / router  <->  registry ROUTER socket), after ZeroMQ's
 identity envelope:
 
-    agent -> registry   frame 0: a `ControlMessage` (Register | Heartbeat | Bye | Sync | Report)
+    agent -> registry   frame 0: a `ControlMessage`
+                        (Register | Heartbeat | Bye | BannedBye | Sync | Report)
     registry -> agent   frame 0: a `Reply` (for Register/Heartbeat/Bye/Report) or a `Snapshot`
 
 Sessions: an accepted Register's Reply carries `session`, a secret of 256 random bits the
@@ -249,6 +250,27 @@ class Bye(msgspec.Struct, frozen=True, tag=True, array_like=True):
     proof: Proof = NO_PROOF
 
 
+class BannedBye(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A Bye from a member an operator banned (at some registry, for `ban_s` more
+    seconds): the registry removes it and refuses its id for that long too.
+
+    How a ban reaches every registry, and a restarted one again: the member carries it,
+    as with a drain (see `Reply.banned_s`). Sealed with the member's own session like
+    every Bye, so a member can only ever ban its own id (`Membership.banned_bye`).
+
+    A message of its own rather than a field of `Bye`: a proved message ends with its
+    proof, so a new Bye field could only go before it, and old agents' Byes would no
+    longer decode. An old registry refuses this one as unknown (the member then leaves
+    it by lease).
+    """
+
+    id: MemberId
+    incarnation: Incarnation
+    seq: Seq
+    ban_s: Seconds
+    proof: Proof = NO_PROOF
+
+
 class Sync(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
     """Ask for a snapshot. `models` empty = all models. `proof`: a MAC with the fleet (or
     admin) token over the message (`registry.sessions.sync_proof`), which a registry
@@ -276,7 +298,7 @@ class Report(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaul
     proof: Proof = NO_PROOF
 
 
-ControlMessage = Register | Heartbeat | Bye | Sync | Report
+ControlMessage = Register | Heartbeat | Bye | BannedBye | Sync | Report
 
 
 # --- Registry -> client ------------------------------------------------------------------
@@ -295,7 +317,7 @@ class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_default
     # `drain`: an operator drained this member here; it announces DRAINING everywhere.
     drain: bool = False
     # `banned_s`: a Register refused because an operator banned this id here, for this
-    # long; the member says bye to every registry and stops registering.
+    # long; the member says a `BannedBye` to every registry and stops registering.
     banned_s: Seconds = 0.0
     # Set when `session` is sealed with the fleet token (`registry.sessions.open_session`).
     session_salt: Annotated[bytes, msgspec.Meta(max_length=32)] = b""

@@ -10,8 +10,9 @@ import pytest
 from membership_ops import JOINING, READY, ROUTER, fresh, nonce_for, signed, spec
 
 from registry import sessions
-from registry.admission import Limits
+from registry.admission import MAX_BAN_S, MAX_BANS, Limits
 from registry.protocol import (
+    BannedBye,
     Bye,
     ByeReason,
     Heartbeat,
@@ -30,7 +31,7 @@ FORGED = b"\x07" * sessions.PROOF_BYTES
 _encode = make_encoder().encode
 
 
-def as_sent(message: Heartbeat | Bye | Report) -> tuple[object, bytes]:
+def as_sent(message: Heartbeat | Bye | BannedBye | Report) -> tuple[object, bytes]:
     """`message` as it arrives, proof as given (not sealed): decoded, and its bytes."""
     payload = _encode(message)
     return msgspec.msgpack.decode(payload, type=type(message)), payload
@@ -204,6 +205,71 @@ def test_evict_without_a_member_or_ban_is_unknown():
     assert m.evict("ghost", 0.0).status is ReplyStatus.UNKNOWN
     assert m.evict("ghost", 0.0, ban_s=5).status is ReplyStatus.OK  # a ban ahead of time
     assert m.join(spec("ghost"), now=1.0).kind == "banned"
+
+
+# --- a ban passed on by the banned member (BannedBye): how a ban reaches every registry --
+
+
+def test_a_banned_bye_removes_the_member_and_holds_its_ban_here():
+    m = fresh()
+    m.join(spec(), READY, now=0.0)
+    m.take_events()
+    bye = BannedBye("p0", 1, 3, ban_s=120.0)
+    assert m.banned_bye(*signed(m.sessions[("p0", 1)], bye), 10.0).status is ReplyStatus.OK
+    (left,) = m.take_events()
+    assert isinstance(left, MemberLeft) and left.reason is LeaveReason.EVICTED
+    assert m.admission.banned(10.0) == {"p0": pytest.approx(120.0)}
+    refused = m.join(spec(incarnation=2), now=20.0)
+    assert refused.kind == "banned" and refused.banned_s == pytest.approx(110.0)
+    assert m.join(spec(incarnation=3), now=130.1).status is ReplyStatus.OK
+
+
+def test_a_banned_bye_is_capped_and_never_shortens_a_ban_held_here():
+    m = fresh()
+    m.join(spec(), READY, now=0.0)
+    m.banned_bye(*signed(m.sessions[("p0", 1)], BannedBye("p0", 1, 1, ban_s=1e9)), 0.0)
+    assert m.admission.banned(0.0) == {"p0": pytest.approx(MAX_BAN_S)}
+    # An operator here banned q0 for longer than the member says: the longer ban stands.
+    m.join(spec("q0"), READY, now=0.0)
+    assert m.admission.ban("q0", 0.0, 500.0) is None
+    m.banned_bye(*signed(m.sessions[("q0", 1)], BannedBye("q0", 1, 2, ban_s=10.0)), 1.0)
+    assert m.admission.banned(1.0)["q0"] == pytest.approx(499.0)
+    assert "q0" not in m
+
+
+def test_nobody_but_the_member_can_pass_a_ban_on():
+    """A forged, replayed, stale or unproven BannedBye bans nobody and removes nobody."""
+    m = fresh()
+    m.join(spec("victim"), READY, now=0.0)
+    m.join(spec("other"), READY, now=0.0)
+    victim = m.sessions[("victim", 1)]
+    forged = BannedBye("victim", 1, 5, ban_s=600.0)
+    for message in (forged, msgspec.structs.replace(forged, proof=FORGED)):
+        assert m.banned_bye(*as_sent(message), 1.0).kind == "proof"
+    # Another member's own session cannot speak for the victim.
+    assert m.banned_bye(*signed(m.sessions[("other", 1)], forged), 1.0).kind == "proof"
+    # A sealed message from the victim, replayed: refused once its seq was used.
+    assert m.beat("victim", 1, now=1.0).status is ReplyStatus.OK  # seq now above 1
+    replay = BannedBye("victim", 1, 1, ban_s=600.0)
+    assert m.banned_bye(*signed(victim, replay), 1.5).kind == "replay"
+    # An old incarnation's, and one for an id not held here (nobody to prove it).
+    assert m.banned_bye(*signed(victim, BannedBye("victim", 0, 99, 600.0)),
+                        1.5).status is ReplyStatus.STALE
+    assert m.banned_bye(*as_sent(BannedBye("ghost", 1, 1, 600.0)),
+                        1.5).status is ReplyStatus.OK
+    assert "victim" in m and "other" in m
+    assert m.admission.banned(2.0) == {}
+    assert m.join(spec("ghost"), now=2.0).status is ReplyStatus.OK
+
+
+def test_a_banned_bye_beyond_the_ban_table_still_removes_the_member():
+    m = fresh()
+    for i in range(MAX_BANS):
+        m.admission.ban(f"b{i}", 0.0, 100.0)
+    m.join(spec(), READY, now=0.0)
+    bye = BannedBye("p0", 1, 1, ban_s=60.0)
+    assert m.banned_bye(*signed(m.sessions[("p0", 1)], bye), 1.0).status is ReplyStatus.OK
+    assert "p0" not in m and "p0" not in m.admission.banned(1.0)
 
 
 def test_sync_limiter_per_peer_and_overall():

@@ -47,6 +47,7 @@ from registry import dashboard, http_guard, security, sessions
 from registry.client import MembershipView, request_snapshot
 from registry.protocol import (
     NO_PROOF,
+    BannedBye,
     Bye,
     ByeReason,
     Heartbeat,
@@ -127,7 +128,8 @@ def rejections(registry: RegistryServer) -> dict[str, float]:
     Heartbeat("ID", 0, 10**6, MemberState.DRAINING, Load()),
     Heartbeat("ID", 0, 10**6, MemberState.READY, Load(running=2**31 - 1, waiting=2**31 - 1)),
     Bye("ID", 0, 10**6, ByeReason.CRASHED),
-], ids=["draining", "saturated", "bye"])
+    BannedBye("ID", 0, 10**6, ban_s=2592000.0),
+], ids=["draining", "saturated", "bye", "banned-bye"])
 @pytest.mark.parametrize("proof", [NO_PROOF, FORGED_PROOF], ids=["none", "random"])
 def test_forged_messages_change_nothing(registry, victim, attacker, forgery, proof):
     seen = public(registry, victim.id)
@@ -141,6 +143,7 @@ def test_forged_messages_change_nothing(registry, victim, attacker, forgery, pro
     assert victim.heartbeat(Load(running=2, kv_usage=0.25)).status is ReplyStatus.OK
     assert record(registry, victim.id).state is MemberState.READY
     assert rejections(registry)["proof"] >= 1
+    assert not registry.submit(lambda m, now: m.admission.banned(now)).result(WAIT_S)
 
 
 def test_a_forged_report_suspects_nobody(registry, victim, attacker):
@@ -876,7 +879,9 @@ class LegitimateMembersAndAnAttacker(RuleBasedStateMachine):
 
     def _answer(self, message: object) -> None:
         reply = self.attacker.ask(message)
-        assert reply.status is not ReplyStatus.OK or isinstance(message, Bye), reply
+        # A bye about an id not held is answered OK (idempotent), and changes nothing.
+        assert reply.status is not ReplyStatus.OK or isinstance(message, Bye | BannedBye), \
+            reply
 
     @rule(i=st.integers(0, MEMBERS - 1), state=st.sampled_from(list(MemberState)), load=loads,
           seq=st.integers(0, 2**63 - 1), proof=st.sampled_from([NO_PROOF, FORGED_PROOF]))
@@ -888,6 +893,12 @@ class LegitimateMembersAndAnAttacker(RuleBasedStateMachine):
     def forge_bye(self, i: int, seq: int) -> None:
         spec = self.members[i].spec
         self._answer(Bye(spec.id, spec.incarnation, seq, ByeReason.CRASHED, FORGED_PROOF))
+
+    @rule(i=st.integers(0, MEMBERS - 1), seq=st.integers(0, 2**63 - 1),
+          ban_s=st.floats(0, 1e9))
+    def forge_banned_bye(self, i: int, seq: int, ban_s: float) -> None:
+        spec = self.members[i].spec
+        self._answer(BannedBye(spec.id, spec.incarnation, seq, ban_s, FORGED_PROOF))
 
     @rule(i=st.integers(0, MEMBERS - 1), reporter=st.integers(0, MEMBERS - 1))
     def forge_report(self, i: int, reporter: int) -> None:
@@ -917,6 +928,7 @@ class LegitimateMembersAndAnAttacker(RuleBasedStateMachine):
         held = self.registry.submit(lambda m, now: {r.id: r for r in m.records()}).result(
             WAIT_S)
         assert set(held) == set(self.expected)
+        assert not self.registry.submit(lambda m, now: m.admission.banned(now)).result(WAIT_S)
         for member_id, (state, load) in self.expected.items():
             record = held[member_id]
             assert (record.state, record.load, record.suspect) == (state, load, False)

@@ -5,7 +5,9 @@ Real processes on 127.0.0.1: registries A and B, two sim engines that heartbeat 
 (`--registry A,B`), and `pdreg drain|evict|status` as an operator runs them. A registry
 passes an admin drain to the member in its heartbeat replies and a ban in its refusal;
 the member's agent then tells every registry (DRAINING in its heartbeats and in any
-re-registration; bye and no more registrations when banned).
+re-registration; when banned, a BannedBye to every registry that accepted it, which then
+holds the ban too, and no more registrations). A later process with the id is refused
+wherever the ban is held, and so passes it on to a registry that restarted and forgot.
 """
 
 from __future__ import annotations
@@ -79,6 +81,29 @@ class Fleet:
             return {}
         return {m["id"]: m["state"] for m in json.loads(result.stdout)}
 
+    def bans(self, registry: str) -> set[str]:
+        """Ids REGISTRY refuses as banned now (`GET /v1/bans`; empty while it does not
+        answer)."""
+        import httpx
+        try:
+            response = httpx.get(f"http://127.0.0.1:{self.ports[registry][2]}/v1/bans",
+                                 timeout=WAIT_S)
+        except httpx.HTTPError:
+            return set()
+        return {ban["id"] for ban in response.json()} if response.is_success else set()
+
+    def restart(self, name: str) -> None:
+        """Stop process NAME and start it again with the same command line: a new
+        incarnation of the same member id."""
+        proc = self.procs.pop(name)
+        argv = [str(a) for a in proc.args][3:]  # past `python -m pdreg`
+        proc.send_signal(signal.SIGTERM)
+        stop_process(proc, STOP_S)
+        self.start(name, argv)
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
@@ -150,18 +175,42 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
     assert all(status.get(drained) != "ready" for status in seen), seen
 
     # Evict with a ban through A: gone from both (the member, refused at A as banned,
-    # said bye to B), and a restarted B does not take it back.
+    # said a BannedBye to B), and B holds the ban too.
     result = fleet.pdreg("evict", banned, "--ban", str(BAN_S),
                          "--registry", fleet.address("A"))
     assert result.returncode == 0, result.stderr
     only_drained = {drained: "draining"}
     assert wait_until(lambda: shows("A", only_drained) and shows("B", only_drained),
                       WAIT_S), (fleet.status("A"), fleet.status("B"))
+    assert wait_until(lambda: banned in fleet.bans("B"), WAIT_S), fleet.bans("B")
+    assert banned in fleet.bans("A")
+    # A new process with that id: refused at both, it stops registering anywhere.
+    told = fleet.log("decode").count("is banned for")
+    fleet.restart("decode")
+    assert wait_until(lambda: fleet.log("decode").count("is banned for") > told, WAIT_S)
+    assert not wait_until(lambda: banned in fleet.status("A") or banned in fleet.status("B"),
+                          8 * HEARTBEAT_S, poll_s=HEARTBEAT_S)
+
+    # Restart A, the registry that issued the ban: it forgets, B still holds it. The next
+    # process with that id is refused at B and passes the ban on to A in its bye.
+    fleet.restart_registry("A")
+    assert wait_until(lambda: fleet.status("A") == only_drained, WAIT_S), fleet.status("A")
+    assert banned not in fleet.bans("A")
+    fleet.restart("decode")
+    assert wait_until(lambda: banned in fleet.bans("A"), WAIT_S), fleet.bans("A")
+    assert wait_until(lambda: shows("A", only_drained), WAIT_S), fleet.status("A")
+
+    # And the other way round: a restarted B learns it again from the next process,
+    # refused at A.
     fleet.restart_registry("B")
     assert wait_until(lambda: shows("B", only_drained), WAIT_S), fleet.status("B")
     # Several heartbeat intervals more: the banned member stays out of B.
     assert not wait_until(lambda: banned in fleet.status("B"), 8 * HEARTBEAT_S,
                           poll_s=HEARTBEAT_S)
+    assert banned not in fleet.bans("B")
+    fleet.restart("decode")
+    assert wait_until(lambda: banned in fleet.bans("B"), WAIT_S), fleet.bans("B")
+    assert wait_until(lambda: shows("B", only_drained), WAIT_S), fleet.status("B")
 
     # What an operator reads: the table against each registry says the same.
     for registry in ("A", "B"):
@@ -169,7 +218,8 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
         assert table.returncode == 0, table.stderr
         assert drained in table.stdout and "draining" in table.stdout, table.stdout
         assert banned not in table.stdout, table.stdout
-    # The banned engine process itself keeps running (the agent only stopped registering).
+    # The banned engine process itself keeps running (the agent only stopped registering),
+    # and so did every new process with that id.
     assert fleet.procs["decode"].poll() is None
 
 

@@ -9,6 +9,7 @@ from registry import sessions
 from registry.protocol import (
     NO_PROOF,
     PROOF_BYTES,
+    BannedBye,
     Bye,
     ByeReason,
     Endpoints,
@@ -51,6 +52,7 @@ CONTROL = [
     Register(spec=SPEC, nonce=b"n" * 16, state=MemberState.READY, token="t"),
     Heartbeat("x", 1, 7, MemberState.DRAINING, Load(3, 4, 0.25, {"tok_s": 10.0})),
     Bye("x", 1, 8, ByeReason.CRASHED),
+    BannedBye("x", 1, 9, ban_s=120.5),
     Sync(models=["a", "b"]),
     Report("router-1", 1, 9, "x", 1, "connect refused"),
 ]
@@ -85,12 +87,20 @@ def test_heartbeat_is_compact():
 def test_a_proof_is_the_last_bytes_of_its_message():
     """What `registry.sessions.seal` relies on: the proof's 16 bytes end the encoding."""
     for message in (Heartbeat("x", 1, 7, MemberState.READY, Load(1, 2, 0.5, {"a": 1.0})),
-                    Bye("x", 1, 8), Report("r", 1, 9, "x", 1)):
+                    Bye("x", 1, 8), BannedBye("x", 1, 9, 60.0), Report("r", 1, 9, "x", 1)):
         payload = sessions.seal(b"k" * 32, make_encoder().encode(message))
         decoded = msgspec.msgpack.decode(payload, type=type(message))
         assert payload.endswith(decoded.proof) and decoded.proof != NO_PROOF
         assert sessions.verify(b"k" * 32, payload, decoded.proof)
         assert not sessions.verify(b"j" * 32, payload, decoded.proof)
+
+
+def test_an_old_agents_bye_and_reply_still_decode():
+    """The ban travels in a message of its own, so an old agent's Bye (five fields, the
+    proof last) decodes as before, and an old agent reads a Reply that carries banned_s."""
+    old_bye = msgspec.msgpack.encode(["Bye", "x", 1, 8, 1, NO_PROOF])
+    assert control_decoder().decode(old_bye) == Bye("x", 1, 8, ByeReason.SHUTDOWN)
+    assert make_encoder().encode(Bye("x", 1, 8)) == old_bye
 
 
 @pytest.mark.parametrize("payload", [
@@ -105,6 +115,9 @@ def test_a_proof_is_the_last_bytes_of_its_message():
     msgspec.msgpack.encode(["Heartbeat", "x", 1, 2**63, 2, [0, 0, 0.0]]),  # seq too big
     msgspec.msgpack.encode(["Bye", "x", 1]),                              # no seq
     msgspec.msgpack.encode(["Bye", "x", 1, 1, 1, b"short"]),              # proof length
+    msgspec.msgpack.encode(["BannedBye", "x", 1, 1, -5.0, NO_PROOF]),      # negative ban
+    msgspec.msgpack.encode(["BannedBye", "x", 1, 1, float("inf"), NO_PROOF]),  # endless ban
+    msgspec.msgpack.encode(["BannedBye", "x", 1, 1, NO_PROOF]),            # no ban_s
     msgspec.msgpack.encode(["Register", msgspec.to_builtins(SPEC), b"short"]),  # nonce
 ])
 def test_malformed_control_messages_are_refused(payload):
