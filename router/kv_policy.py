@@ -20,9 +20,11 @@ an EWMA of the uncached tokens of recent picks. So a member with a long queue lo
 cache advantage once its queue costs more than the tokens it saves. Loads too old to
 trust (the usual score: saturated) rank last. A prompt cached nowhere is placed by the
 `prefix` ring (bounded load), so requests sharing a new prefix meet on one prefill.
-On top, the bounded-load rule of `prefix` (router/choosers.py): only members whose load
-is within AFFINITY_BOUND_FACTOR x the average (+1) compete, so a hot prefix never piles
-onto one prefill. The decode is chosen by power of two on load: every decode pulls the
+On top, the bounded-load rule of `prefix` (router/choosers.py) with a looser factor: only
+members whose load is within KV_BOUND_FACTOR x the average (+1) compete, so a hot prefix
+never piles onto one prefill. A request's blocks count as cached at the prefill it was
+sent to from the pick on ("soon cached", see `KvChooser.soon`), not only once that
+prefill's events say so. The decode is chosen by power of two on load: every decode pulls the
 whole prompt's KV from its prefill (no decode-side cache here), so that part of the
 cost is the same for all.
 
@@ -37,8 +39,10 @@ shape we do not tokenize) carries a plain `Affinity` instead, and goes by `prefi
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -57,12 +61,20 @@ from router.table import Candidate, Pair, PairingTable
 
 __all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
 
+logger = logging.getLogger(__name__)
+
 WORK_EWMA_ALPHA: Final = 0.3  # weight of the newest pick in W (about the last 3 picks)
 OTHERS_WEIGHT: Final = 0.5  # reported queue beyond our own in-flight (see the docstring)
 # A queued request costs half its work: the one in service is half done on average, and
 # a hit now keeps the prefix where the next requests sharing it will hit again.
 QUEUE_WEIGHT: Final = 0.5
 KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queued requests
+# The hard load bound (as `prefix`'s, load + 1 <= ceil(factor x (total + 1) / n)), looser
+# than `prefix`'s 1.25: the cost already weighs each member's queue against the tokens
+# its cache saves, so the bound only has to stop a pile-up (stale loads, a hot prefix).
+# bench_kv.py at 70% utilisation: 1.25 spilt ~9% of the prompt tokens off the prefill
+# holding them (67% hits); 2.0 gave 72%, 3.0 75%, none 77%, each with a lower TTFT.
+KV_BOUND_FACTOR: Final = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,23 +98,66 @@ class KvChooser:
     by cost over a `KvAffinity`; by `PrefixAffinity`'s ring for a plain key."""
 
     def __init__(self, index: KvIndex, block_size_of: Mapping[str, int] | None = None,
-                 bound_factor: float = AFFINITY_BOUND_FACTOR) -> None:
+                 bound_factor: float = KV_BOUND_FACTOR) -> None:
         self.index = index
         self.bound_factor = bound_factor
         self.work = 0.0  # W: EWMA of uncached tokens per pick (0 until the first)
         self.last: Scored | None = None  # the last pick, for metrics and disaggregation
         self.in_flight: Mapping[str, int] = {}  # this router's, set per choice by KvPairer
         self.request: KvAffinity | None = None  # the request's, set per choice by KvPairer
-        self._ring = PrefixAffinity(bound_factor)
+        # "Soon cached": the block keys of this router's requests still in flight at each
+        # prefill (newest last), which that prefill will hold once it has computed them.
+        # Its events come only then, so without this a request arriving meanwhile with
+        # the same prefix (the next turn of a session, a hot system prompt) would look
+        # like a miss there. Trimmed to the in-flight count at every choice: requests
+        # finish in order on a prefill, so the newest `in_flight` entries are the open
+        # ones, and their blocks are in the index (or evicted) once they are done.
+        self.soon: dict[tuple[str, int], deque[KvAffinity]] = {}
+        # New prefixes go by `prefix`'s ring and its tighter bound: a miss costs the
+        # whole prompt wherever it lands, so only a short queue is worth having there.
+        self._ring = PrefixAffinity(AFFINITY_BOUND_FACTOR)
 
     def cached_tokens(self, c: Candidate, affinity: KvAffinity) -> int:
         member = self.index.get(c.id, c.incarnation)
-        if member is None or not member.block_size:
-            return 0
-        keys = affinity.keys.get(member.block_size)
-        if not keys:
-            return 0
-        return member.cached_blocks(keys) * member.block_size
+        size = member.block_size if member is not None else 0
+        best = 0
+        keys: Sequence[int] = ()
+        if size:
+            keys = affinity.keys.get(size) or ()
+            if keys:
+                assert member is not None
+                best = member.cached_blocks(keys)
+        for other in self.soon.get((c.id, c.incarnation), ()):
+            if not size:  # no events yet: any block size both requests were keyed for
+                size = next((s for s in other.keys if s in affinity.keys), 0)
+                keys = affinity.keys.get(size) or ()
+            theirs = other.keys.get(size)
+            if not keys or not theirs:
+                continue
+            n = 0
+            for mine, held in zip(keys, theirs):  # noqa: B905 (the shorter bounds it)
+                if mine != held:
+                    break
+                n += 1
+            best = max(best, n)
+        return best * size
+
+    def note_in_flight(self, pair_prefill: Candidate, request: KvAffinity) -> None:
+        """`request` is going to `pair_prefill`: its blocks are soon cached there."""
+        key = (pair_prefill.id, pair_prefill.incarnation)
+        queue = self.soon.get(key)
+        if queue is None:
+            queue = self.soon[key] = deque()
+        queue.append(request)
+
+    def trim_soon(self, in_flight: Mapping[str, int]) -> None:
+        for key in list(self.soon):
+            queue = self.soon[key]
+            open_here = in_flight.get(key[0], 0)
+            while len(queue) > open_here:
+                queue.popleft()
+            if not queue:
+                del self.soon[key]
 
     def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
         request = self.request
@@ -142,6 +197,13 @@ class KvChooser:
         if best is None:  # everyone over the bound (stale loads): least loaded
             i = min(range(len(eligible)), key=loads.__getitem__)
             best = Scored(eligible[i], self.cached_tokens(eligible[i], key), loads[i])
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("[kv] pick tokens=%d work=%.0f bound=%d ring=%s %s -> %s cached=%d",
+                         key.prompt_tokens, work, bound, not any(c for _, _, c in scored),
+                         " ".join(f"{c.id}:load={v:g}:cached={self.cached_tokens(c, key)}"
+                                  f"{'' if any(c is s for s, _, _ in scored) else ':over'}"
+                                  for c, v in zip(eligible, loads, strict=True)),
+                         best.candidate.id, best.cached_tokens)
         uncached = key.prompt_tokens - best.cached_tokens
         self.work = uncached if not self.work else \
             (1 - WORK_EWMA_ALPHA) * self.work + WORK_EWMA_ALPHA * uncached
@@ -169,6 +231,7 @@ class KvPairer(Pairer):
                affinity: Affinity | None = None) -> Pair | None:
         request = affinity if isinstance(affinity, KvAffinity) else None
         self.kv.in_flight, self.kv.request = in_flight, request
+        self.kv.trim_soon(in_flight)
         pair = super().choose(table, model, now=now, in_flight=in_flight,
                               quarantined=quarantined, key=key, exclude=exclude,
                               loads_confirmed_at=loads_confirmed_at, affinity=affinity)
@@ -182,6 +245,8 @@ class KvPairer(Pairer):
             uncached = request.prompt_tokens - self.kv.cached_tokens(pair.decode, request)
             if uncached < self.disagg_min_uncached_tokens:
                 pair = Pair(pair.decode, pair.decode)  # the decode prefills it locally
+        if not pair.direct:
+            self.kv.note_in_flight(pair.prefill, request)
         if not exclude and self.on_pick is not None:
             self.on_pick(model, request, pair)
         return pair
