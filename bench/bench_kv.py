@@ -1,5 +1,5 @@
-"""KV-aware pairing side by side: pdreg `kv` against `prefix`, `peak_ewma`, round robin
-and an oracle, on engines whose prefix caches really work.
+"""KV-aware pairing side by side: pdreg `kv` against `prefix`, `peak_ewma`, round robin,
+two peers and two oracles, on engines whose prefix caches really work.
 
 Each router gets its own fresh cluster (same shape, same trace, same seed): a real
 registry, 3 sim prefills (`--kv-events`, one prefill at a time, a cost per *uncached*
@@ -9,16 +9,22 @@ decodes. A third of the way in a 4th prefill joins; two thirds in, prefill 1 res
 
 Trace (seeded): 32 system prompts of 1-2k tokens with Zipf popularity, each request one
 of: a system prompt + a fresh question; the next turn of one of 12 multi-turn sessions
-(history grows each turn); a unique prompt. Closed loop, --clients streaming clients.
+(history grows each turn); a unique prompt. Open loop: Poisson arrivals (seeded) at
+--utilisation of what the 3 first prefills compute with no cache hit at all, so the
+prefills are busy but not permanently queued, and a router's hits show in its TTFT.
 
 Reported per router: TTFT p50/p99 (first streamed token, client side), prefill tokens
 computed per request and the hit rate (the engines' own counters), hit tokens against
-the oracle's, and router CPU per request (its process tree), tokenization shown apart
-(the router's own histogram). The oracle replays the trace in the order it was sent
-against LRU caches of the same size, sending each request to the prefill holding most of
-it (no load limit): the best hit rate any router could have had.
+the oracles', router CPU per request (its process tree), tokenization shown apart (the
+router's own histogram), and for `kv` the hit rate it predicted at its picks. The
+oracles replay the trace at its arrival times against LRU caches of the same size and
+FIFO prefills of the same speed, knowing every cache and queue, each request to the
+prefill holding most of it: one within the routers' load bound (`prefix`'s rule; the
+fair ceiling for a router that must spread load, and the one "vs oracle" means), one
+with load ignored (the ceiling of hits alone).
 
-    .venv/bin/python bench/bench_kv.py [--requests 240] [--clients 6] [--routers kv,prefix,...]
+    .venv/bin/python bench/bench_kv.py [--requests 300] [--utilisation 0.7] [--routers kv,...]
+    .venv/bin/python bench/bench_kv.py --routers kv --decisions   # log every kv pick
     .venv/bin/python bench/bench_kv.py --routers kv,kv+disagg=64   # conditional disagg.
     .venv/bin/python bench/bench_kv.py --scale   # the index alone at 1,000 members
     .venv/bin/python bench/bench_kv.py --routers kv,sglang-router:cache_aware
@@ -453,7 +459,7 @@ def scale(members: int = 1000, batches: int = 50, blocks_per_batch: int = 20) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--utilisation", type=float, default=UTILISATION,
                         help="offered load: this share of what the first 3 prefills "
                              "compute with no cache (Poisson arrivals)")

@@ -22,16 +22,20 @@ trust (the usual score: saturated) rank last. A prompt cached nowhere is placed 
 `prefix` ring (bounded load), so requests sharing a new prefix meet on one prefill.
 On top, the bounded-load rule of `prefix` (router/choosers.py) with a looser factor: only
 members whose load is within KV_BOUND_FACTOR x the average (+1) compete, so a hot prefix
-never piles onto one prefill. A request's blocks count as cached at the prefill it was
-sent to from the pick on ("soon cached", see `KvChooser.soon`), not only once that
-prefill's events say so. The decode is chosen by power of two on load: every decode pulls the
-whole prompt's KV from its prefill (no decode-side cache here), so that part of the
-cost is the same for all.
+never piles onto one prefill. The decode is chosen by power of two on load: every decode
+pulls the whole prompt's KV from its prefill (no decode-side cache here), so that part of
+the cost is the same for all.
 
 Conditional disaggregation (`disagg_min_uncached_tokens` > 0): when the chosen decode
 would compute fewer prompt tokens than that itself (the prompt less what its own cache
 holds, if it publishes KV events; else the whole prompt), the prefill leg is skipped and
 the decode serves the request alone, as Dynamo and llm-d do.
+
+The index is not ahead of the engine: a request's blocks count at its prefill only once
+that prefill's events list them, not from the pick on. bench_kv.py measured counting the
+blocks of requests in flight as "soon cached" too: no gain (71.2% hits with, 71.9%
+without), and the hits the router predicted equalled what the engines found (71.2% /
+71.2%), so the events were not lagging behind the next request sharing a prefix.
 
 A request whose tokens are not known exactly (no tokenizer for the model, a request
 shape we do not tokenize) carries a plain `Affinity` instead, and goes by `prefix`'s ring.
@@ -42,7 +46,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -105,59 +108,18 @@ class KvChooser:
         self.last: Scored | None = None  # the last pick, for metrics and disaggregation
         self.in_flight: Mapping[str, int] = {}  # this router's, set per choice by KvPairer
         self.request: KvAffinity | None = None  # the request's, set per choice by KvPairer
-        # "Soon cached": the block keys of this router's requests still in flight at each
-        # prefill (newest last), which that prefill will hold once it has computed them.
-        # Its events come only then, so without this a request arriving meanwhile with
-        # the same prefix (the next turn of a session, a hot system prompt) would look
-        # like a miss there. Trimmed to the in-flight count at every choice: requests
-        # finish in order on a prefill, so the newest `in_flight` entries are the open
-        # ones, and their blocks are in the index (or evicted) once they are done.
-        self.soon: dict[tuple[str, int], deque[KvAffinity]] = {}
         # New prefixes go by `prefix`'s ring and its tighter bound: a miss costs the
         # whole prompt wherever it lands, so only a short queue is worth having there.
         self._ring = PrefixAffinity(AFFINITY_BOUND_FACTOR)
 
     def cached_tokens(self, c: Candidate, affinity: KvAffinity) -> int:
         member = self.index.get(c.id, c.incarnation)
-        size = member.block_size if member is not None else 0
-        best = 0
-        keys: Sequence[int] = ()
-        if size:
-            keys = affinity.keys.get(size) or ()
-            if keys:
-                assert member is not None
-                best = member.cached_blocks(keys)
-        for other in self.soon.get((c.id, c.incarnation), ()):
-            if not size:  # no events yet: any block size both requests were keyed for
-                size = next((s for s in other.keys if s in affinity.keys), 0)
-                keys = affinity.keys.get(size) or ()
-            theirs = other.keys.get(size)
-            if not keys or not theirs:
-                continue
-            n = 0
-            for mine, held in zip(keys, theirs):  # noqa: B905 (the shorter bounds it)
-                if mine != held:
-                    break
-                n += 1
-            best = max(best, n)
-        return best * size
-
-    def note_in_flight(self, pair_prefill: Candidate, request: KvAffinity) -> None:
-        """`request` is going to `pair_prefill`: its blocks are soon cached there."""
-        key = (pair_prefill.id, pair_prefill.incarnation)
-        queue = self.soon.get(key)
-        if queue is None:
-            queue = self.soon[key] = deque()
-        queue.append(request)
-
-    def trim_soon(self, in_flight: Mapping[str, int]) -> None:
-        for key in list(self.soon):
-            queue = self.soon[key]
-            open_here = in_flight.get(key[0], 0)
-            while len(queue) > open_here:
-                queue.popleft()
-            if not queue:
-                del self.soon[key]
+        if member is None or not member.block_size:
+            return 0
+        keys = affinity.keys.get(member.block_size)
+        if not keys:
+            return 0
+        return member.cached_blocks(keys) * member.block_size
 
     def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
         request = self.request
@@ -231,7 +193,6 @@ class KvPairer(Pairer):
                affinity: Affinity | None = None) -> Pair | None:
         request = affinity if isinstance(affinity, KvAffinity) else None
         self.kv.in_flight, self.kv.request = in_flight, request
-        self.kv.trim_soon(in_flight)
         pair = super().choose(table, model, now=now, in_flight=in_flight,
                               quarantined=quarantined, key=key, exclude=exclude,
                               loads_confirmed_at=loads_confirmed_at, affinity=affinity)
@@ -245,8 +206,6 @@ class KvPairer(Pairer):
             uncached = request.prompt_tokens - self.kv.cached_tokens(pair.decode, request)
             if uncached < self.disagg_min_uncached_tokens:
                 pair = Pair(pair.decode, pair.decode)  # the decode prefills it locally
-        if not pair.direct:
-            self.kv.note_in_flight(pair.prefill, request)
         if not exclude and self.on_pick is not None:
             self.on_pick(model, request, pair)
         return pair
