@@ -206,9 +206,13 @@ class Row:
     ttfts: list[float] = field(default_factory=list, repr=False)
 
 
+KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet kv is blind to)
+
+
 def engine_args(cache_blocks: int) -> list[str]:
-    return ["--kv-events", "--max-running", "1", "--prefix-cache-blocks", str(cache_blocks),
-            "--block-size", str(BLOCK), "--sim-prefill-delay", str(PREFILL_S_PER_TOKEN)]
+    return ["--kv-events"] * KV_EVENTS[0] + [
+        "--max-running", "1", "--prefix-cache-blocks", str(cache_blocks),
+        "--block-size", str(BLOCK), "--sim-prefill-delay", str(PREFILL_S_PER_TOKEN)]
 
 
 @contextmanager
@@ -469,12 +473,15 @@ def main() -> int:
     parser.add_argument("--decisions", action="store_true",
                         help="keep each pdreg router's DEBUG log (every kv pick) in "
                              "bench/out/kv-decisions-ROUTER.log")
+    parser.add_argument("--no-kv-events", action="store_true",
+                        help="engines publish no KV events (what `kv` does blind)")
     parser.add_argument("--scale", action="store_true",
                         help="only the index at 1,000 members: events/s and memory")
     args = parser.parse_args()
     if args.scale:
         scale()
         return 0
+    KV_EVENTS[0] = not args.no_kv_events
     trace = make_trace(args.requests, args.seed)
     times = arrivals(trace, args.utilisation, args.seed)
     joins_at, restarts_at = len(trace) // 3, 2 * len(trace) // 3
