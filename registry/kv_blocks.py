@@ -37,11 +37,10 @@ _U64: Final = struct.Struct("<Q")
 def chain_key(parent: int, tokens: Sequence[int], salt: bytes = b"") -> int:
     """The key of a block holding `tokens` whose parent block has key `parent`. `salt`
     (LoRA name, cache salt, multimodal hashes) makes otherwise equal blocks differ."""
-    h = hashlib.blake2b(_U64.pack(parent), digest_size=8, person=b"pdreg-kv")
-    h.update(array("I", tokens).tobytes() if _LITTLE else _le(tokens))
+    data = _U64.pack(parent) + _le(tokens)
     if salt:
-        h.update(b"\xff" + salt)
-    return int.from_bytes(h.digest(), "little")
+        data += b"\xff" + salt
+    return int.from_bytes(_blake2b(data, digest_size=8, person=_PERSON).digest(), "little")
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY,
@@ -52,17 +51,28 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY
     n = len(token_ids) // block_size
     if limit is not None:
         n = min(n, limit)
+    # One conversion of the whole prompt, then one BLAKE2b call per block over the
+    # parent's 8 bytes + a slice of it: the same keys as chain_key, at about half the
+    # cost (no per-block array, struct object or hasher updates).
+    data = _le(token_ids[:n * block_size])
+    width = 4 * block_size
+    pack, blake2b, from_bytes = _U64.pack, _blake2b, int.from_bytes
     keys: list[int] = []
-    for i in range(n):
-        parent = chain_key(parent, token_ids[i * block_size:(i + 1) * block_size])
+    for start in range(0, n * width, width):
+        parent = from_bytes(blake2b(pack(parent) + data[start:start + width], digest_size=8,
+                                    person=_PERSON).digest(), "little")
         keys.append(parent)
     return keys
 
 
 _LITTLE: Final = array("I", [1]).tobytes() == b"\x01\x00\x00\x00"
+_PERSON: Final = b"pdreg-kv"
+_blake2b = hashlib.blake2b
 
 
 def _le(tokens: Sequence[int]) -> bytes:
+    """The tokens as little-endian uint32."""
     a = array("I", tokens)
-    a.byteswap()
+    if not _LITTLE:
+        a.byteswap()
     return a.tobytes()

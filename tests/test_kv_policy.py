@@ -59,7 +59,7 @@ DECODE = member("d", Role.DECODE)
     ({"a": 9, "b": 0}, {}, {}, "a"),  # the cache wins
     ({"a": 2, "b": 9}, {}, {}, "b"),  # the longer prefix wins
     ({"a": 9, "b": 0}, {"a": 1}, {}, "a"),  # a stale-looking report does not outweigh it
-    ({"a": 9, "b": 0}, {}, {"a": 2}, "b"),  # over the load bound: spill
+    ({"a": 9, "b": 0}, {}, {"a": 2}, "b"),  # its queue costs more than it saves
 ])
 def test_prefill_choice(holdings, loads, in_flight, expected):
     members = [member(i, running=loads.get(i, 0)) for i in holdings] + [DECODE]
@@ -122,3 +122,16 @@ def test_a_plain_key_goes_by_the_prefix_ring():
     members = [member(i) for i in "abc"] + [DECODE]
     picks = {choose(index, members, key=7)[0].prefill.id for _ in range(5)}
     assert len(picks) == 1  # deterministic ring, not the index
+
+
+def test_the_load_bound_spills_a_hot_prefix():
+    """Three prefills, one holding the prompt with two of our requests queued: at twice
+    the average (+1) it is over the bound, whatever its cache saves."""
+    members = [member(i) for i in "abc"] + [DECODE]
+    index = indexed({"a": 9, "b": 0, "c": 0})
+    pair, _ = choose(index, members, in_flight={"a": 1})
+    assert pair is not None and pair.prefill.id == "a"  # within the bound: the cache wins
+    pair, pairer = choose(index, members, in_flight={"a": 2})
+    assert pair is not None and pair.prefill.id != "a"
+    assert pairer.cached_tokens_of(pair) == 0
+

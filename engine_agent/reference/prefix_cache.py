@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from registry.kv_blocks import ROOT_KEY, chain_key
+from registry.kv_blocks import block_keys
 from registry.kv_events import BlockRemoved, BlockStored
 
 __all__ = ["Hit", "PrefixCache"]
@@ -55,13 +55,7 @@ class PrefixCache:
         return len(self._blocks)
 
     def keys_of(self, prompt: Sequence[int]) -> list[int]:
-        keys: list[int] = []
-        parent = ROOT_KEY
-        size = self.block_size
-        for i in range(len(prompt) // size):
-            parent = chain_key(parent, prompt[i * size:(i + 1) * size])
-            keys.append(parent)
-        return keys
+        return block_keys(prompt, self.block_size)
 
     def lookup(self, prompt: Sequence[int]) -> Hit:
         """The prompt's leading cached blocks (touched: most recently used)."""
