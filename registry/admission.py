@@ -11,7 +11,7 @@ import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from registry.outcome import Outcome, refused
+from registry.outcome import Outcome, Refusal, refused
 from registry.protocol import MemberSpec, ReplyStatus
 
 logger = logging.getLogger(__name__)
@@ -59,17 +59,17 @@ class Admission:
                 return Outcome(ReplyStatus.REJECTED,
                                f"id {spec.id!r} is banned for another "
                                f"{banned_until - now:.0f}s (evicted by an operator)",
-                               kind="banned", banned_s=banned_until - now)
+                               kind=Refusal.BANNED, banned_s=banned_until - now)
             del self._bans[spec.id]
         if (spec.id, spec.incarnation) in self._departed:
             return refused(f"id {spec.id!r} incarnation {spec.incarnation} said bye; a "
-                           f"restarted process registers a newer incarnation", "departed")
+                           f"restarted process registers a newer incarnation", Refusal.DEPARTED)
         ahead_s = spec.incarnation / 1e9 - (now + self.wall_offset)
         limit_s = self.limits.max_incarnation_ahead_s
         if ahead_s > limit_s:
             return refused(f"incarnation {spec.incarnation} is {ahead_s:.0f}s ahead of the "
                            f"registry's clock (at most {limit_s:.0f}s; an incarnation is the "
-                           f"process start time in ns)", "incarnation")
+                           f"process start time in ns)", Refusal.INCARNATION)
         return None
 
     def cap_problem(self, members: int, model: str, replacing: MemberSpec | None
@@ -78,13 +78,13 @@ class Admission:
         limits = self.limits
         if members - (replacing is not None) >= limits.max_members:
             return refused(f"member cap reached: {limits.max_members} members "
-                           f"(--max-members)", "cap")
+                           f"(--max-members)", Refusal.CAP)
         if limits.max_members_per_model:
             same = replacing is not None and replacing.model == model
             if self.per_model[model] - same >= limits.max_members_per_model:
                 return refused(f"per-model cap reached: {limits.max_members_per_model} "
                                f"members serve model {model!r} (--max-members-per-model)",
-                               "cap")
+                               Refusal.CAP)
         return None
 
     def joined(self, model: str) -> None:
@@ -103,7 +103,7 @@ class Admission:
     def ban(self, member_id: str, now: float, ban_s: float) -> Outcome | None:
         """Refuse `member_id`'s registrations for `ban_s`; why not, or None."""
         if not self._room_for(member_id, now):
-            return refused(f"{MAX_BANS} ids are banned already", "bans")
+            return refused(f"{MAX_BANS} ids are banned already", Refusal.BANS)
         self._bans[member_id] = now + ban_s
         logger.warning("[registry] ban id=%s for %.0fs (admin)", member_id, ban_s)
         return None

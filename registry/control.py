@@ -24,7 +24,7 @@ import zmq
 from registry import sessions
 from registry.membership import OK, Membership, Outcome
 from registry.metrics import LoopStats
-from registry.outcome import refused
+from registry.outcome import Refusal, refused
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
     NO_PROOF,
@@ -105,20 +105,21 @@ class ControlChannel:
             except zmq.Again:
                 return
             if len(frames) != 2:  # [identity, message]
-                self._reject(frames[0], "frames", f"expected 1 frame, got {len(frames) - 1}")
+                self._reject(frames[0], Refusal.FRAMES,
+                             f"expected 1 frame, got {len(frames) - 1}")
                 continue
             identity, payload = frames
             if len(payload) > MAX_MESSAGE_BYTES:
-                self._reject(identity, "oversized",
+                self._reject(identity, Refusal.OVERSIZED,
                              f"message of {len(payload)} bytes; limit {MAX_MESSAGE_BYTES}")
                 continue
             try:
                 message = decoder.decode(payload)
             except msgspec.ValidationError as exc:
-                self._reject(identity, "invalid", str(exc))
+                self._reject(identity, Refusal.INVALID, str(exc))
                 continue
             except msgspec.DecodeError as exc:
-                self._reject(identity, "malformed", str(exc))
+                self._reject(identity, Refusal.MALFORMED, str(exc))
                 continue
             self._handle(identity, message, payload, now)
 
@@ -126,7 +127,7 @@ class ControlChannel:
                  now: float) -> None:
         handler = self._handlers.get(type(message))
         if handler is None:  # decodable, but nothing here serves it: never guess
-            self._reject(identity, "unhandled",
+            self._reject(identity, Refusal.UNHANDLED,
                          f"no handler for {type(message).__name__} messages")
             return
         outcome = handler(identity, message, payload, now)
@@ -134,7 +135,7 @@ class ControlChannel:
             return
         if outcome.status is ReplyStatus.REJECTED:
             about = message.spec.id if type(message) is Register else message.id
-            self._reject(identity, outcome.kind or "refused", outcome.reason, about,
+            self._reject(identity, Refusal(outcome.kind), outcome.reason, about,
                          banned_s=outcome.banned_s)
             return
         self._reply(identity, outcome)
@@ -178,27 +179,27 @@ class ControlChannel:
             # sent in clear is refused too, so no client keeps leaking it.
             if message.token:
                 return refused("bad or missing token (a token sent in clear is refused: "
-                               "the Register's proof carries it)", "token")
+                               "the Register's proof carries it)", Refusal.TOKEN)
             unsealed = self._encoder.encode(msgspec.structs.replace(message, proof=NO_PROOF))
             if not hmac.compare_digest(sessions.register_proof(self._token_key, unsealed),
                                        message.proof):
-                return refused("bad or missing token", "token")
+                return refused("bad or missing token", Refusal.TOKEN)
         if message.protocol_version != PROTOCOL_VERSION:
             return refused(f"protocol version {message.protocol_version}; this registry "
-                           f"speaks {PROTOCOL_VERSION}", "version")
+                           f"speaks {PROTOCOL_VERSION}", Refusal.VERSION)
         problem = validate_spec(message.spec)
         if problem is not None:
-            return refused(problem, "invalid")
+            return refused(problem, Refusal.INVALID)
         return self.membership.register(message.spec, message.state, message.load, now,
                                         nonce=message.nonce)
 
     def _send_snapshot(self, identity: bytes, sync: Sync, now: float) -> None:
         if sync.protocol_version != PROTOCOL_VERSION:
-            self._reject(identity, "version", f"protocol version {sync.protocol_version}; "
+            self._reject(identity, Refusal.VERSION, f"protocol version {sync.protocol_version}; "
                          f"this registry speaks {PROTOCOL_VERSION}")
             return
         if self._sync_keys and not self._sync_proved(sync):
-            self._reject(identity, "token", "snapshots need the fleet token (a Sync proved "
+            self._reject(identity, Refusal.TOKEN, "snapshots need the fleet token (a Sync proved "
                          "with it: MembershipView(token=...), pdreg --token-file)")
             return
         # Charged before encoding, on an estimate from the records it will hold: peers
@@ -207,7 +208,7 @@ class ControlChannel:
         estimate = self.membership.count(sync.models) * self._snapshots.bytes_per_record
         wait_s = self._syncs.wait_s(identity, estimate, now)
         if wait_s > 0:
-            self._reject(identity, "rate", f"too many syncs; retry in {wait_s:.2f}s")
+            self._reject(identity, Refusal.RATE, f"too many syncs; retry in {wait_s:.2f}s")
             return
         encoded = self._snapshots.get(self, sync.models, now)
         self.stats.syncs += 1
@@ -258,7 +259,7 @@ class ControlChannel:
                       drain=outcome.drain)
         self._send(identity, self._encoder.encode(reply))
 
-    def _reject(self, identity: bytes, reason: str, detail: str, about: str = "", *,
+    def _reject(self, identity: bytes, reason: Refusal, detail: str, about: str = "", *,
                 banned_s: float = 0.0) -> None:
         """Count, log (rate limited) and answer a refusal."""
         self.stats.count_rejection(reason)

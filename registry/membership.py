@@ -40,7 +40,7 @@ from registry import sessions
 from registry.admission import Admission, Limits
 from registry.deadband import Deadband, is_news
 from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
-from registry.outcome import BAD_PROOF, DRAIN, OK, UNKNOWN, Outcome, refused
+from registry.outcome import BAD_PROOF, DRAIN, OK, UNKNOWN, Outcome, Refusal, refused
 from registry.preservation import Change, SelfPreservation
 from registry.protocol import (
     BannedBye,
@@ -323,7 +323,7 @@ class Membership:
             return reporter
         if reporter.spec.role is not Role.API_SERVER:
             return refused(f"reports are accepted only from api_server members; {report.id} "
-                           f"is {role_name(reporter.spec.role)}", "reporter")
+                           f"is {role_name(reporter.spec.role)}", Refusal.REPORTER)
         entry = self._members.get(report.member)
         if entry is None or entry.spec.incarnation != report.member_incarnation:
             return Outcome(ReplyStatus.OK, "ignored: no such member incarnation",
@@ -559,10 +559,10 @@ class Membership:
         if not sessions.verify(entry.session, payload, proof):
             return BAD_PROOF
         if seq <= entry.last_seq:
-            return refused(f"seq {seq} is not above {entry.last_seq} (a replay?)", "replay")
+            return refused(f"seq {seq} is not above {entry.last_seq} (a replay?)", Refusal.REPLAY)
         if seq > entry.last_seq + MAX_SEQ_STEP:
             return refused(f"seq {seq} is more than {MAX_SEQ_STEP} above {entry.last_seq}",
-                           "seq")
+                           Refusal.SEQ)
         entry.last_seq = seq
         return entry
 
@@ -583,7 +583,7 @@ class Membership:
         return refused(f"id {spec.id!r} is held by incarnation {current.spec.incarnation}, "
                        f"which heartbeat {silent_s:.1f}s ago; a newer incarnation takes an "
                        f"id over only after its holder said bye or went silent for "
-                       f"{self.timing.lease_s:.1f}s (contested)", "contested")
+                       f"{self.timing.lease_s:.1f}s (contested)", Refusal.CONTESTED)
 
     def _register_again(self, entry: _Entry, spec: MemberSpec, nonce: bytes) -> Outcome:
         """The same (id, incarnation) again: a retry by its registrant, or an impostor.
@@ -594,11 +594,11 @@ class Membership:
         if not hmac.compare_digest(nonce, entry.nonce):
             return refused(f"id {spec.id!r} incarnation {spec.incarnation} is registered "
                            f"already; a restarted process registers a newer incarnation",
-                           "takeover")
+                           Refusal.TAKEOVER)
         if spec != entry.spec:
             return refused(f"id {spec.id!r} incarnation {spec.incarnation} is registered "
                            f"with another spec; a changed spec needs a new incarnation",
-                           "takeover")
+                           Refusal.TAKEOVER)
         return Outcome(ReplyStatus.OK, session=entry.session)
 
     def _seen(self, entry: _Entry, load: Load, now: float) -> None:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from registry.outcome import Refusal
 from registry.protocol import (
     LeaveReason,
     MemberLeft,
@@ -33,12 +34,7 @@ if TYPE_CHECKING:
 
 
 # Every reason a control message can be refused (pdreg_rejected_messages_total{reason}).
-REJECTION_REASONS = [
-    "malformed", "invalid", "oversized", "frames", "refused",  # the message itself
-    "token", "version", "banned", "departed", "incarnation", "cap", "takeover",  # register
-    "proof", "replay", "reporter", "rate",  # sessions, reports, sync rate
-    "unhandled",  # a message type the control channel has no handler for
-]
+REJECTION_REASONS = [refusal.value for refusal in Refusal]
 
 
 @dataclass

@@ -19,6 +19,7 @@ from raw_member import RawMember
 
 from pdreg.testing import wait_until
 from registry.client import MembershipView
+from registry.outcome import Refusal
 from registry.protocol import (
     MAX_MESSAGE_BYTES,
     ByeReason,
@@ -336,6 +337,11 @@ def test_openapi_and_health(registry):
     paths = httpx.get(f"{registry.http_url}/openapi.json").json()["paths"]
     assert {"/v1/members", "/v1/members/{member_id}", "/v1/members/{member_id}/drain"} <= set(
         paths)
+
+
+def test_every_refusal_kind_is_a_series_from_the_start(registry):
+    """A dashboard's rate() of a refusal kind needs its series before the first one."""
+    assert _rejections(registry) == {refusal.value: 0.0 for refusal in Refusal}
 
 
 def _rejections(registry: RegistryServer) -> dict[str, float]:
