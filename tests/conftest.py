@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from standins_fleet import LoopThread
 
+from registry.client import MembershipView
 from registry.server import RegistryConfig, RegistryServer
 from router.service import RouterServer
 
@@ -49,6 +50,16 @@ def registry_factory() -> Iterator[RegistryFactory]:
 def registry(registry_factory: RegistryFactory) -> RegistryServer:
     """A real registry with quick timings (0.2 s, lease 1 s)."""
     return registry_factory()
+
+
+@pytest.fixture
+def view(registry: RegistryServer) -> Iterator[MembershipView]:
+    """A MembershipView of `registry`, closed after the test."""
+    v = MembershipView(registry.control_address).start()
+    try:
+        yield v
+    finally:
+        v.close()
 
 
 @pytest.fixture

@@ -27,15 +27,6 @@ SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite nothi
 
 
 @pytest.fixture
-def view(registry: RegistryServer) -> Iterator[MembershipView]:
-    v = MembershipView(registry.control_address).start()
-    try:
-        yield v
-    finally:
-        v.close()
-
-
-@pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
     config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW)
     server = RouterServer(config, view).start()

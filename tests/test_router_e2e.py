@@ -32,15 +32,6 @@ VIEW_TIMEOUT_S = 15.0
 
 
 @pytest.fixture
-def view(registry: RegistryServer) -> Iterator[MembershipView]:
-    v = MembershipView(registry.control_address).start()
-    try:
-        yield v
-    finally:
-        v.close()
-
-
-@pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
     server = RouterServer(RouterConfig(port=0, policy="round_robin", quarantine_s=3.0,
                                        allow_upstream=LOOPBACK_ALLOW),

@@ -26,12 +26,9 @@ and prints the logs' tails.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,14 +38,13 @@ import msgspec
 import zmq
 from cluster import (
     MODEL_NAME,
-    REPO,
     SIDECAR_EXIT_TIMEOUT_S,
     Engine,
     Proc,
     Registry,
     Router,
     Steps,
-    print_log_tails,
+    run_check,
     say,
     wait_logged,
 )
@@ -248,30 +244,7 @@ def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
-    parser.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "vllm-tiny-model")
-    args = parser.parse_args()
-    if not (args.vllm_venv / "bin" / "vllm").exists():
-        say(f"no vLLM at {args.vllm_venv}; run tests/vllm/setup.sh first")
-        return 2
-    started = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="pdreg-vllm-kv-"))
-    steps = Steps()
-    cluster = KvCluster(workdir)
-    try:
-        check(steps, cluster, args.vllm_venv.resolve(), args.model_dir.resolve())
-    except Exception as exc:
-        say(f"FAILED at step '{steps.current}': {type(exc).__name__}: {exc}")
-        cluster.stop()
-        print_log_tails(workdir)
-        say(f"FAILED at step '{steps.current}' after {time.monotonic() - started:.0f}s; "
-            f"logs kept in {workdir}")
-        return 1
-    finally:
-        cluster.stop()
-    say(f"PASSED in {time.monotonic() - started:.0f}s; logs in {workdir}")
-    return 0
+    return run_check(__doc__.splitlines()[0], "pdreg-vllm-kv-", KvCluster, check)
 
 
 if __name__ == "__main__":

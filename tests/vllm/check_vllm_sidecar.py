@@ -32,11 +32,9 @@ every log and keeps the logs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -60,7 +58,7 @@ from cluster import (
     Router,
     Steps,
     cpu_seconds,
-    print_log_tails,
+    run_check,
     say,
     wait_logged,
 )
@@ -367,31 +365,7 @@ def check(steps: Steps, cluster: Cluster, vllm_venv: Path, model_dir: Path) -> N
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
-    parser.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "vllm-tiny-model")
-    args = parser.parse_args()
-    if not (args.vllm_venv / "bin" / "vllm").exists():
-        say(f"no vLLM at {args.vllm_venv}; run tests/vllm/setup.sh first")
-        return 2
-    started = time.monotonic()
-    # Kept, pass or fail: a few hundred kB, and the first thing anyone asks for.
-    workdir = Path(tempfile.mkdtemp(prefix="pdreg-vllm-"))
-    steps = Steps()
-    cluster = Cluster(workdir)
-    try:
-        check(steps, cluster, args.vllm_venv.resolve(), args.model_dir.resolve())
-    except Exception as exc:  # any failure: name the step, show the logs, keep them
-        say(f"FAILED at step '{steps.current}': {type(exc).__name__}: {exc}")
-        cluster.stop()
-        print_log_tails(workdir)
-        say(f"FAILED at step '{steps.current}' after {time.monotonic() - started:.0f}s; "
-            f"full logs kept in {workdir}")
-        return 1
-    finally:
-        cluster.stop()  # safe twice
-    say(f"PASSED in {time.monotonic() - started:.0f}s; logs in {workdir}")
-    return 0
+    return run_check(__doc__.splitlines()[0], "pdreg-vllm-", Cluster, check)
 
 
 if __name__ == "__main__":

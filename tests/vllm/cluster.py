@@ -11,16 +11,18 @@ left orphaned engine cores (2.2 GB each) running after a kill -9 of their API se
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -349,3 +351,39 @@ def print_log_tails(workdir: Path) -> None:
         print(f"----- last {LOG_TAIL_LINES} lines of {log} -----", flush=True)
         lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         print("\n".join(lines), flush=True)
+
+
+class StoppableCluster(Protocol):
+    def stop(self) -> None: ...
+
+
+def run_check(description: str, workdir_prefix: str,
+              make_cluster: Callable[[Path], StoppableCluster],
+              check: Callable[[Steps, Any, Path, Path], None]) -> int:
+    """The `main()` of a real-vLLM check script: parse --vllm-venv and --model-dir, run
+    `check` on a fresh cluster, and on any failure name the step, show the logs' tails
+    and keep the logs (a few hundred kB, and the first thing anyone asks for)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm")
+    parser.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "vllm-tiny-model")
+    args = parser.parse_args()
+    if not (args.vllm_venv / "bin" / "vllm").exists():
+        say(f"no vLLM at {args.vllm_venv}; run tests/vllm/setup.sh first")
+        return 2
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix=workdir_prefix))
+    steps = Steps()
+    cluster = make_cluster(workdir)
+    try:
+        check(steps, cluster, args.vllm_venv.resolve(), args.model_dir.resolve())
+    except Exception as exc:  # any failure: name the step, show the logs, keep them
+        say(f"FAILED at step '{steps.current}': {type(exc).__name__}: {exc}")
+        cluster.stop()
+        print_log_tails(workdir)
+        say(f"FAILED at step '{steps.current}' after {time.monotonic() - started:.0f}s; "
+            f"full logs kept in {workdir}")
+        return 1
+    finally:
+        cluster.stop()  # safe twice
+    say(f"PASSED in {time.monotonic() - started:.0f}s; logs in {workdir}")
+    return 0
