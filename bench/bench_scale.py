@@ -27,6 +27,7 @@ Sync's round trip time and size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import math
@@ -39,8 +40,10 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import httpx
 import msgspec
 import zmq
 
@@ -367,12 +370,16 @@ class Result:
     wrongly_suspect: int
     snapshot_ms: float
     snapshot_mb: float
+    scrapes: int = 0  # /metrics scrapes inside the window (--scrape-every)
+    scrape_kb: float = 0.0
+    scrape_ms_max: float = 0.0
 
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             measure_s: float, extra: tuple[str, ...], per_model: bool = False,
-            warmup_s: float = 0.0) -> Result:
-    with registry_process(1.0, 3.0, src=src,
+            warmup_s: float = 0.0, profile: str = "", scrape_every_s: float = 0.0) -> Result:
+    label = f"{tree}-{members}"
+    with _profiled(src, profile, label) as run_src, registry_process(1.0, 3.0, src=run_src,
                           extra=("--max-members", str(2 * members + 1000), "--http-port", "0",
                                  *extra)) as (address, pid):
         hello = request_snapshot(address, timeout_s=10)
@@ -396,9 +403,12 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         time.sleep(max(2.0, 1.5 * interval, warmup_s))
         for name in queues:
             queues[name][0].put("start")
+        spy = _py_spy(pid, measure_s, os.path.join(profile, f"{label}.txt")) if profile else None
         cpu0, t0 = _cpu_s(pid), time.monotonic()
-        time.sleep(measure_s)
+        scrapes = _scrape_during(metrics_url, measure_s, scrape_every_s)
         cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
+        if spy is not None:
+            spy.wait(timeout=60)
         for name in queues:
             queues[name][0].put("end")
         _, marks, probes = queues["gen"][1].get(timeout=120)
@@ -439,7 +449,80 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         pub_msgs_per_router_per_s=round(messages / elapsed),
         view_core_pct=round(100 * view_core, 1), view_members=view_members,
         wrongly_suspect=len(suspects), snapshot_ms=round(1e3 * snapshot_s, 1),
-        snapshot_mb=round(len(raw) / 1e6, 2))
+        snapshot_mb=round(len(raw) / 1e6, 2), scrapes=scrapes,
+        scrape_kb=round(max(scraped[0] for scraped in _SCRAPED) / 1e3, 1) if _SCRAPED else 0.0,
+        scrape_ms_max=round(1e3 * max(scraped[1] for scraped in _SCRAPED), 1)
+        if _SCRAPED else 0.0)
+
+
+# (bytes, seconds) of each /metrics scrape inside the last window
+_SCRAPED: list[tuple[int, float]] = []
+
+# Bench-only: the registry under --profile imports this first (a sitecustomize on its
+# path) and logs every garbage collection that pauses it over 1 ms.
+_GC_LOG_SHIM = """
+import gc, os, time
+_log = open(os.environ["PDREG_BENCH_GC_LOG"], "a", buffering=1)
+_start = [0.0]
+def _timed(phase, info):
+    if phase == "start":
+        _start[0] = time.perf_counter()
+    else:
+        took = time.perf_counter() - _start[0]
+        if took > 0.001:
+            _log.write(f"{time.time():.3f} gen{info['generation']} {1e3 * took:.1f}ms "
+                       f"collected={info['collected']}\\n")
+gc.callbacks.append(_timed)
+"""
+
+
+@contextlib.contextmanager
+def _profiled(src: str, profile: str, label: str) -> Iterator[str]:
+    """`src`, or with `profile` a directory whose sitecustomize logs GC pauses into
+    PROFILE/LABEL-gc.log before importing `src`'s packages (by symlink)."""
+    if not profile:
+        yield src
+        return
+    os.makedirs(profile, exist_ok=True)
+    shim = tempfile.mkdtemp(prefix="pdreg-profiled-")
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), os.path.join(shim, name))
+    with open(os.path.join(shim, "sitecustomize.py"), "w") as f:
+        f.write(_GC_LOG_SHIM)
+    before = os.environ.get("PDREG_BENCH_GC_LOG")
+    os.environ["PDREG_BENCH_GC_LOG"] = os.path.abspath(os.path.join(profile, f"{label}-gc.log"))
+    try:
+        yield shim
+    finally:
+        if before is None:
+            os.environ.pop("PDREG_BENCH_GC_LOG", None)
+        shutil.rmtree(shim, ignore_errors=True)
+
+
+def _py_spy(pid: int, seconds: float, out: str) -> subprocess.Popen | None:
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        print("py-spy not found (pip install py-spy): no profile", file=sys.stderr)
+        return None
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration",
+                             str(max(1, int(seconds))), "--rate", "200", "--format", "raw",
+                             "--output", out], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _scrape_during(metrics_url: str, seconds: float, every_s: float) -> int:
+    """Sleep `seconds`; with `every_s`, scrape /metrics that often meanwhile."""
+    _SCRAPED.clear()
+    end = time.monotonic() + seconds
+    if every_s <= 0:
+        time.sleep(seconds)
+        return 0
+    while end - time.monotonic() > 0:
+        t = time.perf_counter()
+        body = httpx.get(metrics_url, timeout=30).content
+        _SCRAPED.append((len(body), time.perf_counter() - t))
+        time.sleep(max(0.0, min(every_s - (time.perf_counter() - t), end - time.monotonic())))
+    return len(_SCRAPED)
 
 
 def _register_only(address: str, members: int) -> None:
@@ -515,7 +598,6 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
 
 def _heartbeats_handled(metrics_url: str) -> float:
     """The registry's own count of heartbeats handled (scraped: it costs the loop nothing)."""
-    import httpx
 
     for line in httpx.get(metrics_url, timeout=30).text.splitlines():
         if line.startswith("pdreg_heartbeats_total "):
@@ -565,6 +647,11 @@ def main() -> int:
                         help="subscribers serve one model each (router --models)")
     parser.add_argument("--sync-storm", type=int, default=0, metavar="VIEWS",
                         help="instead: VIEWS views asking for a snapshot at once")
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="py-spy the registry over the window (DIR/TREE-N.txt, raw "
+                             "stacks) and log its GC pauses over 1 ms (DIR/TREE-N-gc.log)")
+    parser.add_argument("--scrape-every", type=float, default=0.0, metavar="S",
+                        help="scrape the registry's /metrics every S seconds in the window")
     args = parser.parse_args()
     trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
     tmp = None
@@ -582,7 +669,8 @@ def main() -> int:
         for members in (int(m) for m in args.members.split(",")):
             for name, src, extra in trees:
                 result = run_one(name, src, members, args.subscribers, args.churn,
-                                 args.measure, extra, args.per_model, args.warmup)
+                                 args.measure, extra, args.per_model, args.warmup,
+                                 args.profile, args.scrape_every)
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:

@@ -34,7 +34,8 @@ import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from registry import sessions
 from registry.admission import Admission, Limits
@@ -80,8 +81,15 @@ MAX_REPORTERS_TRACKED = 16  # per member; the oldest report is forgotten first
 __all__ = ["OK", "UNKNOWN", "Limits", "Membership", "Outcome"]
 
 
-@dataclass(slots=True)
-class _Entry:
+class _Entry(msgspec.Struct, gc=False):
+    """A member as the registry holds it (mutable; never sent).
+
+    Not tracked by the cyclic GC (`gc=False`): it holds only leaf data (specs, loads,
+    bytes, numbers, a dict of floats) and nothing that can refer back to it, so it can
+    never be in a reference cycle. At 100k members this takes 100k objects out of every
+    full collection, which otherwise paused the loop for 0.1-0.2 s now and then.
+    """
+
     spec: MemberSpec
     state: MemberState
     load: Load
