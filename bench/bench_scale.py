@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 import httpx
 import msgspec
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -370,6 +371,10 @@ class Result:
     wrongly_suspect: int
     snapshot_ms: float
     snapshot_mb: float
+    turns_over_25ms: int = 0  # loop turns in the window that took longer (the registry's own)
+    turns_over_100ms: int = 0
+    snapshot_builds: int = 0  # HTTP snapshots built in the window
+    snapshot_build_ms_mean: float = 0.0
     scrapes: int = 0  # /metrics scrapes inside the window (--scrape-every)
     scrape_kb: float = 0.0
     scrape_ms_max: float = 0.0
@@ -404,9 +409,15 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         for name in queues:
             queues[name][0].put("start")
         spy = _py_spy(pid, measure_s, os.path.join(profile, f"{label}.txt")) if profile else None
+        # Scraped around the window, this tree only: a registry before the per-member
+        # series were capped takes ~1.5 s per scrape at 100k, stalling its loop.
+        figures = tree == "this"
+        loop0 = _loop_figures(metrics_url) if figures else {}
         cpu0, t0 = _cpu_s(pid), time.monotonic()
         scrapes = _scrape_during(metrics_url, measure_s, scrape_every_s)
         cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
+        loop = {k: v - loop0.get(k, 0.0)
+                for k, v in (_loop_figures(metrics_url) if figures else {}).items()}
         if spy is not None:
             spy.wait(timeout=60)
         for name in queues:
@@ -416,8 +427,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         view_core, view_members = queues["view"][1].get(timeout=120)
         for p in (gen, sub, view):
             p.join(timeout=30)
-        # Scraped once, after the window: at 100k members /metrics is ~10 MB and takes the
-        # registry's HTTP thread ~1.5 s, which would stall the loop inside the window.
+        # Scraped after the window (a registry before the cap: ~10 MB, ~1.5 s at 100k).
         time.sleep(2.0)
         handled = _heartbeats_handled(metrics_url)
         t_sync = time.perf_counter()
@@ -449,7 +459,13 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         pub_msgs_per_router_per_s=round(messages / elapsed),
         view_core_pct=round(100 * view_core, 1), view_members=view_members,
         wrongly_suspect=len(suspects), snapshot_ms=round(1e3 * snapshot_s, 1),
-        snapshot_mb=round(len(raw) / 1e6, 2), scrapes=scrapes,
+        snapshot_mb=round(len(raw) / 1e6, 2),
+        turns_over_25ms=int(loop.get("turns_over_25ms", 0)),
+        turns_over_100ms=int(loop.get("turns_over_100ms", 0)),
+        snapshot_builds=int(loop.get("snapshot_builds", 0)),
+        snapshot_build_ms_mean=round(1e3 * loop.get("snapshot_build_s", 0.0)
+                                     / max(1.0, loop.get("snapshot_builds", 0.0)), 1),
+        scrapes=scrapes,
         scrape_kb=round(max(scraped[0] for scraped in _SCRAPED) / 1e3, 1) if _SCRAPED else 0.0,
         scrape_ms_max=round(1e3 * max(scraped[1] for scraped in _SCRAPED), 1)
         if _SCRAPED else 0.0)
@@ -605,6 +621,27 @@ def _heartbeats_handled(metrics_url: str) -> float:
     return math.nan
 
 
+def _loop_figures(metrics_url: str) -> dict[str, float]:
+    """The registry's loop-turn and snapshot-build histograms (registries before them: {})."""
+    figures: dict[str, float] = {}
+    text = httpx.get(metrics_url, timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            le = sample.labels.get("le")
+            if sample.name == "pdreg_loop_turn_seconds_bucket" and le in ("0.025", "0.1"):
+                figures[f"turns_upto_{le}"] = sample.value
+            elif sample.name == "pdreg_loop_turn_seconds_count":
+                figures["turns"] = sample.value
+            elif sample.name == "pdreg_snapshot_build_seconds_count":
+                figures["snapshot_builds"] = sample.value
+            elif sample.name == "pdreg_snapshot_build_seconds_sum":
+                figures["snapshot_build_s"] = sample.value
+    if "turns" in figures:
+        figures["turns_over_25ms"] = figures["turns"] - figures.pop("turns_upto_0.025")
+        figures["turns_over_100ms"] = figures["turns"] - figures.pop("turns_upto_0.1")
+    return figures
+
+
 def _sync_bytes(address: str) -> bytes:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -687,7 +724,9 @@ def _table(results: list[Result]) -> None:
             "answered_per_s",
             "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
             "propagation_p50_ms", "propagation_p99_ms", "probes_lost",
-            "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect", "snapshot_ms",
+            "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
+            "turns_over_25ms", "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",
+            "scrape_kb", "scrape_ms_max", "snapshot_ms",
             "snapshot_mb", "register_s"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -47,6 +47,33 @@ REJECTION_REASONS = [
 ]
 
 
+# Loop-turn and snapshot-build durations (seconds): a turn is ~0.1-5 ms; what delays every
+# event behind it (a full GC, a big snapshot) shows in the upper buckets.
+TURN_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class Durations:
+    """A histogram the loop writes with one bisect (read racily at scrape)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(TURN_BUCKETS_S) + 1))
+    total_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(TURN_BUCKETS_S, seconds)] += 1
+        self.total_s += seconds
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, documentation)
+        cumulative, total = [], 0
+        for bound, count in zip([*map(_le, TURN_BUCKETS_S), "+Inf"], list(self.counts),
+                                strict=True):
+            total += count
+            cumulative.append((bound, total))
+        family.add_metric([], cumulative, self.total_s)
+        return family
+
+
 @dataclass
 class LoopStats:
     """Counters written only by the loop thread; read (racily, harmlessly) at scrape."""
@@ -68,6 +95,8 @@ class LoopStats:
     loop_errors: int = 0
     loop_lateness_s: float = 0.0
     lag_compensated_s: float = 0.0
+    turns: Durations = field(default_factory=Durations)  # each turn's work, not its wait
+    snapshot_builds: Durations = field(default_factory=Durations)
 
     def count_heartbeat_result(self, status: ReplyStatus) -> None:
         self.heartbeat_results[status.name.lower()] += 1
@@ -157,6 +186,13 @@ class RegistryCollector(Collector):
         yield _gauge("pdreg_loop_lag_compensated_seconds",
                      "The last stall the detector gave back to members (deadlines moved).",
                      stats.lag_compensated_s)
+        yield stats.turns.family(
+            "pdreg_loop_turn_seconds",
+            "Time the loop spent on each turn, not counting its wait: every message and "
+            "event waits behind the turn in progress.")
+        yield stats.snapshot_builds.family(
+            "pdreg_snapshot_build_seconds",
+            "Time the loop spent building each HTTP snapshot (O(members), rate-limited).")
         yield _gauge("pdreg_heartbeat_interval_seconds",
                      "Heartbeat interval the registry dictates.", published.heartbeat_interval_s)
 

@@ -287,6 +287,7 @@ class RegistryServer:
                     building = time.monotonic()
                     self._published = self._publisher.snapshot(membership, now)
                     cost_s = time.monotonic() - building
+                    self.stats.snapshot_builds.observe(cost_s)
                     snapshot_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
                     last_snapshot = now
                     next_snapshot = now + max(SNAPSHOT_PERIOD_S, snapshot_gap_s)
@@ -294,6 +295,7 @@ class RegistryServer:
                 # A bug in one step must not take membership down with it.
                 self.stats.loop_errors += 1
                 logger.exception("[registry] loop step failed; continuing")
+            self.stats.turns.observe(time.monotonic() - now)
         self._drain_admin_on_shutdown()
 
     def _count_handshake_failures(self, ready: dict[zmq.Socket, int]) -> None:
