@@ -1,15 +1,26 @@
-"""The registry's /metrics at fleet size: a scrape grows with models, not with members."""
+"""The registry's /metrics at fleet size: a scrape grows with models, not with members;
+and the HTTP side's snapshot, which the scrape reads, is built when someone reads it."""
 
 from __future__ import annotations
 
 import time
 
+import httpx
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from raw_member import RawMember
 
 from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats, make_metrics_registry
-from registry.protocol import Endpoints, MemberRecord, MemberSpec, MemberState, Role
+from registry.protocol import (
+    Endpoints,
+    MemberRecord,
+    MemberSpec,
+    MemberState,
+    ReplyStatus,
+    Role,
+)
 from registry.published import Published
+from registry.server import RegistryConfig, RegistryServer
 
 MODELS = 4
 
@@ -66,3 +77,32 @@ def test_small_fleets_keep_a_series_per_member():
     ages = {s.labels["id"]: s.value for s in families["pdreg_member_heartbeat_age_seconds"]}
     assert set(ages) == {"decode-0", "decode-1", "decode-2"}
     assert ages["decode-0"] >= 40.0 > ages["decode-1"]
+
+
+def _snapshot_builds(registry: RegistryServer) -> float:
+    text = httpx.get(f"{registry.http_url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdreg_snapshot_build_seconds_count":
+                return sample.value
+    raise AssertionError("pdreg_snapshot_build_seconds not exposed")
+
+
+def test_the_http_snapshot_is_built_for_readers_not_per_change():
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start()
+    members = [RawMember(registry.control_address, member_id=f"decode-127.0.0.1-{9100 + i}")
+               for i in range(5)]
+    try:
+        before = _snapshot_builds(registry)
+        for member in members:  # five membership changes, nobody reading
+            assert member.register().status is ReplyStatus.OK
+            time.sleep(0.05)  # (old registries built one per change, 20 ms apart)
+        # A reader right after the changes sees all of them...
+        listed = httpx.get(f"{registry.http_url}/v1/members", timeout=30).json()
+        assert {m["id"] for m in listed} >= {m.spec.id for m in members}
+        # ...from one build for that read (and one for this scrape), not one per change.
+        assert _snapshot_builds(registry) - before <= 2
+    finally:
+        for member in members:
+            member.close()
+        registry.close()
