@@ -371,6 +371,9 @@ class Result:
     wrongly_suspect: int
     snapshot_ms: float
     snapshot_mb: float
+    # time the process's threads waited for a CPU while runnable (schedstat), % of the window
+    registry_runq_wait_pct: float = 0.0
+    subscribers_runq_wait_pct: float = 0.0
     turns_over_25ms: int = 0  # loop turns in the window that took longer (the registry's own)
     turns_over_100ms: int = 0
     snapshot_builds: int = 0  # HTTP snapshots built in the window
@@ -413,9 +416,12 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         # series were capped takes ~1.5 s per scrape at 100k, stalling its loop.
         figures = tree == "this"
         loop0 = _loop_figures(metrics_url) if figures else {}
+        waited0 = {name: _runq_s(p) for name, p in (("registry", pid), ("sub", sub.pid))}
         cpu0, t0 = _cpu_s(pid), time.monotonic()
         scrapes = _scrape_during(metrics_url, measure_s, scrape_every_s)
         cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
+        waited = {name: _runq_s(p) - waited0[name]
+                  for name, p in (("registry", pid), ("sub", sub.pid))}
         loop = {k: v - loop0.get(k, 0.0)
                 for k, v in (_loop_figures(metrics_url) if figures else {}).items()}
         if spy is not None:
@@ -460,6 +466,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         view_core_pct=round(100 * view_core, 1), view_members=view_members,
         wrongly_suspect=len(suspects), snapshot_ms=round(1e3 * snapshot_s, 1),
         snapshot_mb=round(len(raw) / 1e6, 2),
+        registry_runq_wait_pct=round(100 * waited["registry"] / elapsed, 1),
+        subscribers_runq_wait_pct=round(100 * waited["sub"] / elapsed, 1),
         turns_over_25ms=int(loop.get("turns_over_25ms", 0)),
         turns_over_100ms=int(loop.get("turns_over_100ms", 0)),
         snapshot_builds=int(loop.get("snapshot_builds", 0)),
@@ -488,6 +496,10 @@ def _timed(phase, info):
         if took > 0.001:
             _log.write(f"{time.time():.3f} gen{info['generation']} {1e3 * took:.1f}ms "
                        f"collected={info['collected']}\\n")
+        if info["generation"] == 2:  # what a full collection walks (bench only)
+            from collections import Counter
+            kinds = Counter(type(o).__name__ for o in gc.get_objects())
+            _log.write(f"  tracked={sum(kinds.values())} {kinds.most_common(6)}\\n")
 gc.callbacks.append(_timed)
 """
 
@@ -621,6 +633,18 @@ def _heartbeats_handled(metrics_url: str) -> float:
     return math.nan
 
 
+def _runq_s(pid: int) -> float:
+    """Seconds the threads of `pid` have waited on a run queue (runnable, no CPU)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended
+    return total / 1e9
+
+
 def _loop_figures(metrics_url: str) -> dict[str, float]:
     """The registry's loop-turn and snapshot-build histograms (registries before them: {})."""
     figures: dict[str, float] = {}
@@ -725,7 +749,8 @@ def _table(results: list[Result]) -> None:
             "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
             "propagation_p50_ms", "propagation_p99_ms", "probes_lost",
             "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
-            "turns_over_25ms", "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",
+            "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_over_25ms",
+            "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",
             "scrape_kb", "scrape_ms_max", "snapshot_ms",
             "snapshot_mb", "register_s"]
     print("| " + " | ".join(cols) + " |")
