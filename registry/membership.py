@@ -649,6 +649,19 @@ class Membership:
         self._stale.discard(entry.spec.id)
         self._publish(MemberUpdated(self.epoch, self._next_version(), record))
 
+    def refresh_some_records(self, limit: int) -> int:
+        """Rebuild up to `limit` of the records heartbeats made stale; how many are left.
+
+        Lets the loop spread that work over turns before a snapshot, instead of rebuilding
+        every member that heartbeat since the last one in a single turn.
+        """
+        members, records, offset, stale = self._members, self._records, self.wall_offset, \
+            self._stale
+        for _ in range(min(limit, len(stale))):
+            entry = members[stale.pop()]
+            records[entry.spec.model][entry.spec.id] = entry.record(offset)
+        return len(stale)
+
     def _refresh_records(self) -> None:
         """Rebuild the cached records of the members that heartbeat since the last read."""
         members, records, offset = self._members, self._records, self.wall_offset
