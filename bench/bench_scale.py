@@ -111,7 +111,8 @@ class _Member:
 
 
 def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
-              out: mp.Queue) -> None:
+              out: mp.Queue, nice: int = 0) -> None:
+    os.nice(nice)  # --nice-generator: the registry first when the machine is short of CPU
     rng = random.Random(7)
     ctx = zmq.Context()
     socks = []
@@ -385,7 +386,8 @@ class Result:
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             measure_s: float, extra: tuple[str, ...], per_model: bool = False,
-            warmup_s: float = 0.0, profile: str = "", scrape_every_s: float = 0.0) -> Result:
+            warmup_s: float = 0.0, profile: str = "", scrape_every_s: float = 0.0,
+            nice_generator: int = 0) -> Result:
     label = f"{tree}-{members}"
     with _profiled(src, profile, label) as run_src, registry_process(1.0, 3.0, src=run_src,
                           extra=("--max-members", str(2 * members + 1000), "--http-port", "0",
@@ -395,7 +397,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         metrics_url = f"http://{address.rpartition(':')[0]}:{hello.http_port}/metrics"
         events = f"{address.rpartition(':')[0]}:{events_port}"
         queues = {name: (mp.Queue(), mp.Queue()) for name in ("gen", "sub", "view")}
-        gen = mp.Process(target=generator, args=(address, members, churn, *queues["gen"]))
+        gen = mp.Process(target=generator,
+                         args=(address, members, churn, *queues["gen"], nice_generator))
         gen.start()
         _, register_s, missing, interval = queues["gen"][1].get(timeout=600)
         # Routers come once the fleet is up (100 of them in one process here could not
@@ -713,6 +716,8 @@ def main() -> int:
                              "stacks) and log its GC pauses over 1 ms (DIR/TREE-N-gc.log)")
     parser.add_argument("--scrape-every", type=float, default=0.0, metavar="S",
                         help="scrape the registry's /metrics every S seconds in the window")
+    parser.add_argument("--nice-generator", type=int, default=0, metavar="N",
+                        help="run the load generator at this nice level")
     args = parser.parse_args()
     trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
     tmp = None
@@ -731,7 +736,7 @@ def main() -> int:
             for name, src, extra in trees:
                 result = run_one(name, src, members, args.subscribers, args.churn,
                                  args.measure, extra, args.per_model, args.warmup,
-                                 args.profile, args.scrape_every)
+                                 args.profile, args.scrape_every, args.nice_generator)
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
