@@ -1,7 +1,8 @@
 """The registry manager: a busy loop in a side thread that owns membership.
 
     loop thread   ROUTER (control) ─► decode ─► Membership transition ─► reply
-                  timer ─► Membership.tick ─► PUB events, load digests, snapshot swap
+                  timer ─► Membership.tick ─► PUB events, load digests
+                  a reader's request ─► snapshot build and swap
                   inproc PULL (wake) ◄─ admin actions from HTTP, shutdown
     HTTP thread   uvicorn: reads `published` (an immutable snapshot swapped by reference)
     ZAP thread    with CURVE: pyzmq's authenticator admits only allowed client keys
@@ -13,6 +14,7 @@ the loop and never touches a member.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -235,8 +237,10 @@ class RegistryServer:
                     and age_s <= SNAPSHOT_PERIOD_S)):
             return snapshot
         built = threading.Event()
+        first = self._snapshot_requests.empty()  # later readers ride on the first's wake
         self._snapshot_requests.put(built)
-        self._wake()
+        if first:
+            self._wake()
         built.wait(SNAPSHOT_WAIT_S)
         return self._published
 
@@ -369,7 +373,9 @@ class RegistryServer:
     def _wake(self) -> None:
         with self._wake_lock:
             if self._state is not ShutdownState.STOPPED:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+                # A full pipe of wakes: the loop is woken already.
+                with contextlib.suppress(zmq.Again):
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:

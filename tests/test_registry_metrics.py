@@ -4,6 +4,7 @@ and the HTTP side's snapshot, which the scrape reads, is built when someone read
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from prometheus_client import generate_latest
@@ -20,7 +21,7 @@ from registry.protocol import (
     Role,
 )
 from registry.published import Published
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import SNAPSHOT_PERIOD_S, RegistryConfig, RegistryServer
 
 MODELS = 4
 
@@ -105,4 +106,26 @@ def test_the_http_snapshot_is_built_for_readers_not_per_change():
     finally:
         for member in members:
             member.close()
+        registry.close()
+
+
+def test_a_flood_of_readers_costs_the_loop_a_build_per_change_not_per_read():
+    """A reader (a token holder beyond loopback) can ask for fresh snapshots, but many
+    reads of an unchanged membership share one build, and every read is answered."""
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start()
+    member = RawMember(registry.control_address)
+    try:
+        assert member.register().status is ReplyStatus.OK
+        before = _snapshot_builds(registry)
+        started = time.monotonic()
+        with httpx.Client(timeout=30) as client, ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(
+                lambda _: client.get(f"{registry.http_url}/v1/members"), range(200)))
+        elapsed = time.monotonic() - started
+        assert all(a.status_code == 200 and a.json()[0]["id"] == member.spec.id
+                   for a in answers)
+        # loads age out every SNAPSHOT_PERIOD_S: at most one build per period, plus the scrape
+        assert _snapshot_builds(registry) - before <= 2 + elapsed / SNAPSHOT_PERIOD_S
+    finally:
+        member.close()
         registry.close()
