@@ -27,6 +27,7 @@ Sync's round trip time and size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import math
@@ -39,10 +40,13 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import httpx
 import msgspec
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -107,7 +111,8 @@ class _Member:
 
 
 def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
-              out: mp.Queue) -> None:
+              out: mp.Queue, nice: int = 0) -> None:
+    os.nice(nice)  # --nice-generator: the registry first when the machine is short of CPU
     rng = random.Random(7)
     ctx = zmq.Context()
     socks = []
@@ -367,12 +372,24 @@ class Result:
     wrongly_suspect: int
     snapshot_ms: float
     snapshot_mb: float
+    # time the process's threads waited for a CPU while runnable (schedstat), % of the window
+    registry_runq_wait_pct: float = 0.0
+    subscribers_runq_wait_pct: float = 0.0
+    turns_over_25ms: int = 0  # loop turns in the window that took longer (the registry's own)
+    turns_over_100ms: int = 0
+    snapshot_builds: int = 0  # HTTP snapshots built in the window
+    snapshot_build_ms_mean: float = 0.0
+    scrapes: int = 0  # /metrics scrapes inside the window (--scrape-every)
+    scrape_kb: float = 0.0
+    scrape_ms_max: float = 0.0
 
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             measure_s: float, extra: tuple[str, ...], per_model: bool = False,
-            warmup_s: float = 0.0) -> Result:
-    with registry_process(1.0, 3.0, src=src,
+            warmup_s: float = 0.0, profile: str = "", scrape_every_s: float = 0.0,
+            nice_generator: int = 0) -> Result:
+    label = f"{tree}-{members}"
+    with _profiled(src, profile, label) as run_src, registry_process(1.0, 3.0, src=run_src,
                           extra=("--max-members", str(2 * members + 1000), "--http-port", "0",
                                  *extra)) as (address, pid):
         hello = request_snapshot(address, timeout_s=10)
@@ -380,7 +397,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         metrics_url = f"http://{address.rpartition(':')[0]}:{hello.http_port}/metrics"
         events = f"{address.rpartition(':')[0]}:{events_port}"
         queues = {name: (mp.Queue(), mp.Queue()) for name in ("gen", "sub", "view")}
-        gen = mp.Process(target=generator, args=(address, members, churn, *queues["gen"]))
+        gen = mp.Process(target=generator,
+                         args=(address, members, churn, *queues["gen"], nice_generator))
         gen.start()
         _, register_s, missing, interval = queues["gen"][1].get(timeout=600)
         # Routers come once the fleet is up (100 of them in one process here could not
@@ -396,9 +414,21 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         time.sleep(max(2.0, 1.5 * interval, warmup_s))
         for name in queues:
             queues[name][0].put("start")
+        spy = _py_spy(pid, measure_s, os.path.join(profile, f"{label}.txt")) if profile else None
+        # Scraped around the window, this tree only: a registry before the per-member
+        # series were capped takes ~1.5 s per scrape at 100k, stalling its loop.
+        figures = tree == "this"
+        loop0 = _loop_figures(metrics_url) if figures else {}
+        waited0 = {name: _runq_s(p) for name, p in (("registry", pid), ("sub", sub.pid))}
         cpu0, t0 = _cpu_s(pid), time.monotonic()
-        time.sleep(measure_s)
+        scrapes = _scrape_during(metrics_url, measure_s, scrape_every_s)
         cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
+        waited = {name: _runq_s(p) - waited0[name]
+                  for name, p in (("registry", pid), ("sub", sub.pid))}
+        loop = {k: v - loop0.get(k, 0.0)
+                for k, v in (_loop_figures(metrics_url) if figures else {}).items()}
+        if spy is not None:
+            spy.wait(timeout=60)
         for name in queues:
             queues[name][0].put("end")
         _, marks, probes = queues["gen"][1].get(timeout=120)
@@ -406,8 +436,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         view_core, view_members = queues["view"][1].get(timeout=120)
         for p in (gen, sub, view):
             p.join(timeout=30)
-        # Scraped once, after the window: at 100k members /metrics is ~10 MB and takes the
-        # registry's HTTP thread ~1.5 s, which would stall the loop inside the window.
+        # Scraped after the window (a registry before the cap: ~10 MB, ~1.5 s at 100k).
         time.sleep(2.0)
         handled = _heartbeats_handled(metrics_url)
         t_sync = time.perf_counter()
@@ -439,7 +468,92 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         pub_msgs_per_router_per_s=round(messages / elapsed),
         view_core_pct=round(100 * view_core, 1), view_members=view_members,
         wrongly_suspect=len(suspects), snapshot_ms=round(1e3 * snapshot_s, 1),
-        snapshot_mb=round(len(raw) / 1e6, 2))
+        snapshot_mb=round(len(raw) / 1e6, 2),
+        registry_runq_wait_pct=round(100 * waited["registry"] / elapsed, 1),
+        subscribers_runq_wait_pct=round(100 * waited["sub"] / elapsed, 1),
+        turns_over_25ms=int(loop.get("turns_over_25ms", 0)),
+        turns_over_100ms=int(loop.get("turns_over_100ms", 0)),
+        snapshot_builds=int(loop.get("snapshot_builds", 0)),
+        snapshot_build_ms_mean=round(1e3 * loop.get("snapshot_build_s", 0.0)
+                                     / max(1.0, loop.get("snapshot_builds", 0.0)), 1),
+        scrapes=scrapes,
+        scrape_kb=round(max(scraped[0] for scraped in _SCRAPED) / 1e3, 1) if _SCRAPED else 0.0,
+        scrape_ms_max=round(1e3 * max(scraped[1] for scraped in _SCRAPED), 1)
+        if _SCRAPED else 0.0)
+
+
+# (bytes, seconds) of each /metrics scrape inside the last window
+_SCRAPED: list[tuple[int, float]] = []
+
+# Bench-only: the registry under --profile imports this first (a sitecustomize on its
+# path) and logs every garbage collection that pauses it over 1 ms.
+_GC_LOG_SHIM = """
+import gc, os, time
+_log = open(os.environ["PDREG_BENCH_GC_LOG"], "a", buffering=1)
+_start = [0.0]
+def _timed(phase, info):
+    if phase == "start":
+        _start[0] = time.perf_counter()
+    else:
+        took = time.perf_counter() - _start[0]
+        if took > 0.001:
+            _log.write(f"{time.time():.3f} gen{info['generation']} {1e3 * took:.1f}ms "
+                       f"collected={info['collected']}\\n")
+        if info["generation"] == 2:  # what a full collection walks (bench only)
+            from collections import Counter
+            kinds = Counter(type(o).__name__ for o in gc.get_objects())
+            _log.write(f"  tracked={sum(kinds.values())} {kinds.most_common(6)}\\n")
+gc.callbacks.append(_timed)
+"""
+
+
+@contextlib.contextmanager
+def _profiled(src: str, profile: str, label: str) -> Iterator[str]:
+    """`src`, or with `profile` a directory whose sitecustomize logs GC pauses into
+    PROFILE/LABEL-gc.log before importing `src`'s packages (by symlink)."""
+    if not profile:
+        yield src
+        return
+    os.makedirs(profile, exist_ok=True)
+    shim = tempfile.mkdtemp(prefix="pdreg-profiled-")
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), os.path.join(shim, name))
+    with open(os.path.join(shim, "sitecustomize.py"), "w") as f:
+        f.write(_GC_LOG_SHIM)
+    before = os.environ.get("PDREG_BENCH_GC_LOG")
+    os.environ["PDREG_BENCH_GC_LOG"] = os.path.abspath(os.path.join(profile, f"{label}-gc.log"))
+    try:
+        yield shim
+    finally:
+        if before is None:
+            os.environ.pop("PDREG_BENCH_GC_LOG", None)
+        shutil.rmtree(shim, ignore_errors=True)
+
+
+def _py_spy(pid: int, seconds: float, out: str) -> subprocess.Popen | None:
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        print("py-spy not found (pip install py-spy): no profile", file=sys.stderr)
+        return None
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration",
+                             str(max(1, int(seconds))), "--rate", "200", "--format", "raw",
+                             "--output", out], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _scrape_during(metrics_url: str, seconds: float, every_s: float) -> int:
+    """Sleep `seconds`; with `every_s`, scrape /metrics that often meanwhile."""
+    _SCRAPED.clear()
+    end = time.monotonic() + seconds
+    if every_s <= 0:
+        time.sleep(seconds)
+        return 0
+    while end - time.monotonic() > 0:
+        t = time.perf_counter()
+        body = httpx.get(metrics_url, timeout=30).content
+        _SCRAPED.append((len(body), time.perf_counter() - t))
+        time.sleep(max(0.0, min(every_s - (time.perf_counter() - t), end - time.monotonic())))
+    return len(_SCRAPED)
 
 
 def _register_only(address: str, members: int) -> None:
@@ -515,12 +629,44 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
 
 def _heartbeats_handled(metrics_url: str) -> float:
     """The registry's own count of heartbeats handled (scraped: it costs the loop nothing)."""
-    import httpx
 
     for line in httpx.get(metrics_url, timeout=30).text.splitlines():
         if line.startswith("pdreg_heartbeats_total "):
             return float(line.split()[1])
     return math.nan
+
+
+def _runq_s(pid: int) -> float:
+    """Seconds the threads of `pid` have waited on a run queue (runnable, no CPU)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended
+    return total / 1e9
+
+
+def _loop_figures(metrics_url: str) -> dict[str, float]:
+    """The registry's loop-turn and snapshot-build histograms (registries before them: {})."""
+    figures: dict[str, float] = {}
+    text = httpx.get(metrics_url, timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            le = sample.labels.get("le")
+            if sample.name == "pdreg_loop_turn_seconds_bucket" and le in ("0.025", "0.1"):
+                figures[f"turns_upto_{le}"] = sample.value
+            elif sample.name == "pdreg_loop_turn_seconds_count":
+                figures["turns"] = sample.value
+            elif sample.name == "pdreg_snapshot_build_seconds_count":
+                figures["snapshot_builds"] = sample.value
+            elif sample.name == "pdreg_snapshot_build_seconds_sum":
+                figures["snapshot_build_s"] = sample.value
+    if "turns" in figures:
+        figures["turns_over_25ms"] = figures["turns"] - figures.pop("turns_upto_0.025")
+        figures["turns_over_100ms"] = figures["turns"] - figures.pop("turns_upto_0.1")
+    return figures
 
 
 def _sync_bytes(address: str) -> bytes:
@@ -565,6 +711,13 @@ def main() -> int:
                         help="subscribers serve one model each (router --models)")
     parser.add_argument("--sync-storm", type=int, default=0, metavar="VIEWS",
                         help="instead: VIEWS views asking for a snapshot at once")
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="py-spy the registry over the window (DIR/TREE-N.txt, raw "
+                             "stacks) and log its GC pauses over 1 ms (DIR/TREE-N-gc.log)")
+    parser.add_argument("--scrape-every", type=float, default=0.0, metavar="S",
+                        help="scrape the registry's /metrics every S seconds in the window")
+    parser.add_argument("--nice-generator", type=int, default=0, metavar="N",
+                        help="run the load generator at this nice level")
     args = parser.parse_args()
     trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
     tmp = None
@@ -582,7 +735,8 @@ def main() -> int:
         for members in (int(m) for m in args.members.split(",")):
             for name, src, extra in trees:
                 result = run_one(name, src, members, args.subscribers, args.churn,
-                                 args.measure, extra, args.per_model, args.warmup)
+                                 args.measure, extra, args.per_model, args.warmup,
+                                 args.profile, args.scrape_every, args.nice_generator)
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
@@ -599,7 +753,10 @@ def _table(results: list[Result]) -> None:
             "answered_per_s",
             "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
             "propagation_p50_ms", "propagation_p99_ms", "probes_lost",
-            "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect", "snapshot_ms",
+            "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
+            "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_over_25ms",
+            "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",
+            "scrape_kb", "scrape_ms_max", "snapshot_ms",
             "snapshot_mb", "register_s"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

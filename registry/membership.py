@@ -34,7 +34,8 @@ import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from registry import sessions
 from registry.admission import Admission, Limits
@@ -81,8 +82,15 @@ MAX_REPORTERS_TRACKED = 16  # per member; the oldest report is forgotten first
 __all__ = ["OK", "UNKNOWN", "Limits", "Membership", "Outcome"]
 
 
-@dataclass(slots=True)
-class _Entry:
+class _Entry(msgspec.Struct, gc=False):
+    """A member as the registry holds it (mutable; never sent).
+
+    Not tracked by the cyclic GC (`gc=False`): it holds only leaf data (specs, loads,
+    bytes, numbers, a dict of floats) and nothing that can refer back to it, so it can
+    never be in a reference cycle. At 100k members this takes 100k objects out of every
+    full collection, which otherwise paused the loop for 0.1-0.2 s now and then.
+    """
+
     spec: MemberSpec
     state: MemberState
     load: Load
@@ -671,6 +679,19 @@ class Membership:
         self._records[entry.spec.model][entry.spec.id] = record
         self._stale.discard(entry.spec.id)
         self._publish(MemberUpdated(self.epoch, self._next_version(), record))
+
+    def refresh_some_records(self, limit: int) -> int:
+        """Rebuild up to `limit` of the records heartbeats made stale; how many are left.
+
+        Lets the loop spread that work over turns before a snapshot, instead of rebuilding
+        every member that heartbeat since the last one in a single turn.
+        """
+        members, records, offset, stale = self._members, self._records, self.wall_offset, \
+            self._stale
+        for _ in range(min(limit, len(stale))):
+            entry = members[stale.pop()]
+            records[entry.spec.model][entry.spec.id] = entry.record(offset)
+        return len(stale)
 
     def _refresh_records(self) -> None:
         """Rebuild the cached records of the members that heartbeat since the last read."""

@@ -8,13 +8,19 @@ scrape time.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from registry.outcome import Refusal
@@ -35,6 +41,33 @@ if TYPE_CHECKING:
 
 # Every reason a control message can be refused (pdreg_rejected_messages_total{reason}).
 REJECTION_REASONS = [refusal.value for refusal in Refusal]
+
+
+# Loop-turn and snapshot-build durations (seconds): a turn is ~0.1-5 ms; what delays every
+# event behind it (a full GC, a big snapshot) shows in the upper buckets.
+TURN_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class Durations:
+    """A histogram the loop writes with one bisect (read racily at scrape)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(TURN_BUCKETS_S) + 1))
+    total_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(TURN_BUCKETS_S, seconds)] += 1
+        self.total_s += seconds
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, documentation)
+        cumulative, total = [], 0
+        for bound, count in zip([*map(_le, TURN_BUCKETS_S), "+Inf"], list(self.counts),
+                                strict=True):
+            total += count
+            cumulative.append((bound, total))
+        family.add_metric([], cumulative, self.total_s)
+        return family
 
 
 @dataclass
@@ -58,6 +91,8 @@ class LoopStats:
     loop_errors: int = 0
     loop_lateness_s: float = 0.0
     lag_compensated_s: float = 0.0
+    turns: Durations = field(default_factory=Durations)  # each turn's work, not its wait
+    snapshot_builds: Durations = field(default_factory=Durations)
 
     def count_heartbeat_result(self, status: ReplyStatus) -> None:
         self.heartbeat_results[status.name.lower()] += 1
@@ -80,36 +115,30 @@ class LoopStats:
             self.departures[event.reason.name.lower()] += 1
 
 
+# Per-member heartbeat-age series only up to this many members: beyond it a scrape would
+# grow with the fleet (~100 bytes a member: 10 MB at 100k), and rendering it holds the GIL
+# the loop needs. The histogram below carries the same news at any size.
+PER_MEMBER_SERIES_MAX = 1_000
+# Heartbeat-age buckets (seconds): the interval is 1-5 s and the lease three intervals, so
+# a healthy member sits in the first buckets and a late one walks up them.
+AGE_BUCKETS_S = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0)
+# The HTTP thread walks the members in chunks this long and yields between them, so the
+# loop thread waits for the GIL at most about one chunk (well under 1 ms), not the whole walk.
+_CHUNK = 256
+_YIELD_S = 0.0002
+
+
 class RegistryCollector(Collector):
-    def __init__(self, stats: LoopStats, published: Callable[[], Published]) -> None:
+    def __init__(self, stats: LoopStats, published: Callable[[], Published],
+                 per_member_max: int = PER_MEMBER_SERIES_MAX) -> None:
         self._stats = stats
         self._published = published
+        self._per_member_max = per_member_max
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats
         published = self._published()
-        now = time.time()
-
-        members = GaugeMetricFamily("pdreg_members", "Members by role, model and state.",
-                                    labels=["role", "model", "state"])
-        counts: Counter[tuple[str, str, str]] = Counter()
-        age = GaugeMetricFamily("pdreg_member_heartbeat_age_seconds",
-                                "Seconds since each member's last heartbeat.",
-                                labels=["id", "role", "model"])
-        for record in published.members:
-            spec = record.spec
-            state = "suspect" if record.suspect else record.state.name.lower()
-            counts[(role_name(spec.role), spec.model, state)] += 1
-            age.add_metric([spec.id, role_name(spec.role), spec.model],
-                           max(0.0, now - record.heartbeat_at))
-        for role in Role:
-            for state in [s.name.lower() for s in MemberState] + ["suspect"]:
-                for model in {r.spec.model for r in published.members} or {""}:
-                    counts.setdefault((role_name(role), model, state), 0)
-        for labels, value in sorted(counts.items()):
-            members.add_metric(list(labels), value)
-        yield members
-        yield age
+        yield from self._membership_families(published, time.time())
 
         yield _counter("pdreg_heartbeats", "Heartbeats received.", stats.heartbeats)
         yield _labelled_counter("pdreg_heartbeat_results",
@@ -153,12 +182,82 @@ class RegistryCollector(Collector):
         yield _gauge("pdreg_loop_lag_compensated_seconds",
                      "The last stall the detector gave back to members (deadlines moved).",
                      stats.lag_compensated_s)
+        yield stats.turns.family(
+            "pdreg_loop_turn_seconds",
+            "Time the loop spent on each turn, not counting its wait: every message and "
+            "event waits behind the turn in progress.")
+        yield stats.snapshot_builds.family(
+            "pdreg_snapshot_build_seconds",
+            "Time the loop spent building each HTTP snapshot (O(members), rate-limited).")
         yield _gauge("pdreg_heartbeat_interval_seconds",
                      "Heartbeat interval the registry dictates.", published.heartbeat_interval_s)
+
+    def _membership_families(self, published: Published, now: float) -> Iterator[Metric]:
+        """Members by role/model/state and heartbeat ages: O(roles x models) series.
+
+        The walk over the members is O(members) but cheap per member and done in chunks
+        that hand the GIL back to the loop thread; the per-member age gauge is emitted
+        only for fleets up to `per_member_max`.
+        """
+        members = published.members
+        counts: Counter[tuple[str, str, str]] = Counter()
+        # (role, model) -> count per bucket (the last one is +Inf) and the sum of ages
+        buckets: dict[tuple[str, str], list[int]] = {}
+        sums: Counter[tuple[str, str]] = Counter()
+        per_member = len(members) <= self._per_member_max
+        age = GaugeMetricFamily(
+            "pdreg_member_heartbeat_age_seconds",
+            "Seconds since each member's last heartbeat (only while the registry has at "
+            f"most {self._per_member_max} members; see pdreg_heartbeat_age_seconds).",
+            labels=["id", "role", "model"])
+        bounds = AGE_BUCKETS_S
+        for start in range(0, len(members), _CHUNK):
+            if start:
+                time.sleep(_YIELD_S)  # let the loop thread take the GIL
+            for record in members[start:start + _CHUNK]:
+                spec = record.spec
+                role = role_name(spec.role)
+                state = "suspect" if record.suspect else record.state.name.lower()
+                counts[(role, spec.model, state)] += 1
+                seconds = max(0.0, now - record.heartbeat_at)
+                key = (role, spec.model)
+                found = buckets.get(key)
+                if found is None:
+                    found = buckets[key] = [0] * (len(bounds) + 1)
+                found[bisect_left(bounds, seconds)] += 1
+                sums[key] += seconds
+                if per_member:
+                    age.add_metric([spec.id, role, spec.model], seconds)
+        models = {model for _, model in buckets} or {""}
+        states = [s.name.lower() for s in MemberState] + ["suspect"]
+        family = GaugeMetricFamily("pdreg_members", "Members by role, model and state.",
+                                   labels=["role", "model", "state"])
+        histogram = HistogramMetricFamily(
+            "pdreg_heartbeat_age_seconds",
+            "Seconds since each member's last heartbeat, by role and model.",
+            labels=["role", "model"])
+        for role in sorted(role_name(r) for r in Role):
+            for model in sorted(models):
+                for state in states:
+                    family.add_metric([role, model, state], counts.get((role, model, state), 0))
+                per_bucket = buckets.get((role, model), [0] * (len(bounds) + 1))
+                cumulative, total = [], 0
+                for bound, count in zip([*map(_le, bounds), "+Inf"], per_bucket, strict=True):
+                    total += count
+                    cumulative.append((bound, total))
+                histogram.add_metric([role, model], cumulative,
+                                     sums.get((role, model), 0.0))
+        yield family
+        yield histogram
+        yield age
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -1,7 +1,8 @@
 """The registry manager: a busy loop in a side thread that owns membership.
 
     loop thread   ROUTER (control) ─► decode ─► Membership transition ─► reply
-                  timer ─► Membership.tick ─► PUB events, load digests, snapshot swap
+                  timer ─► Membership.tick ─► PUB events, load digests
+                  a reader's request ─► snapshot build and swap
                   inproc PULL (wake) ◄─ admin actions from HTTP, shutdown
     HTTP thread   uvicorn: reads `published` (an immutable snapshot swapped by reference)
     ZAP thread    with CURVE: pyzmq's authenticator admits only allowed client keys
@@ -13,6 +14,7 @@ the loop and never touches a member.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -42,13 +44,19 @@ from registry.security import CurveServer, ServerCurve, is_loopback
 logger = logging.getLogger(__name__)
 
 DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
-SNAPSHOT_PERIOD_S = 0.5  # the HTTP snapshot picks up load changes at most this often
-# A membership change reaches the HTTP snapshot within this long. Building one costs
-# O(members) (a tuple of the cached records, ~5-20 ms at 100k), so a burst of events costs
-# one build, not one per loop turn; and builds are at least SNAPSHOT_COST_FACTOR times
-# their own duration apart, so they take at most about a tenth of the loop.
+# The HTTP side's snapshot is built on demand: a reader that finds it older than the
+# membership (or than SNAPSHOT_PERIOD_S, for load changes) asks the loop for a new one.
+# Building costs O(members) (~5-90 ms at 100k), so with nobody reading (the usual case for
+# a big fleet between scrapes and dashboard visits) the loop builds none; with readers,
+# builds are at least SNAPSHOT_COST_FACTOR times their own duration apart (and
+# SNAPSHOT_MIN_PERIOD_S), so they take at most about a tenth of the loop. A reader waits
+# for the new one (at most SNAPSHOT_WAIT_S), so it sees every change acknowledged before
+# its read.
+SNAPSHOT_PERIOD_S = 0.5
 SNAPSHOT_MIN_PERIOD_S = 0.02
 SNAPSHOT_COST_FACTOR = 10.0
+SNAPSHOT_WAIT_S = 1.0
+SNAPSHOT_REFRESH_SLICE = 2048  # stale records rebuilt per loop turn before a build (~2 ms)
 DEFAULT_MAX_MEMBERS = MAX_MEMBERS  # --max-members (registry.admission says why)
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 # /healthz answers 503 once the loop has not turned for this many heartbeat intervals
@@ -127,6 +135,9 @@ class RegistryServer:
         self._published = Published(self.epoch, 0, (), self.config.heartbeat_interval_s,
                                     self.config.lease_s, False, time.time())
         self._turned_at = time.monotonic()  # the loop's last turn, for /healthz
+        self._built_at = time.monotonic()  # when _published was built
+        self._snapshot_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a build costs
+        self._snapshot_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._monitors: list[zmq.Socket] = []
         for sock in (self._control, self._events, self._wake_rx, self._wake_tx):
             sock.setsockopt(zmq.LINGER, 0)
@@ -169,7 +180,7 @@ class RegistryServer:
             self.http_port = self._http.port
         self._channel.events_port, self._channel.http_port = self.events_port, self.http_port
         self._published = self._publisher.snapshot(self._membership, time.monotonic())
-        self._turned_at = time.monotonic()
+        self._turned_at = self._built_at = time.monotonic()
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="pdreg-registry",
                                              daemon=True)
         self._loop_thread.start()
@@ -216,10 +227,25 @@ class RegistryServer:
 
     @property
     def published(self) -> Published:
+        """The loop's latest snapshot; when it is behind the membership or older than
+        SNAPSHOT_PERIOD_S, a new one (waiting at most SNAPSHOT_WAIT_S for the loop)."""
+        snapshot = self._published
+        age_s = time.monotonic() - self._built_at
+        if (self._state is not ShutdownState.RUNNING or self._loop_thread is None
+                or threading.current_thread() is self._loop_thread
+                or (snapshot.version == self._membership.version
+                    and age_s <= SNAPSHOT_PERIOD_S)):
+            return snapshot
+        built = threading.Event()
+        first = self._snapshot_requests.empty()  # later readers ride on the first's wake
+        self._snapshot_requests.put(built)
+        if first:
+            self._wake()
+        built.wait(SNAPSHOT_WAIT_S)
         return self._published
 
     def members(self) -> dict[str, MemberRecord]:
-        return {record.spec.id: record for record in self._published.members}
+        return {record.spec.id: record for record in self.published.members}
 
     def loop_stall_s(self) -> float:
         """Seconds since the loop last turned (ticks come at least every 0.1 s)."""
@@ -252,11 +278,11 @@ class RegistryServer:
         decoder = control_decoder()  # one typed decoder, owned by this thread
         now = time.monotonic()
         next_digest = next_pulse = now
-        next_snapshot = now + SNAPSHOT_PERIOD_S  # moved closer when membership changes
-        last_snapshot = now
-        snapshot_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a build costs
+        requests = self._snapshot_requests
         while self._state is ShutdownState.RUNNING:
             # 1) Poll until the next deadline (never forever).
+            next_snapshot = (math.inf if requests.empty()
+                             else self._built_at + self._snapshot_gap_s)
             deadline = min(membership.next_deadline(now), next_digest, next_pulse,
                            next_snapshot)
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
@@ -275,26 +301,37 @@ class RegistryServer:
                 # 3) Tick the detector, then publish what changed.
                 membership.tick(now)
                 self.stats.lag_compensated_s = membership.last_lag_s
-                changed = self._publisher.events(membership.take_events())
+                self._publisher.events(membership.take_events())
                 if now >= next_digest:
                     self._publisher.digests(membership, now, pulse=now >= next_pulse)
                     if now >= next_pulse:
                         next_pulse = now + membership.timing.heartbeat_interval_s
                     next_digest = now + DIGEST_PERIOD_S
-                if changed:
-                    next_snapshot = min(next_snapshot, last_snapshot + snapshot_gap_s)
-                if now >= next_snapshot:
-                    building = time.monotonic()
-                    self._published = self._publisher.snapshot(membership, now)
-                    cost_s = time.monotonic() - building
-                    snapshot_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
-                    last_snapshot = now
-                    next_snapshot = now + max(SNAPSHOT_PERIOD_S, snapshot_gap_s)
+                # A snapshot asked for: first the records heartbeats made stale, a slice
+                # per turn (all of them at once is ~0.1 s at 100k), then the build.
+                if (not requests.empty() and now >= self._built_at + self._snapshot_gap_s
+                        and membership.refresh_some_records(SNAPSHOT_REFRESH_SLICE) == 0):
+                    self._build_snapshot(now)
             except Exception:
                 # A bug in one step must not take membership down with it.
                 self.stats.loop_errors += 1
                 logger.exception("[registry] loop step failed; continuing")
+            self.stats.turns.observe(time.monotonic() - now)
         self._drain_admin_on_shutdown()
+
+    def _build_snapshot(self, now: float) -> None:
+        """Build the HTTP snapshot and answer every reader that asked for it."""
+        building = time.monotonic()
+        self._published = self._publisher.snapshot(self._membership, now)
+        self._built_at = done = time.monotonic()
+        cost_s = done - building
+        self.stats.snapshot_builds.observe(cost_s)
+        self._snapshot_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
+        while True:
+            try:
+                self._snapshot_requests.get_nowait().set()
+            except queue.Empty:
+                return
 
     def _count_handshake_failures(self, ready: dict[zmq.Socket, int]) -> None:
         for monitor in self._monitors:
@@ -336,7 +373,9 @@ class RegistryServer:
     def _wake(self) -> None:
         with self._wake_lock:
             if self._state is not ShutdownState.STOPPED:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+                # A full pipe of wakes: the loop is woken already.
+                with contextlib.suppress(zmq.Again):
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:

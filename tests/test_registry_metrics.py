@@ -1,0 +1,131 @@
+"""The registry's /metrics at fleet size: a scrape grows with models, not with members;
+and the HTTP side's snapshot, which the scrape reads, is built when someone reads it."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from raw_member import RawMember
+
+from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats, make_metrics_registry
+from registry.protocol import (
+    Endpoints,
+    MemberRecord,
+    MemberSpec,
+    MemberState,
+    ReplyStatus,
+    Role,
+)
+from registry.published import Published
+from registry.server import SNAPSHOT_PERIOD_S, RegistryConfig, RegistryServer
+
+MODELS = 4
+
+
+def _published(members: int, now: float, late: int = 0) -> Published:
+    """`members` members over MODELS models; the first `late` last heartbeat 40 s ago."""
+    records = tuple(
+        MemberRecord(
+            spec=MemberSpec(id=f"decode-{i}", incarnation=1,
+                            role=Role.PREFILL if i % 2 else Role.DECODE, model=f"m{i % MODELS}",
+                            protocol="reference",
+                            endpoints=Endpoints(http=f"http://10.0.{i // 256}.{i % 256}:8000")),
+            state=MemberState.READY, heartbeat_at=now - (40.0 if i < late else 0.5))
+        for i in range(members))
+    return Published(epoch=1, version=1, members=records, heartbeat_interval_s=1.0,
+                     lease_s=3.0, self_preserving=False, taken_at=now)
+
+
+def _scrape(snapshot: Published) -> dict[str, list]:
+    text = generate_latest(make_metrics_registry(LoopStats(), lambda: snapshot)).decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def test_a_scrape_does_not_grow_per_member_past_the_cap():
+    now = time.time()
+    small = _scrape(_published(PER_MEMBER_SERIES_MAX + 1, now))
+    big = _scrape(_published(4 * PER_MEMBER_SERIES_MAX, now))
+    assert {name: len(samples) for name, samples in small.items()} == {
+        name: len(samples) for name, samples in big.items()}
+    assert sum(len(samples) for samples in big.values()) < 1_000
+    assert big["pdreg_member_heartbeat_age_seconds"] == []
+
+
+def test_members_and_heartbeat_ages_are_counted_at_any_size():
+    now = time.time()
+    members = 4 * PER_MEMBER_SERIES_MAX
+    families = _scrape(_published(members, now, late=10))
+    counted = {(s.labels["role"], s.labels["model"]): s.value
+               for s in families["pdreg_members"] if s.labels["state"] == "ready"}
+    # even ids decode (models m0, m2), odd ones prefill (m1, m3)
+    assert counted[("decode", "m0")] == counted[("prefill", "m1")] == members / MODELS
+    assert counted[("prefill", "m0")] == 0
+    assert sum(counted.values()) == members
+    buckets = [s for s in families["pdreg_heartbeat_age_seconds"]
+               if s.name == "pdreg_heartbeat_age_seconds_bucket"]
+    within_lease = sum(s.value for s in buckets if s.labels["le"] == "3.0")
+    everyone = sum(s.value for s in buckets if s.labels["le"] == "+Inf")
+    assert (within_lease, everyone) == (members - 10, members)  # the 10 late ones stand out
+
+
+def test_small_fleets_keep_a_series_per_member():
+    now = time.time()
+    families = _scrape(_published(3, now, late=1))
+    ages = {s.labels["id"]: s.value for s in families["pdreg_member_heartbeat_age_seconds"]}
+    assert set(ages) == {"decode-0", "decode-1", "decode-2"}
+    assert ages["decode-0"] >= 40.0 > ages["decode-1"]
+
+
+def _snapshot_builds(registry: RegistryServer) -> float:
+    text = httpx.get(f"{registry.http_url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdreg_snapshot_build_seconds_count":
+                return sample.value
+    raise AssertionError("pdreg_snapshot_build_seconds not exposed")
+
+
+def test_the_http_snapshot_is_built_for_readers_not_per_change():
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start()
+    members = [RawMember(registry.control_address, member_id=f"decode-127.0.0.1-{9100 + i}")
+               for i in range(5)]
+    try:
+        before = _snapshot_builds(registry)
+        for member in members:  # five membership changes, nobody reading
+            assert member.register().status is ReplyStatus.OK
+            time.sleep(0.05)  # (old registries built one per change, 20 ms apart)
+        # A reader right after the changes sees all of them...
+        listed = httpx.get(f"{registry.http_url}/v1/members", timeout=30).json()
+        assert {m["id"] for m in listed} >= {m.spec.id for m in members}
+        # ...from one build for that read (and one for this scrape), not one per change.
+        assert _snapshot_builds(registry) - before <= 2
+    finally:
+        for member in members:
+            member.close()
+        registry.close()
+
+
+def test_a_flood_of_readers_costs_the_loop_a_build_per_change_not_per_read():
+    """A reader (a token holder beyond loopback) can ask for fresh snapshots, but many
+    reads of an unchanged membership share one build, and every read is answered."""
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start()
+    member = RawMember(registry.control_address)
+    try:
+        assert member.register().status is ReplyStatus.OK
+        before = _snapshot_builds(registry)
+        started = time.monotonic()
+        with httpx.Client(timeout=30) as client, ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(
+                lambda _: client.get(f"{registry.http_url}/v1/members"), range(200)))
+        elapsed = time.monotonic() - started
+        assert all(a.status_code == 200 and a.json()[0]["id"] == member.spec.id
+                   for a in answers)
+        # loads age out every SNAPSHOT_PERIOD_S: at most one build per period, plus the scrape
+        assert _snapshot_builds(registry) - before <= 2 + elapsed / SNAPSHOT_PERIOD_S
+    finally:
+        member.close()
+        registry.close()
