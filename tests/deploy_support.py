@@ -16,10 +16,12 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import pytest
 import yaml
 
 from pdreg.cli import build_parser
+from pdreg.testing import die_with_parent, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -353,3 +356,48 @@ def engine_pair(overlay: str, role: str) -> tuple[dict[str, Any], dict[str, Any]
 def named_ports(pod: dict[str, Any]) -> dict[str, int]:
     return {port["name"]: port["containerPort"] for c in pod["containers"]
             for port in c.get("ports", [])}
+
+
+@dataclass
+class Processes:
+    """pdreg processes a test started, by name; each logs to LOGS/NAME.log (appended, so a
+    restart keeps what came before). `stop()` ends every one of them."""
+
+    logs: Path
+    stop_s: float = 40.0  # a router drains for --drain-delay + in-flight
+    running: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argvs: dict[str, list[str]] = field(default_factory=dict)
+    envs: dict[str, Mapping[str, str]] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], env: Mapping[str, str]) -> None:
+        with (self.logs / f"{name}.log").open("ab") as log:
+            self.running[name] = subprocess.Popen(
+                [sys.executable, "-m", "pdreg", "--log-level", "WARNING", *argv],
+                env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent)
+        self.argvs[name], self.envs[name] = argv, env
+
+    def stop_one(self, name: str) -> None:
+        proc = self.running.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        stop_process(proc, self.stop_s)
+
+    def restart(self, name: str) -> None:
+        """Stop NAME and start it again with the same command line: for a member, a new
+        incarnation of the same id."""
+        self.stop_one(name)
+        self.start(name, self.argvs[name], self.envs[name])
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        for name, proc in self.running.items():
+            if proc.poll() is not None:
+                pytest.fail(f"{name} exited with {proc.returncode}:\n{self.log(name)[-2000:]}")
+
+    def stop(self) -> None:
+        for proc in self.running.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.running.values():
+            stop_process(proc, self.stop_s)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -29,6 +28,7 @@ from deploy_support import (
     COMPOSE_ENV,
     DEPLOY,
     K8S,
+    Processes,
     compose,
     compose_command,
     compose_processes,
@@ -51,7 +51,6 @@ from router.guard import LOOPBACK_ALLOW
 WAIT_S = 60.0  # start-up on a shared two-core machine
 SCRAPE_INTERVAL_S = 1
 RATE_INTERVAL = "30s"  # $__rate_interval: spans the traffic phases below
-STOP_S = 40.0  # a router drains for --drain-delay + in-flight; nothing is in flight
 REQUESTS_PER_PHASE = 8
 PORT_FLAGS = ("--port", "--events-port", "--http-port", "--kv-port", "--bootstrap-port",
               "--metrics-port")
@@ -66,34 +65,6 @@ MUST_HAVE_DATA = {
     "End-to-end latency", "Picks per member", "Inter-token latency",
     "Running requests", "Waiting requests", "KV cache usage",
 }
-
-
-@dataclass
-class Processes:
-    """pdreg processes started for a test; `stop()` ends every one of them."""
-
-    logs: Path
-    running: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def start(self, name: str, argv: list[str], env: Mapping[str, str]) -> None:
-        log = (self.logs / f"{name}.log").open("wb")
-        self.running[name] = subprocess.Popen(
-            [sys.executable, "-m", "pdreg", "--log-level", "WARNING", *argv],
-            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent)
-        log.close()
-
-    def check_alive(self) -> None:
-        for name, proc in self.running.items():
-            if proc.poll() is not None:
-                tail = (self.logs / f"{name}.log").read_text()[-2000:]
-                pytest.fail(f"{name} exited with {proc.returncode}:\n{tail}")
-
-    def stop(self) -> None:
-        for proc in self.running.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.running.values():
-            stop_process(proc, STOP_S)
 
 
 @dataclass

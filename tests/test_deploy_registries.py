@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
+from deploy_support import Processes
 
-from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
+from pdreg.testing import die_with_parent, free_low_port, wait_until
 
 TOKEN = "fleet-token-for-this-test"
 ADMIN_TOKEN = "admin-token-for-this-test"
@@ -35,16 +36,11 @@ BAN_S = 600
 
 @dataclass
 class Fleet:
-    logs: Path
+    processes: Processes
     ports: dict[str, list[int]] = field(default_factory=dict)  # registry -> its 3 ports
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str]) -> None:
-        log = (self.logs / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "pdreg", *argv], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PDREG_TOKEN": TOKEN}, preexec_fn=die_with_parent)
-        log.close()
+        self.processes.start(name, argv, {"PDREG_TOKEN": TOKEN})
 
     def start_registry(self, name: str) -> None:
         if name not in self.ports:
@@ -59,11 +55,10 @@ class Fleet:
                           "--admin-token", ADMIN_TOKEN,
                           "--heartbeat-interval", str(HEARTBEAT_S)])
 
-    def restart_registry(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        proc.send_signal(signal.SIGTERM)
-        stop_process(proc, STOP_S)
-        self.start_registry(name)
+    def restart(self, name: str) -> None:
+        """Stop NAME and start it again, on the same ports: a registry that forgot
+        everything, or a new incarnation of the same member id."""
+        self.processes.restart(name)
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name][0]}"
@@ -84,7 +79,6 @@ class Fleet:
     def bans(self, registry: str) -> set[str]:
         """Ids REGISTRY refuses as banned now (`GET /v1/bans`; empty while it does not
         answer)."""
-        import httpx
         try:
             response = httpx.get(f"http://127.0.0.1:{self.ports[registry][2]}/v1/bans",
                                  timeout=WAIT_S)
@@ -92,38 +86,17 @@ class Fleet:
             return set()
         return {ban["id"] for ban in response.json()} if response.is_success else set()
 
-    def restart(self, name: str) -> None:
-        """Stop process NAME and start it again with the same command line: a new
-        incarnation of the same member id."""
-        proc = self.procs.pop(name)
-        argv = [str(a) for a in proc.args][3:]  # past `python -m pdreg`
-        proc.send_signal(signal.SIGTERM)
-        stop_process(proc, STOP_S)
-        self.start(name, argv)
-
     def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                tail = (self.logs / f"{name}.log").read_text()[-2000:]
-                pytest.fail(f"{name} exited with {proc.returncode}:\n{tail}")
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            stop_process(proc, STOP_S)
+        return self.processes.log(name)
 
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(tmp_path)
+    processes = Processes(tmp_path, stop_s=STOP_S)
     try:
-        yield fleet
+        yield Fleet(processes)
     finally:
-        fleet.stop()
+        processes.stop()
 
 
 def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
@@ -139,7 +112,7 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
     drained, banned = engines["prefill"], engines["decode"]
 
     def shows(registry: str, want: dict[str, str]) -> bool:
-        fleet.check_alive()
+        fleet.processes.check_alive()
         return fleet.status(registry) == want
 
     ready = {drained: "ready", banned: "ready"}
@@ -162,7 +135,7 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
     draining = {drained: "draining", banned: "ready"}
     assert wait_until(lambda: shows("A", draining) and shows("B", draining), WAIT_S), \
         (fleet.status("A"), fleet.status("B"))
-    fleet.restart_registry("B")
+    fleet.restart("B")
     seen: list[dict[str, str]] = []
 
     def b_whole_again() -> bool:
@@ -193,7 +166,7 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
 
     # Restart A, the registry that issued the ban: it forgets, B still holds it. The next
     # process with that id is refused at B and passes the ban on to A in its bye.
-    fleet.restart_registry("A")
+    fleet.restart("A")
     assert wait_until(lambda: fleet.status("A") == only_drained, WAIT_S), fleet.status("A")
     assert banned not in fleet.bans("A")
     fleet.restart("decode")
@@ -202,7 +175,7 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
 
     # And the other way round: a restarted B learns it again from the next process,
     # refused at A.
-    fleet.restart_registry("B")
+    fleet.restart("B")
     assert wait_until(lambda: shows("B", only_drained), WAIT_S), fleet.status("B")
     # Several heartbeat intervals more: the banned member stays out of B.
     assert not wait_until(lambda: banned in fleet.status("B"), 8 * HEARTBEAT_S,
@@ -220,7 +193,7 @@ def test_drain_and_ban_through_one_registry_hold_on_both(fleet: Fleet) -> None:
         assert banned not in table.stdout, table.stdout
     # The banned engine process itself keeps running (the agent only stopped registering),
     # and so did every new process with that id.
-    assert fleet.procs["decode"].poll() is None
+    assert fleet.processes.running["decode"].poll() is None
 
 
 # --- the agent's side: an Agent in this process, the registries real ---------------------
@@ -249,7 +222,7 @@ def test_an_admin_drain_sticks_whatever_the_owner_sets_later(fleet: Fleet) -> No
         assert wait_until(lambda: states() == ["draining"] * 2, WAIT_S), states()
         agent.set_state(MemberState.READY)  # what a sidecar's health loop does
         assert agent.state is MemberState.DRAINING
-        fleet.restart_registry("A")  # forgets its own drain; hears it from the member
+        fleet.restart("A")  # forgets its own drain; hears it from the member
         assert wait_until(lambda: states() == ["draining"] * 2, WAIT_S), states()
 
 
@@ -278,22 +251,22 @@ def test_dashboard_counts_each_member_once_with_two_registries(fleet: Fleet) -> 
         port = free_low_port(avoid={p for ports in fleet.ports.values() for p in ports})
         fleet.start(role, ["engine", "--role", role, "--backend", "sim", "--model", "tiny",
                            "--host", "127.0.0.1", "--port", str(port), "--registry", both])
-    config = fleet.logs / "prometheus.yml"
+    config = fleet.processes.logs / "prometheus.yml"
     config.write_text(yaml.safe_dump({
         "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
         "scrape_configs": [{"job_name": "pdreg-registry", "static_configs": [
             {"targets": [f"127.0.0.1:{fleet.ports[n][2]}" for n in ("A", "B")]}]}]}))
     port = free_low_port(avoid={p for ports in fleet.ports.values() for p in ports})
-    log = (fleet.logs / "prometheus.log").open("wb")
-    fleet.procs["prometheus"] = subprocess.Popen(
+    log = (fleet.processes.logs / "prometheus.log").open("wb")
+    fleet.processes.running["prometheus"] = subprocess.Popen(
         [tool("prometheus"), f"--config.file={config}",
-         f"--storage.tsdb.path={fleet.logs / 'tsdb'}",
+         f"--storage.tsdb.path={fleet.processes.logs / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     log.close()
 
     def query(expr: str) -> dict[str, float]:
-        fleet.check_alive()
+        fleet.processes.check_alive()
         try:
             body = httpx.get(f"http://127.0.0.1:{port}/api/v1/query",
                              params={"query": expr}, timeout=10).json()

@@ -3,7 +3,8 @@ lose batches, answer replays or not; the index replays, or says unknown, never l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -75,6 +76,35 @@ def ctx() -> Iterator[zmq.Context]:
     c.term()
 
 
+@pytest.fixture
+def engine(ctx: zmq.Context) -> Iterator[FakeEngine]:
+    e = FakeEngine(ctx)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+@pytest.fixture
+def index() -> KvIndex:
+    return KvIndex()
+
+
+@pytest.fixture
+def make_feed(index: KvIndex) -> Iterator[Callable[..., KvFeed]]:
+    """KvFeed(index, **options), closed after the test (before the engine's sockets)."""
+    feeds: list[KvFeed] = []
+
+    def make(**options: Any) -> KvFeed:
+        feeds.append(KvFeed(index, **options))
+        return feeds[-1]
+    try:
+        yield make
+    finally:
+        for feed in feeds:
+            feed.close()
+
+
 def run_until(engine: FakeEngine, predicate, keep_from: int = 0) -> bool:
     def step() -> bool:
         if engine.router is not None:
@@ -104,90 +134,61 @@ def live_with(index: KvIndex, tokens: list[int]):
                     and index.cached_blocks("p", 1, block_keys(tokens, BLOCK)) == 1)
 
 
-def test_history_then_a_lost_batch_is_replayed(ctx):
-    engine = FakeEngine(ctx)
+def test_history_then_a_lost_batch_is_replayed(engine, index, make_feed):
     engine.publish(0, A, lose=True)  # before the router came: only the replay has it
-    index = KvIndex()
-    feed = KvFeed(index, replay_timeout_s=5.0)
-    try:
-        feed.update([FeedMember("p", 1, engine.spec())])
-        assert run_until(engine, live_with(index, A))
-        engine.publish(1, B, lose=True)  # lost on the way
-        # Publish until the SUB is connected (slow joiner): seq 2, resent as a duplicate.
-        assert run_until(engine, lambda: (engine.publish(2, C) or True)
-                         and next_seq(index) == 3)
-        assert run_until(engine, live_with(index, B))
-        assert index.members["p"].gaps >= 1 and index.members["p"].replays >= 1
-        assert feed.counters.batches >= 1
-    finally:
-        feed.close()
-        feed.close()
-        engine.close()
+    feed = make_feed(replay_timeout_s=5.0)
+    feed.update([FeedMember("p", 1, engine.spec())])
+    assert run_until(engine, live_with(index, A))
+    engine.publish(1, B, lose=True)  # lost on the way
+    # Publish until the SUB is connected (slow joiner): seq 2, resent as a duplicate.
+    assert run_until(engine, lambda: (engine.publish(2, C) or True)
+                     and next_seq(index) == 3)
+    assert run_until(engine, live_with(index, B))
+    assert index.members["p"].gaps >= 1 and index.members["p"].replays >= 1
+    assert feed.counters.batches >= 1
+    feed.close()
+    feed.close()  # safe twice (and the fixture closes it again)
 
 
-def test_a_gap_the_replay_cannot_fill_is_unknown(ctx):
-    engine = FakeEngine(ctx)
-    index = KvIndex()
-    feed = KvFeed(index, replay_timeout_s=5.0)
-    try:
-        feed.update([FeedMember("p", 1, engine.spec())])
-        assert run_until(engine, lambda: state(index) is IndexState.LIVE)
-        assert run_until(engine, lambda: (engine.publish(0, A) or True)
-                         and next_seq(index) == 1)
-        engine.publish(1, B, lose=True)
-        del engine.buffer[1]  # and gone from the engine's replay buffer too
-        assert run_until(engine, lambda: (engine.publish(2, C) or True)
-                         and state(index) is IndexState.UNKNOWN, keep_from=2)
-        # Unknown is a lower bound: what came before the hole is no longer claimed.
-        assert index.cached_blocks("p", 1, block_keys(A, BLOCK)) == 0
-        assert index.cached_blocks("p", 1, block_keys(C, BLOCK)) == 1
-    finally:
-        feed.close()
-        engine.close()
+def test_a_gap_the_replay_cannot_fill_is_unknown(engine, index, make_feed):
+    feed = make_feed(replay_timeout_s=5.0)
+    feed.update([FeedMember("p", 1, engine.spec())])
+    assert run_until(engine, lambda: state(index) is IndexState.LIVE)
+    assert run_until(engine, lambda: (engine.publish(0, A) or True)
+                     and next_seq(index) == 1)
+    engine.publish(1, B, lose=True)
+    del engine.buffer[1]  # and gone from the engine's replay buffer too
+    assert run_until(engine, lambda: (engine.publish(2, C) or True)
+                     and state(index) is IndexState.UNKNOWN, keep_from=2)
+    # Unknown is a lower bound: what came before the hole is no longer claimed.
+    assert index.cached_blocks("p", 1, block_keys(A, BLOCK)) == 0
+    assert index.cached_blocks("p", 1, block_keys(C, BLOCK)) == 1
 
 
-def test_silent_replay_times_out_to_unknown_and_leaving_drops_blocks(ctx):
-    engine = FakeEngine(ctx)
+def test_silent_replay_times_out_to_unknown_and_leaving_drops_blocks(engine, index, make_feed):
     engine.answer_replays = False
-    index = KvIndex()
-    feed = KvFeed(index, replay_timeout_s=0.3)
-    try:
-        feed.update([FeedMember("p", 1, engine.spec())])
-        assert run_until(engine, lambda: state(index) is IndexState.UNKNOWN)
-        feed.update([])
-        assert wait_until(lambda: "p" not in index.members, WAIT_S)
-    finally:
-        feed.close()
-        engine.close()
+    feed = make_feed(replay_timeout_s=0.3)
+    feed.update([FeedMember("p", 1, engine.spec())])
+    assert run_until(engine, lambda: state(index) is IndexState.UNKNOWN)
+    feed.update([])
+    assert wait_until(lambda: "p" not in index.members, WAIT_S)
 
 
-def test_endpoints_the_upstream_policy_refuses_are_not_connected(ctx):
-    engine = FakeEngine(ctx)
-    index = KvIndex()
-    feed = KvFeed(index, allows=lambda address: False)
-    try:
-        feed.update([FeedMember("p", 1, engine.spec())])
-        assert wait_until(lambda: feed.counters.refused == 1, WAIT_S)
-        assert "p" not in index.members
-    finally:
-        feed.close()
-        engine.close()
+def test_endpoints_the_upstream_policy_refuses_are_not_connected(engine, index, make_feed):
+    feed = make_feed(allows=lambda address: False)
+    feed.update([FeedMember("p", 1, engine.spec())])
+    assert wait_until(lambda: feed.counters.refused == 1, WAIT_S)
+    assert "p" not in index.members
 
 
-def test_garbage_is_counted_and_changes_nothing(ctx):
-    engine = FakeEngine(ctx)
-    index = KvIndex()
-    feed = KvFeed(index, replay_timeout_s=5.0)
-    try:
-        feed.update([FeedMember("p", 1, engine.spec())])
-        assert run_until(engine, lambda: state(index) is IndexState.LIVE)
+def test_garbage_is_counted_and_changes_nothing(engine, index, make_feed):
+    feed = make_feed(replay_timeout_s=5.0)
+    feed.update([FeedMember("p", 1, engine.spec())])
+    assert run_until(engine, lambda: state(index) is IndexState.LIVE)
 
-        def garbage() -> bool:
-            engine.pub.send_multipart([b"", b"\x00" * 8, b"\xc1not msgpack"])
-            engine.pub.send_multipart([b"only one frame"])
-            return feed.counters.bad >= 2
-        assert wait_until(garbage, WAIT_S)
-        assert index.members["p"].state is IndexState.LIVE and not index.members["p"].blocks
-    finally:
-        feed.close()
-        engine.close()
+    def garbage() -> bool:
+        engine.pub.send_multipart([b"", b"\x00" * 8, b"\xc1not msgpack"])
+        engine.pub.send_multipart([b"only one frame"])
+        return feed.counters.bad >= 2
+    assert wait_until(garbage, WAIT_S)
+    assert index.members["p"].state is IndexState.LIVE and not index.members["p"].blocks
