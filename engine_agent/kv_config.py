@@ -6,9 +6,10 @@ vLLM and SGLang take the same flag: `--kv-events-config '{"enable_kv_cache_event
 endpoint to tcp://*:5557, no replay endpoint, topic ""; SGLang 0.5's has no enable flag,
 publisher defaults to "null", and `bind` may say a concrete address binds). The sidecar
 turns it into the member's `KvEventsSpec`: bind addresses become advertised ones (`*`,
-0.0.0.0 and :: are replaced by the advertised host), plus what the command line says of block size
-(`--block-size`; 0 = learnt from the events), hashing (`--prefix-caching-hash-algo`)
-and tokenizer (`--tokenizer`, else the model path), so a router finds the same files.
+0.0.0.0 and :: are replaced by the advertised host), plus the block size (SGLang's
+/server_info `kv_events.block_size`, else `--block-size` / `--page-size`; 0 = learnt from
+the events), hashing (`--prefix-caching-hash-algo`) and tokenizer (`--tokenizer`, else
+the model path), so a router finds the same files.
 
 Not supported (None, logged): a publisher that connects out (an endpoint without a
 wildcard host: the subscriber would have to bind), ipc/inproc endpoints, and events
@@ -79,8 +80,10 @@ def _advertised(endpoint: str, host: str, bind: bool | None = None) -> str | Non
 
 
 def kv_events_from_command(command: Sequence[str], advertise_host: str,
-                           engine: str) -> KvEventsSpec | None:
-    """The `KvEventsSpec` an engine launched as `command` publishes, or None."""
+                           engine: str, reported_block_size: int = 0) -> KvEventsSpec | None:
+    """The `KvEventsSpec` an engine launched as `command` publishes, or None.
+    `reported_block_size`: what the engine itself says its events carry (SGLang's
+    /server_info); it wins over the command line, which may not say or be overridden."""
     raw = _flag(command, FLAG)
     if raw is None:
         return None
@@ -111,6 +114,6 @@ def kv_events_from_command(command: Sequence[str], advertise_host: str,
     return KvEventsSpec(
         endpoint=endpoint, replay_endpoint=replay_endpoint or "",
         topic=str(config.get("topic", "")),
-        block_size=int(block) if block and block.isdigit() else 0,
+        block_size=reported_block_size or (int(block) if block and block.isdigit() else 0),
         hash_scheme=f"vllm:{algo}" if engine == "vllm" else engine,
         tokenizer=_model(command)[:256])

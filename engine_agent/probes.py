@@ -24,7 +24,9 @@ Contracts followed (docs/engines.md §1 and §3):
     generation requests live (from the HTTP server, even while the scheduler is stuck):
     what the gauges do not show of it counts as waiting, and a drain waits on it.
   - GET /server_info -> the server args: `model_path`, `served_model_name`,
-    `disaggregation_mode`, `disaggregation_bootstrap_port`, `tp_size`, `dp_size`, `version`.
+    `disaggregation_mode`, `disaggregation_bootstrap_port`, `tp_size`, `dp_size`, `version`,
+    and with `--kv-events-config` a `kv_events` object whose `block_size` is the page size
+    its events carry (1 on CPU; docs/engines.md §9).
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class EngineMetadata:
     bootstrap_port: int = 0
     tp_size: int = 1
     dp_size: int = 1
+    kv_block_size: int = 0  # tokens per block of its KV events, where it says (SGLang)
 
 
 Sample = tuple[dict[str, str], float]  # (labels, value)
@@ -336,11 +339,16 @@ class EngineProbe:
         info = response.json()
         # The served name is what clients put in "model"; it defaults to model_path.
         model = info.get("served_model_name") or info.get("model_path") or ""
+        kv_events = info.get("kv_events")
+        block = kv_events.get("block_size") if isinstance(kv_events, dict) else None
         return EngineMetadata(
             model=str(model),
             bootstrap_port=int(info.get("disaggregation_bootstrap_port") or 0),
             tp_size=max(1, int(info.get("tp_size") or 1)),
             dp_size=max(1, int(info.get("dp_size") or 1)),
+            # What its events carry, which the flags may not say (the page size is
+            # chosen per device and attention backend): the router needs it exact.
+            kv_block_size=block if type(block) is int and 0 < block <= 65536 else 0,
         )
 
 

@@ -293,7 +293,8 @@ class Sidecar:
             capacity=cfg.capacity,
             labels=dict(cfg.labels),
             started_at=self._started_at,
-            kv_events=kv_events_from_command(cfg.command, advertise_host, cfg.engine.value)
+            kv_events=kv_events_from_command(cfg.command, advertise_host, cfg.engine.value,
+                                             metadata.kv_block_size)
             if cfg.role in (Role.PREFILL, Role.MIXED) else None,
         )
 

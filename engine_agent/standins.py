@@ -70,6 +70,7 @@ class StandinServer:
         self.bootstrap_port = bootstrap_port
         self.disaggregation_mode = disaggregation_mode
         self.metrics = metrics  # SGLang serves /metrics only with --enable-metrics
+        self.kv_events: dict[str, Any] | None = None  # SGLang's, with --kv-events-config
         self.hits: Counter[str] = Counter()  # GET path -> requests served
         self.state = StandinState()
         self.exit_code: int | None = None  # set by POST /standin/exit
@@ -185,6 +186,7 @@ class StandinServer:
             "disaggregation_bootstrap_port": self.bootstrap_port or 8998,
             "disaggregation_transfer_backend": "mooncake", "enable_metrics": self.metrics,
             "max_total_num_tokens": 4096, "version": SGLANG_VERSION,
+            **({"kv_events": self.kv_events} if self.kv_events is not None else {}),
         }
 
 

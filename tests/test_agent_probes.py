@@ -176,6 +176,28 @@ def test_probe_reads_standin(kind: str) -> None:
             probe.close()
 
 
+@pytest.mark.parametrize(("kv_events", "expected"), [
+    # As real SGLang 0.5.23 on CPU answers with --kv-events-config (docs/engines.md §9).
+    ({"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 23983, "topic": "kv",
+      "block_size": 1, "dp_size": 1, "replay_endpoint_port_base": 25249}, 1),
+    ({"block_size": 64}, 64),
+    (None, 0),  # events off: no kv_events block
+    ({"block_size": True}, 0), ({"block_size": "16"}, 0), ({"block_size": 0}, 0),
+    ({"block_size": -1}, 0), ({"block_size": 10**6}, 0), (["block_size", 1], 0),
+])
+def test_sglang_metadata_reads_the_kv_events_block_size(kv_events: object,
+                                                        expected: int) -> None:
+    """The page size SGLang's events carry, from /server_info; anything odd: not known."""
+    with StandinServer("sglang", model="tiny") as engine:
+        engine.kv_events = kv_events  # type: ignore[assignment]
+        probe = EngineProbe(EngineKind.SGLANG, engine.url, model="tiny")
+        try:
+            metadata = probe.metadata()
+            assert metadata is not None and metadata.kv_block_size == expected
+        finally:
+            probe.close()
+
+
 def test_probe_refused_and_generic() -> None:
     probe = EngineProbe(EngineKind.GENERIC, f"http://127.0.0.1:{free_low_port()}")
     try:

@@ -53,3 +53,18 @@ def test_sglang_command_line():
     assert spec is not None and spec.endpoint == "tcp://10.0.0.7:6000"
     off = json.dumps({"endpoint": "tcp://*:6000"})
     assert kv_events_from_command([*command[:-1], off], "10.0.0.5", "sglang") is None
+
+
+def test_the_block_size_an_engine_reports_wins_over_its_flags():
+    """SGLang's /server_info says what its events carry (the page size it settled on,
+    1 on CPU whatever the flags); without it, the flag; without either, 0 (learnt)."""
+    command = ["python", "-m", "sglang.launch_server", "--model-path", "/models/x",
+               "--kv-events-config", CONFIG]
+    spec = kv_events_from_command(command, "10.0.0.5", "sglang", reported_block_size=1)
+    assert spec is not None and spec.block_size == 1
+    spec = kv_events_from_command([*command, "--page-size", "16"], "10.0.0.5", "sglang", 1)
+    assert spec is not None and spec.block_size == 1
+    spec = kv_events_from_command([*command, "--page-size", "16"], "10.0.0.5", "sglang")
+    assert spec is not None and spec.block_size == 16
+    spec = kv_events_from_command(command, "10.0.0.5", "sglang")
+    assert spec is not None and spec.block_size == 0

@@ -184,3 +184,43 @@ def test_bytes_captured_from_a_real_vllm():
     index.apply(0, decode_batch(payload))
     index.replay_done(complete=True)
     assert index.cached_blocks(block_keys(ids, 128)) == 2  # the router predicts both
+
+
+def test_bytes_captured_from_a_real_sglang():
+    """What sglang 0.5.23's (CPU, P/D prefill) replay socket answered (make test-sglang,
+    PDREG_KV_CAPTURE) after two short test prompts (25 and 32 tokens), a 293-token prompt and a
+    290-token one sharing its first 270 tokens: 1-token blocks (its CPU page), each
+    chain in one event, the second only its suffix, parented on the first's 270th block."""
+    frames = msgspec.msgpack.decode((DATA / "sglang_0_5_23_kv_replay.msgpack").read_bytes())
+    first, second = json.loads((DATA / "sglang_0_5_23_kv_replay.ids.json").read_text())
+    assert [(f[0], f[1], decode_seq(f[2])) for f in frames] == [
+        (b"", b"kv", seq) for seq in range(5)]  # [b"", topic, seq, payload], as vLLM's
+    batches = [decode_batch(f[3]) for f in frames]
+    assert batches[0].events == [AllBlocksCleared()]  # its start-up reset
+    assert all(b.data_parallel_rank == 0 for b in batches)  # SGLang's attn_dp_rank
+    stored = [b.events[0] for b in batches[1:]]
+    assert all(isinstance(e, BlockStored) and e.block_size == 1 and e.medium == "GPU"
+               and e.lora_name is None and e.cache_salt is None for e in stored)
+    *_, long_one, suffix = stored
+    assert isinstance(long_one, BlockStored) and isinstance(suffix, BlockStored)
+    assert long_one.parent_block_hash is None and long_one.token_ids == first
+    assert len(long_one.block_hashes) == 293
+    assert suffix.token_ids == second[270:]
+    assert suffix.parent_block_hash == long_one.block_hashes[269]
+    index = MemberIndex("sglang", 1)
+    index.start_sync()
+    for seq, batch in enumerate(batches):
+        index.apply(seq, batch)
+    index.replay_done(complete=True)
+    stats = index.stats()
+    assert (stats.state.value, stats.blocks, index.block_size) == ("live", 25 + 32 + 293 + 20, 1)
+    # The router's prediction for each prompt: all of the first, the shared 270 of the
+    # second (as SGLang's own counter said: sglang:cached_tokens_total grew by 270).
+    assert index.cached_blocks(block_keys(first, 1)) == 293
+    assert index.cached_blocks(block_keys(second, 1)) == 290  # now stored too
+    fresh = MemberIndex("sglang", 2)
+    fresh.start_sync()
+    for seq, batch in enumerate(batches[:4]):
+        fresh.apply(seq, batch)
+    fresh.replay_done(complete=True)
+    assert fresh.cached_blocks(block_keys(second, 1)) == 270

@@ -24,6 +24,11 @@ Wherever a step needs a request caught inside a prefill, that prefill's schedule
 held (SIGSTOP) until one arrives: a tiny model's prefill is over in milliseconds, so
 catching one mid-flight by looking would be luck.
 6. kill -9 of a sidecar: its SGLang server, scheduler and detokenizer exit with it.
+The prefills publish KV events (--kv-events-config), and a second router, `--policy kv`,
+checks KV-aware pairing after step 2 (kv_checks.py: the router's index holds the blocks
+SGLang stored, a request sharing a long prefix goes to their holder, SGLang's own
+cached-token counter shows the hit, output = plain server), and after step 4 that it
+follows the restarted prefill.
 Every process carries a marker and is killed at the end, pass or fail. On failure it
 names the step, prints the tail of every log and keeps the logs.
 """
@@ -41,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import harness  # tests/sglang/, beside this script
+import kv_checks
 import sglang_cases as cases
 from harness import Engine, Proc, Steps, say, wait_logged
 
@@ -62,18 +68,28 @@ class Cluster:
                  registry: RegistryServer) -> None:
         self.workdir, self.sglang_python, self.model_dir = workdir, sglang_python, model_dir
         self.registry = registry
-        b1 = free_low_port()
-        b2 = free_low_port(avoid={b1})
+        taken: set[int] = set()
+
+        def port() -> int:  # distinct: none is bound until its server starts
+            chosen = free_low_port(avoid=taken)
+            taken.add(chosen)
+            return chosen
+
+        self.kv_ports = {name: (port(), port()) for name in ("prefill-1", "prefill-2")}
         self.p1 = Engine("prefill-1", workdir / "prefill-1.log", role="prefill",
-                         port=free_low_port(), bootstrap_port=b1, omp_bind="0")
+                         port=port(), bootstrap_port=port(), omp_bind="0",
+                         extra=kv_checks.kv_flags(*self.kv_ports["prefill-1"]))
         self.p2 = Engine("prefill-2", workdir / "prefill-2.log", role="prefill",
-                         port=free_low_port(), bootstrap_port=b2, omp_bind="1")
+                         port=port(), bootstrap_port=port(), omp_bind="1",
+                         extra=kv_checks.kv_flags(*self.kv_ports["prefill-2"]))
         self.decode = Engine("decode", workdir / "decode.log", role="decode",
-                             port=free_low_port(), omp_bind="1")
+                             port=port(), omp_bind="1")
         self.plain = Engine("plain", workdir / "plain.log", role="plain",
-                            port=free_low_port(), omp_bind="0")
+                            port=port(), omp_bind="0")
         self.router = Proc("router", workdir / "router.log")
-        self.router_port = free_low_port()
+        self.router_port = port()
+        self.kv_router = Proc("kv-router", workdir / "kv-router.log")
+        self.kv_router_port = port()
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -82,6 +98,10 @@ class Cluster:
     @property
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def kv_router_url(self) -> str:
+        return f"http://127.0.0.1:{self.kv_router_port}"
 
     def launch(self, engine: Engine) -> None:
         engine.launch(self.sglang_python, self.model_dir, self.registry.control_address)
@@ -103,6 +123,7 @@ class Cluster:
 
     def stop_all(self) -> None:
         self.router.stop(20)
+        self.kv_router.stop(20)
         for proc in (self.plain, self.decode, self.p1, self.p2):
             proc.stop()
 
@@ -125,8 +146,11 @@ def check_registration(c: Cluster) -> None:
                 f"{engine.name} registered bootstrap port {spec.endpoints.bootstrap_port}, "
                 f"its server runs it on {engine.bootstrap_port} (read from /server_info)")
             assert spec.endpoints.kv_host == "127.0.0.1", spec
+            kv_checks.check_registration(engine, spec.kv_events, c.kv_ports[engine.name],
+                                         c.model_dir)
         else:
             assert spec.endpoints.bootstrap_port == 0, spec
+            assert spec.kv_events is None, spec
 
 
 def check_load(c: Cluster, prefill: Engine, reference: dict[int, list[int]]) -> None:
@@ -326,10 +350,13 @@ def check(steps: Steps, c: Cluster) -> None:
     for engine in (c.plain, c.p1, c.p2, c.decode):
         c.launch(engine)
     harness.start_router(c.router, c.registry.control_address, c.router_port)
+    harness.start_router(c.kv_router, c.registry.control_address, c.kv_router_port,
+                         policy="kv", register=False)
     wait_logged("plain server healthy and P1, P2, D READY", lambda: c.plain.healthy()
                 and c.ready(*c.engines), STARTUP_TIMEOUT_S, c.states)
 
-    steps.begin("registration: model and bootstrap ports read from /server_info")
+    steps.begin("registration: model, bootstrap ports and KV block size read from "
+                "/server_info, KV events endpoints from --kv-events-config")
     check_registration(c)
 
     steps.begin("reference outputs from the plain server")
@@ -339,6 +366,7 @@ def check(steps: Steps, c: Cluster) -> None:
     for name, out in reference.items():
         assert len(out.token_ids) == cases.MAX_TOKENS, (name, out)
     load_reference = cases.load_references(c.plain.url)
+    kv_reference = kv_checks.references(c.plain.url)
     c.plain.stop()
     say("ok: references taken; plain server stopped")
 
@@ -349,6 +377,13 @@ def check(steps: Steps, c: Cluster) -> None:
     steps.begin("routed completions and chat = plain server; each prefill named in turn")
     check_routing(c, reference)
 
+    steps.begin("KV-aware pairing (pdreg router --policy kv): the index holds what SGLang "
+                "stored, a shared long prefix goes to its holder, SGLang counts the hit")
+    kv_checks.check_kv((c.p1, c.p2), c.kv_router, c.kv_router_url, c.kv_ports, c.model_dir,
+                       kv_reference, STEP_TIMEOUT_S)
+    incarnations = {p.name: kv_checks.kv_status(c.kv_router_url)[p.member_id]["incarnation"]
+                    for p in (c.p1, c.p2)}
+
     steps.begin("kill -9 of a prefill under load: retried on the other, no client failure")
     victim, survivor = kill_prefill_under_load(c, load_reference)
 
@@ -358,6 +393,7 @@ def check(steps: Steps, c: Cluster) -> None:
     check_load(c, survivor, load_reference)
     wait_logged(f"{victim.name} READY again", lambda: c.ready(victim), STARTUP_TIMEOUT_S,
                 c.states)
+    kv_checks.relearned(c.kv_router_url, victim, incarnations[victim.name], STEP_TIMEOUT_S)
 
     steps.begin("SIGTERM drain of a prefill under load: no request lost")
     drain_prefill_under_load(c, survivor, victim, load_reference)

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,8 +72,8 @@ def sglang_env(omp_bind: str) -> dict[str, str]:
 
 
 def sglang_command(python: Path, model_dir: Path, port: int, role: str,
-                   bootstrap_port: int = 0) -> list[str]:
-    """`python -m sglang.launch_server` for `role` prefill | decode | plain."""
+                   bootstrap_port: int = 0, extra: Sequence[str] = ()) -> list[str]:
+    """`python -m sglang.launch_server` for `role` prefill | decode | plain, plus `extra`."""
     argv = [str(python), "-m", "sglang.launch_server", "--model-path", str(model_dir),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--enable-metrics",
@@ -91,7 +91,7 @@ def sglang_command(python: Path, model_dir: Path, port: int, role: str,
         argv += ["--disaggregation-mode", "decode",
                  "--disaggregation-transfer-backend", "mooncake_tcp",
                  "--disaggregation-decode-retraction-backup", "cpu_tensor"]
-    return argv
+    return [*argv, *extra]
 
 
 @dataclass
@@ -160,6 +160,7 @@ class Engine(Proc):
     port: int = 0
     bootstrap_port: int = 0
     omp_bind: str = "0"
+    extra: tuple[str, ...] = ()  # more SGLang flags (--kv-events-config)
 
     @property
     def url(self) -> str:
@@ -171,7 +172,7 @@ class Engine(Proc):
 
     def launch(self, sglang_python: Path, model_dir: Path, registry: str) -> None:
         command = sglang_command(sglang_python, model_dir, self.port, self.role,
-                                 self.bootstrap_port)
+                                 self.bootstrap_port, self.extra)
         if self.role == "plain":
             self.start(command, sglang_env(self.omp_bind), new_session=True)
             say(f"started plain SGLang {self.name}: port {self.port}, log {self.log_path}")
@@ -186,10 +187,13 @@ class Engine(Proc):
             + f", log {self.log_path}")
 
     def server_pid(self) -> int | None:
-        """The SGLang server process the sidecar launched (its session's leader)."""
+        """The SGLang server process the sidecar launched (its session's leader). By its
+        command line too: the sidecar's lifeline is also a child leading a session, and
+        killing it instead of the server would leave the engine serving."""
         for pid in self.tree():
             stat = proc_stat(pid)
-            if stat is not None and stat.ppid == self.pid and stat.session == pid:
+            if stat is not None and stat.ppid == self.pid and stat.session == pid \
+                    and process_names({pid}) == ["python -m sglang.launch_server"]:
                 return pid
         return None
 
@@ -255,13 +259,16 @@ def session_members(sessions: set[int]) -> set[int]:
     return members
 
 
-def start_router(router: Proc, registry: str, port: int) -> None:
-    """`pdreg router`, round robin so that both prefills take turns, registered as an
-    api_server member."""
+def start_router(router: Proc, registry: str, port: int, policy: str = "round_robin",
+                 register: bool = True) -> None:
+    """`pdreg router`: by default round robin, so that both prefills take turns, and
+    registered as an api_server member."""
     router.start([*PDREG, "router", "--registry", registry, "--host", "127.0.0.1",
-                  "--port", str(port), "--policy", "round_robin", "--max-attempts", "3",
-                  "--allow-upstream", "127.0.0.0/8,::1/128"])
-    say(f"started router: pid {router.pid}, port {port}, log {router.log_path}")
+                  "--port", str(port), "--policy", policy, "--max-attempts", "3",
+                  "--allow-upstream", "127.0.0.0/8,::1/128",
+                  *([] if register else ["--no-register"])])
+    say(f"started {router.name} ({policy}): pid {router.pid}, port {port}, "
+        f"log {router.log_path}")
 
 
 def process_names(pids: set[int]) -> list[str]:
