@@ -48,8 +48,9 @@ test-vllm: venv
 # Real SGLang (CPU) P/D under `pdreg agent`: builds .venv-sglang (sglang 0.5.23, about 7 GB)
 # and a tiny model once (stamp files; setup re-checks its workarounds every run), then runs
 # two prefills (own bootstrap ports) and a decode behind `pdreg router`: registration read
-# from the real servers, routed output = one plain server, kill -9 and SIGTERM drain of a
-# prefill under load, kill -9 of a sidecar. 4-7 minutes after the first install on two cores
+# from the real servers, routed output = one plain server, KV-aware pairing from the
+# prefills' KV events (`--policy kv`), kill -9 and SIGTERM drain of a prefill under load,
+# kill -9 of a sidecar. 4-7 minutes after the first install on two cores
 # (each SGLang server takes 60-110 s to start on CPU, and the killed prefill starts again).
 SGLANG_VENV ?= .venv-sglang
 SGLANG_MODEL_DIR ?= .cache/sglang-tiny-model
