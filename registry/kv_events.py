@@ -4,7 +4,9 @@ Shared by the reference engine (publisher) and the router (subscriber), so it li
 the other wire types and imports neither. The Structs mirror vLLM's
 `vllm/distributed/kv_events.py` field for field (0.32: `KVEventBatch` array-like
 `[ts, events, data_parallel_rank]`; events tagged maps, `"type": "BlockStored"`); SGLang's
-`disaggregation/kv_events.py` publishes the same schema.
+`disaggregation/kv_events.py` publishes the same schema (0.5.23, measured: its batch's third
+field is `attn_dp_rank`, `None` fields are left out, and `BlockStored` may add
+`cache_salt`, `session_id`, `lora_name`; docs/engines.md §9).
 
 Wire (ZeroMQ PUB, three frames per batch):
 
