@@ -19,8 +19,15 @@ from registry.kv_reports import (
     kv_index_json,
     summary_json,
 )
-from registry.protocol import Endpoints, KvIndexEntry, KvIndexState, MemberRecord, MemberSpec
-from registry.protocol import MemberState, Role
+from registry.protocol import (
+    Endpoints,
+    KvIndexEntry,
+    KvIndexState,
+    MemberRecord,
+    MemberSpec,
+    MemberState,
+    Role,
+)
 from router.kv_reporter import REFRESH_TICKS, KvReportPlan, blocks_bucket, entries_of, lag_bucket
 
 LIVE, UNKNOWN, GONE = KvIndexState.LIVE, KvIndexState.UNKNOWN, KvIndexState.GONE
@@ -144,7 +151,7 @@ class KvReportsMachine(RuleBasedStateMachine):
             sent.append(entry(member, held - 1 if stale else held, state, blocks, lag))
         self.kv.apply(router, sent, self.members.get)
         # Older (router, member) figures from another process of either are void.
-        for key, (r_inc, m_inc, _) in list(self.said.items()):
+        for key, (r_inc, _, _) in list(self.said.items()):
             if key[0] == router and r_inc != incarnation:
                 del self.said[key]
         for e in sent:
