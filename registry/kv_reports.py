@@ -56,6 +56,7 @@ _LAG_SHIFT: Final = 40
 _STATE_SHIFT: Final = 62
 _BLOCKS_MASK: Final = MAX_KV_BLOCKS
 _LAG_MASK: Final = MAX_KV_LAG_MS
+_STATE_OF_INT: Final = tuple(KvIndexState)  # by value: no enum call per summary
 
 # Which member incarnation the registry holds for an id, if it publishes KV events.
 IncarnationOf = Callable[[str], "int | None"]
@@ -231,11 +232,9 @@ class KvReports:
         if not member.by_router:
             return None
         worst = max(member.by_router.values())
-        return KvSummary(incarnation=member.incarnation,
-                         state=KvIndexState(_state_of(worst)),
-                         blocks=worst & _BLOCKS_MASK,
-                         lag_ms=(worst >> _LAG_SHIFT) & _LAG_MASK,
-                         routers=tuple(member.counts[state] for state in _STATES))
+        return KvSummary(member.incarnation, _STATE_OF_INT[worst >> _STATE_SHIFT],
+                         worst & _BLOCKS_MASK, (worst >> _LAG_SHIFT) & _LAG_MASK,
+                         tuple(member.counts[1:]))  # counts[0] is GONE's, always 0
 
 
 def summary_json(summary: KvSummary) -> dict[str, object]:

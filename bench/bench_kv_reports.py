@@ -1,0 +1,109 @@
+"""What routers' KV index reports cost the registry (registry/kv_reports.py), at scale.
+
+Drives the registry's own decode + store path in one process, as the loop runs it: a
+`KvIndexReport` of one message's worth of entries (the agent's 48 KiB budget) decoded
+with the control decoder and applied. Measures, for R routers x M members:
+- memory held per (router, member) entry (tracemalloc, after a full load);
+- loop time per entry: a refresh (nothing moved) and a change;
+- a router's departure (its entries dropped, summaries recomputed) and a sweep;
+then prints the cost per second at the reporter's rates (REFRESH_TICKS, one report per
+router and interval).
+
+    .venv/bin/python bench/bench_kv_reports.py --routers 100 --members 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import tracemalloc
+
+from registry import sessions
+from registry.kv_reports import KvReports
+from registry.protocol import (
+    KvIndexEntry,
+    KvIndexReport,
+    KvIndexState,
+    control_decoder,
+    make_encoder,
+)
+from router.kv_reporter import REFRESH_TICKS
+
+ENTRIES_PER_MESSAGE = 900  # ~48 KiB at 22-character ids (engine_agent.link budget)
+
+
+def member_ids(n: int) -> list[str]:
+    return [f"prefill-10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}-8000" for i in range(n)]
+
+
+def messages(router: str, ids: list[str], blocks: int, session: bytes) -> list[bytes]:
+    encode = make_encoder().encode
+    out = []
+    for seq, start in enumerate(range(0, len(ids), ENTRIES_PER_MESSAGE), 1):
+        entries = [KvIndexEntry(m, 1, KvIndexState.LIVE, blocks + i, 20)
+                   for i, m in enumerate(ids[start:start + ENTRIES_PER_MESSAGE])]
+        out.append(sessions.seal(session, encode(KvIndexReport(router, 1, seq, entries))))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--routers", type=int, default=100)
+    parser.add_argument("--members", type=int, default=10_000)
+    args = parser.parse_args()
+    ids = member_ids(args.members)
+    current = dict.fromkeys(ids, 1).get
+    routers = [f"api_server-10.1.{r // 256}.{r % 256}-8000" for r in range(args.routers)]
+    decoder = control_decoder()
+    session = sessions.new_session()
+    kv = KvReports()
+
+    def ingest(router: str, payloads: list[bytes]) -> float:
+        started = time.perf_counter()
+        for payload in payloads:
+            message = decoder.decode(payload)
+            sessions.verify(session, payload, message.proof)
+            kv.admit(router, 1, 0.0, 1e-9)  # (the rate is not what is measured here)
+            kv.apply(router, message.entries, current)
+        return time.perf_counter() - started
+
+    first = [messages(r, ids, 100, session) for r in routers]
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    loaded_s = sum(ingest(r, p) for r, p in zip(routers, first, strict=True))
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    entries = args.routers * args.members
+    assert kv.held == entries
+    # A refresh that restates unchanged figures, and one where every figure moved.
+    sample = routers[: max(1, args.routers // 10)]
+    refresh_s = sum(ingest(r, first[i]) for i, r in enumerate(sample))
+    moved = [messages(r, ids, 5000, session) for r in sample]
+    change_s = sum(ingest(r, p) for r, p in zip(sample, moved, strict=True))
+    sampled = len(sample) * args.members
+    started = time.perf_counter()
+    kv.admit(routers[-1], 2, 0.0, 1.0)  # a restart: everything it said goes
+    depart_s = time.perf_counter() - started
+    started = time.perf_counter()
+    kv.sweep(1e9, current, dict.fromkeys(routers, 1).get)
+    sweep_s = time.perf_counter() - started
+
+    per_refresh_us = 1e6 * refresh_s / sampled
+    per_change_us = 1e6 * change_s / sampled
+    refresh_rate = entries / REFRESH_TICKS  # entries/s at a 1 s interval
+    print(f"{args.routers} routers x {args.members} members = {entries:,} entries")
+    print(f"  memory held: {held / 2**20:.1f} MiB ({held / entries:.0f} B per entry)")
+    print(f"  first load: {1e6 * loaded_s / entries:.2f} us per entry")
+    print(f"  refresh (unchanged): {per_refresh_us:.2f} us per entry "
+          f"(decode, proof, compare)")
+    print(f"  change: {per_change_us:.2f} us per entry (plus summary and view update)")
+    print(f"  a router's departure: {1e3 * depart_s:.0f} ms; a sweep: {1e3 * sweep_s:.1f} ms")
+    print(f"  rolling refresh alone: {refresh_rate:,.0f} entries/s -> "
+          f"{refresh_rate * per_refresh_us / 1e4:.1f}% of the loop's core")
+    print(f"  messages: {args.routers} per second at most (one per router and interval)")
+
+
+if __name__ == "__main__":
+    main()
