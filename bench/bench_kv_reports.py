@@ -7,7 +7,9 @@ with the control decoder and applied. Measures, for R routers x M members:
 - loop time per entry: a refresh (nothing moved) and a change;
 - a router's departure (its entries dropped, summaries recomputed) and a sweep;
 then prints the cost per second at the reporter's rates (REFRESH_TICKS, one report per
-router and interval).
+router and interval). The machine is shared and noisy, so the same run also times the
+registry's heartbeat path (decode, proof, `Membership.heartbeat`) as a yardstick: costs are
+given in heartbeat equivalents too, a ratio that holds on a quiet machine.
 
     .venv/bin/python bench/bench_kv_reports.py --routers 100 --members 10000
 """
@@ -21,14 +23,21 @@ import tracemalloc
 
 from registry import sessions
 from registry.kv_reports import KvReports
+from registry.membership import Membership
 from registry.protocol import (
+    Endpoints,
+    Heartbeat,
     KvIndexEntry,
     KvIndexReport,
     KvIndexState,
+    Load,
+    MemberSpec,
+    MemberState,
+    Role,
     control_decoder,
     make_encoder,
 )
-from router.kv_reporter import REFRESH_TICKS
+from router.kv_reporter import REFRESH_MAX_PER_TICK, REFRESH_TICKS
 
 ENTRIES_PER_MESSAGE = 900  # ~48 KiB at 22-character ids (engine_agent.link budget)
 
@@ -45,6 +54,28 @@ def messages(router: str, ids: list[str], blocks: int, session: bytes) -> list[b
                    for i, m in enumerate(ids[start:start + ENTRIES_PER_MESSAGE])]
         out.append(sessions.seal(session, encode(KvIndexReport(router, 1, seq, entries))))
     return out
+
+
+def heartbeat_us(members: int = 2000, rounds: int = 5) -> float:
+    """Loop time of one heartbeat (decode, proof, transition), the registry's unit of work."""
+    membership = Membership(1)
+    encode, decoder = make_encoder().encode, control_decoder()
+    payloads = []
+    for i in range(members):
+        spec = MemberSpec(id=f"decode-{i}", incarnation=1, role=Role.DECODE, model="m",
+                          protocol="reference", endpoints=Endpoints(http="http://h:1"))
+        session = membership.register(spec, MemberState.READY, Load(), 0.0,
+                                      nonce=sessions.new_nonce()).session
+        payloads.append([sessions.seal(session, encode(Heartbeat(
+            spec.id, 1, seq, MemberState.READY, Load(running=seq % 3))))
+            for seq in range(1, rounds + 1)])
+    started = time.perf_counter()
+    for r in range(rounds):
+        for beats in payloads:
+            payload = beats[r]
+            beat = decoder.decode(payload)
+            membership.heartbeat(beat, payload, 1.0 + r)
+    return 1e6 * (time.perf_counter() - started) / (members * rounds)
 
 
 def main() -> None:
@@ -65,7 +96,7 @@ def main() -> None:
             message = decoder.decode(payload)
             sessions.verify(session, payload, message.proof)
             kv.admit(router, 1, 0.0, 1e-9)  # (the rate is not what is measured here)
-            kv.apply(router, message.entries, current)
+            kv.apply(router, message.entries, current, 0.0)
         return time.perf_counter() - started
 
     first = [messages(r, ids, 100, session) for r in routers]
@@ -90,9 +121,11 @@ def main() -> None:
     kv.sweep(1e9, current, dict.fromkeys(routers, 1).get)
     sweep_s = time.perf_counter() - started
 
+    beat_us = heartbeat_us()
     per_refresh_us = 1e6 * refresh_s / sampled
     per_change_us = 1e6 * change_s / sampled
-    refresh_rate = entries / REFRESH_TICKS  # entries/s at a 1 s interval
+    # entries/s at a 1 s interval (router/kv_reporter.py's rolling refresh)
+    refresh_rate = args.routers * min(REFRESH_MAX_PER_TICK, args.members / REFRESH_TICKS)
     print(f"{args.routers} routers x {args.members} members = {entries:,} entries")
     print(f"  memory held: {held / 2**20:.1f} MiB ({held / entries:.0f} B per entry)")
     print(f"  first load: {1e6 * loaded_s / entries:.2f} us per entry")
@@ -100,8 +133,12 @@ def main() -> None:
           f"(decode, proof, compare)")
     print(f"  change: {per_change_us:.2f} us per entry (plus summary and view update)")
     print(f"  a router's departure: {1e3 * depart_s:.0f} ms; a sweep: {1e3 * sweep_s:.1f} ms")
+    print(f"  yardstick: a heartbeat costs {beat_us:.2f} us in this run: a refreshed entry "
+          f"= {per_refresh_us / beat_us:.2f} heartbeats, a changed one "
+          f"{per_change_us / beat_us:.2f}")
     print(f"  rolling refresh alone: {refresh_rate:,.0f} entries/s -> "
-          f"{refresh_rate * per_refresh_us / 1e4:.1f}% of the loop's core")
+          f"{refresh_rate * per_refresh_us / 1e4:.1f}% of the loop's core "
+          f"(= {refresh_rate * per_refresh_us / beat_us:,.0f} heartbeats/s)")
     print(f"  messages: {args.routers} per second at most (one per router and interval)")
 
 

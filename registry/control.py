@@ -191,7 +191,7 @@ class ControlChannel:
             self.stats.kv_reports["limited"] += 1
             return refused(f"one KV index report per {interval:g}s; retry in {wait_s:.2f}s",
                            Refusal.RATE)
-        applied = kv.apply(message.id, message.entries, self._kv_incarnation)
+        applied = kv.apply(message.id, message.entries, self._kv_incarnation, now)
         kv.sweep(now, self._kv_incarnation, self._router_incarnation)
         self.stats.count_kv_report(applied, kv.held)
         return OK

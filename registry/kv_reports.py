@@ -19,6 +19,10 @@ report never changes membership, versions or events. The rules, each a guard bel
 - `sweep` (every SWEEP_PERIOD_S, O(members + routers)) drops routers that left or
   restarted and members that left or changed incarnation; readers also skip a summary
   whose incarnation is not the member's current one, so nothing stale is shown meanwhile.
+- Readers see a change with the report that made it; a bulk change (over VIEW_BATCH
+  members) with the first report VIEW_PERIOD_S later. Both `sweep` and a bulk change's
+  publication ride on reports, which every router sends each interval while it follows
+  any member (its rolling refresh).
 
 Per member the summary is the worst state any router reports, with that router's blocks
 and lag (the most pessimistic view: where routers disagree, one of them is behind), and
@@ -45,11 +49,18 @@ from registry.protocol import (
     Role,
 )
 
-__all__ = ["KV_REPORT_BURST", "SWEEP_PERIOD_S", "Applied", "KvReports", "KvSummary",
-           "kv_index_json", "summary_json"]
+__all__ = ["KV_REPORT_BURST", "SWEEP_PERIOD_S", "VIEW_BATCH", "VIEW_PERIOD_S", "Applied",
+           "KvReports", "KvSummary", "kv_index_json", "summary_json"]
 
 KV_REPORT_BURST: Final = 2.0  # reports a router may send back to back (jitter, a restart)
 SWEEP_PERIOD_S: Final = 5.0  # how often departed routers and members are looked for
+# Readers' view: changed members are published with the report that changed them, unless
+# more than VIEW_BATCH are waiting, which then go out at most every VIEW_PERIOD_S (with
+# the next report: every router sends one per interval). A new view costs a copy of the
+# changes and now and then of every summary (`FrozenMap`): routers restating thousands of
+# members at once (a registry restart) must not pay that per message.
+VIEW_BATCH: Final = 256
+VIEW_PERIOD_S: Final = 0.5
 _STATES: Final = tuple(s for s in KvIndexState if s is not KvIndexState.GONE)
 # A router's entry as one int: state, then lag, then blocks (see the module doc).
 _LAG_SHIFT: Final = 40
@@ -111,6 +122,8 @@ class KvReports:
         self._members: dict[str, _Member] = {}
         self._next_sweep = 0.0
         self._held = 0
+        self._dirty: set[str] = set()  # members whose summary readers have not seen yet
+        self._next_view = 0.0
         self.view: FrozenMap[KvSummary] = FrozenMap()  # swapped whole: any thread may read
 
     @property
@@ -138,10 +151,10 @@ class KvReports:
         return 0.0
 
     def apply(self, router_id: str, entries: Iterable[KvIndexEntry],
-              incarnation_of: IncarnationOf) -> Applied:
+              incarnation_of: IncarnationOf, now: float) -> Applied:
         """Store what `router_id` (admitted just before) says of each member."""
         applied = Applied()
-        changes: dict[str, KvSummary | None] = {}
+        dirty = self._dirty
         members = self._members
         router = self._routers.get(router_id)
         # One string object per router, shared by every member's entry.
@@ -182,11 +195,10 @@ class KvReports:
                 member.by_router[router_key] = packed
                 member.counts[_state_of(packed)] += 1
                 applied.stored += 1
-            changes[member_id] = self._summary_of(member)
+            dirty.add(member_id)
             if not member.by_router:
                 del members[member_id]
-        if changes:
-            self.view = self.view.updated(changes)
+        self._publish(now)
         return applied
 
     def sweep(self, now: float, incarnation_of: IncarnationOf,
@@ -205,36 +217,46 @@ class KvReports:
                         if incarnation_of(m) != held.incarnation]
         for member_id in gone_members:
             self._held -= len(self._members.pop(member_id).by_router)
-        if gone_members:
-            self.view = self.view.updated(dict.fromkeys(gone_members))
+        self._dirty.update(gone_members)
+        self._publish(now)
         return len(gone_routers) + len(gone_members)
 
     # --- internals ---------------------------------------------------------------------
 
     def _drop_router(self, router_id: str) -> None:
         """Forget everything `router_id` said: O(members), once per router departure."""
-        changes: dict[str, KvSummary | None] = {}
+        emptied = []
         for member_id, member in self._members.items():
             old = member.by_router.pop(router_id, None)
             if old is not None:
                 member.counts[_state_of(old)] -= 1
                 self._held -= 1
-                changes[member_id] = self._summary_of(member)
-        for member_id, summary in changes.items():
-            if summary is None:
-                del self._members[member_id]
-        if changes:
-            self.view = self.view.updated(changes)
+                self._dirty.add(member_id)
+                if not member.by_router:
+                    emptied.append(member_id)
+        for member_id in emptied:
+            del self._members[member_id]
 
-    @staticmethod
-    def _summary_of(member: _Member) -> KvSummary | None:
-        """None when no router says anything of the member any more."""
-        if not member.by_router:
-            return None
-        worst = max(member.by_router.values())
-        return KvSummary(member.incarnation, _STATE_OF_INT[worst >> _STATE_SHIFT],
-                         worst & _BLOCKS_MASK, (worst >> _LAG_SHIFT) & _LAG_MASK,
-                         tuple(member.counts[1:]))  # counts[0] is GONE's, always 0
+    def _publish(self, now: float) -> None:
+        """A new view with the changed members' summaries (see VIEW_BATCH)."""
+        dirty = self._dirty
+        if not dirty or (len(dirty) > VIEW_BATCH and now < self._next_view):
+            return
+        members = self._members
+        changes: dict[str, KvSummary | None] = {}
+        for member_id in dirty:
+            member = members.get(member_id)
+            changes[member_id] = None if member is None else _summary_of(member)
+        dirty.clear()
+        self._next_view = now + VIEW_PERIOD_S
+        self.view = self.view.updated(changes)
+
+
+def _summary_of(member: _Member) -> KvSummary:
+    worst = max(member.by_router.values())
+    return KvSummary(member.incarnation, _STATE_OF_INT[worst >> _STATE_SHIFT],
+                     worst & _BLOCKS_MASK, (worst >> _LAG_SHIFT) & _LAG_MASK,
+                     tuple(member.counts[1:]))  # counts[0] is GONE's, always 0
 
 
 def summary_json(summary: KvSummary) -> dict[str, object]:

@@ -11,10 +11,12 @@ What goes out per tick (`KvReportPlan`, pure):
   bucket (~19%), or whose event lag moved to another half-decade bucket (100 ms, 316 ms,
   1 s, ...), and a member no longer followed (GONE). A busy engine's blocks move every
   batch; only a bucket change is news for an operator.
-- a rolling refresh: 1/REFRESH_TICKS of the members each tick, so every member is
-  restated every REFRESH_TICKS ticks (30 s at the default 1 s interval) with the load
-  spread evenly. It heals whatever a registry lost: a refused or lost report, a
-  registry restart, figures that moved within a bucket.
+- a rolling refresh: 1/REFRESH_TICKS of the members each tick, at most
+  REFRESH_MAX_PER_TICK, so every member is restated every REFRESH_TICKS ticks (30 s at
+  the default 1 s interval; members/100 ticks beyond 3,000 members, so that what 100
+  routers cost the registry stays bounded) with the load spread evenly. It heals whatever
+  a registry lost: a refused or lost report, a registry restart, figures that moved
+  within a bucket.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from typing import Any, Final, Protocol
 
 from registry.protocol import MAX_KV_BLOCKS, MAX_KV_LAG_MS, KvIndexEntry, KvIndexState
 
-__all__ = ["REFRESH_TICKS", "KvReportPlan", "KvReporter", "ReportSink", "entries_of"]
+__all__ = ["REFRESH_MAX_PER_TICK", "REFRESH_TICKS", "KvReportPlan", "KvReporter", "ReportSink", "entries_of"]
 
 logger = logging.getLogger(__name__)
 
-REFRESH_TICKS: Final = 30  # every member restated once per this many ticks
+REFRESH_TICKS: Final = 30  # every member restated once per this many ticks...
+REFRESH_MAX_PER_TICK: Final = 100  # ... or slower: at most this many restated per tick
 BLOCK_BUCKETS_PER_OCTAVE: Final = 4  # blocks: a change of ~19% is news
 LAG_FLOOR_MS: Final = 100  # lags below this are all "live enough"
 LAG_BUCKETS_PER_DECADE: Final = 2  # above it: 100 ms, 316 ms, 1 s, 3.2 s, ...
@@ -90,7 +93,7 @@ class KvReportPlan:
             report.append(KvIndexEntry(member_id, incarnation, KvIndexState.GONE))
         ids = sorted(by_id)
         if ids:
-            share = math.ceil(len(ids) / self.refresh_ticks)
+            share = min(REFRESH_MAX_PER_TICK, math.ceil(len(ids) / self.refresh_ticks))
             start = self._cursor % len(ids)
             for member_id in (ids[(start + i) % len(ids)] for i in range(share)):
                 if member_id not in changed:

@@ -15,6 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from registry.kv_reports import (
     KV_REPORT_BURST,
     SWEEP_PERIOD_S,
+    VIEW_BATCH,
+    VIEW_PERIOD_S,
     KvReports,
     kv_index_json,
     summary_json,
@@ -43,9 +45,10 @@ def test_a_report_is_shown_as_the_worst_state_with_routers_per_state() -> None:
     kv = KvReports()
     members = {"p1": 1, "p2": 7}.get
     assert kv.admit("r1", 1, 0.0, INTERVAL_S) == 0
-    kv.apply("r1", [entry("p1", blocks=120, lag_ms=40), entry("p2", 7, blocks=3)], members)
+    kv.apply("r1", [entry("p1", blocks=120, lag_ms=40), entry("p2", 7, blocks=3)], members, 0.0)
     assert kv.admit("r2", 1, 0.0, INTERVAL_S) == 0
-    applied = kv.apply("r2", [entry("p1", state=UNKNOWN, blocks=10, lag_ms=2500)], members)
+    applied = kv.apply("r2", [entry("p1", state=UNKNOWN, blocks=10, lag_ms=2500)], members,
+                       0.0)
     assert applied.stored == 1 and kv.held == 3
     assert summary_json(kv.view["p1"]) == {"state": "unknown", "blocks": 10, "lag_s": 2.5,
                                            "routers": {"live": 1, "unknown": 1}}
@@ -53,7 +56,7 @@ def test_a_report_is_shown_as_the_worst_state_with_routers_per_state() -> None:
                                            "routers": {"live": 1}}
     # r2 catches up: the member is live again everywhere, the figures are the laggiest.
     kv.admit("r2", 1, 1.0, INTERVAL_S)
-    kv.apply("r2", [entry("p1", blocks=121, lag_ms=90)], members)
+    kv.apply("r2", [entry("p1", blocks=121, lag_ms=90)], members, 1.0)
     assert summary_json(kv.view["p1"])["routers"] == {"live": 2}
     assert kv.view["p1"].blocks == 121 and kv.view["p1"].lag_ms == 90
 
@@ -62,7 +65,7 @@ def test_only_registered_members_at_their_incarnation_can_be_described() -> None
     kv = KvReports()
     kv.admit("r1", 1, 0.0, INTERVAL_S)
     applied = kv.apply("r1", [entry("ghost"), entry("p1", incarnation=2), entry("p1")],
-                       {"p1": 1}.get)
+                       {"p1": 1}.get, 0.0)
     assert (applied.ignored, applied.stored) == (2, 1)
     assert list(kv.view) == ["p1"] and kv.held == 1
 
@@ -82,17 +85,18 @@ def test_gone_a_restart_and_departures_drop_what_was_said() -> None:
     routers = {"r1": 1, "r2": 1}
     for router in routers:
         kv.admit(router, 1, 0.0, INTERVAL_S)
-        kv.apply(router, [entry("p1", blocks=5), entry("p2", blocks=6)], members.get)
+        kv.apply(router, [entry("p1", blocks=5), entry("p2", blocks=6)], members.get, 0.0)
     assert kv.held == 4
     kv.admit("r1", 1, 2.0, INTERVAL_S)
-    kv.apply("r1", [entry("p1", state=GONE)], members.get)
+    kv.apply("r1", [entry("p1", state=GONE)], members.get, 2.0)
     assert kv.view["p1"].routers == (1, 0, 0, 0) and kv.held == 3
     # r2 restarts: its old process's figures go at its first report.
     kv.admit("r2", 2, 3.0, INTERVAL_S)
+    kv.apply("r2", [], members.get, 3.0)
     assert "p1" not in kv.view and kv.held == 1
     # p2 re-registers (incarnation 2): figures about incarnation 1 go with it.
     members["p2"] = 2
-    kv.apply("r2", [entry("p2", incarnation=2, state=KvIndexState.SYNCING)], members.get)
+    kv.apply("r2", [entry("p2", incarnation=2, state=KvIndexState.SYNCING)], members.get, 3.0)
     assert kv.view["p2"].incarnation == 2 and kv.view["p2"].state is KvIndexState.SYNCING
     assert kv.held == 1
     # r2 and p2 leave: the sweep forgets both.
@@ -111,11 +115,26 @@ def record(member_id: str, incarnation: int, role: Role = Role.PREFILL) -> Membe
 def test_readers_see_only_the_current_incarnation_and_only_while_a_router_is_there() -> None:
     kv = KvReports()
     kv.admit("r1", 1, 0.0, INTERVAL_S)
-    kv.apply("r1", [entry("p1", blocks=5)], {"p1": 1}.get)
+    kv.apply("r1", [entry("p1", blocks=5)], {"p1": 1}.get, 0.0)
     router = record("r1", 1, Role.API_SERVER)
     assert kv_index_json([record("p1", 1), router], kv.view)["p1"]["blocks"] == 5
     assert kv_index_json([record("p1", 2), router], kv.view) == {}  # restarted meanwhile
     assert kv_index_json([record("p1", 1)], kv.view) == {}  # no router left to update it
+
+
+def test_a_bulk_change_reaches_readers_within_the_view_period() -> None:
+    """Thousands of members restated at once are published together, not per message."""
+    kv = KvReports()
+    members = {f"p{i}": 1 for i in range(2 * VIEW_BATCH)}
+    kv.admit("r1", 1, 0.0, INTERVAL_S)
+    kv.apply("r1", [entry(m) for m in members], members.get, 0.0)
+    assert len(kv.view) == 2 * VIEW_BATCH  # the first goes out at once
+    kv.admit("r1", 1, 1.0, INTERVAL_S)
+    kv.apply("r1", [entry(m, state=UNKNOWN) for m in members], members.get, 0.1)
+    assert all(s.state is LIVE for s in kv.view.values())  # held back...
+    kv.admit("r2", 1, 1.0, INTERVAL_S)
+    kv.apply("r2", [], members.get, VIEW_PERIOD_S)  # ... until the next report after it
+    assert all(s.state is UNKNOWN for s in kv.view.values())
 
 
 # --- the model-based check ---------------------------------------------------------------
@@ -149,7 +168,7 @@ class KvReportsMachine(RuleBasedStateMachine):
         for member, stale, state, blocks, lag in batch:
             held = self.members.get(member, 1)
             sent.append(entry(member, held - 1 if stale else held, state, blocks, lag))
-        self.kv.apply(router, sent, self.members.get)
+        self.kv.apply(router, sent, self.members.get, self.now)
         # Older (router, member) figures from another process of either are void.
         for key, (r_inc, _, _) in list(self.said.items()):
             if key[0] == router and r_inc != incarnation:
