@@ -30,7 +30,8 @@ from typing import Any, Final, Protocol
 
 from registry.protocol import MAX_KV_BLOCKS, MAX_KV_LAG_MS, KvIndexEntry, KvIndexState
 
-__all__ = ["REFRESH_MAX_PER_TICK", "REFRESH_TICKS", "KvReportPlan", "KvReporter", "ReportSink", "entries_of"]
+__all__ = ["REFRESH_MAX_PER_TICK", "REFRESH_TICKS", "KvReportPlan", "KvReporter", "ReportSink",
+           "entries_of"]
 
 logger = logging.getLogger(__name__)
 
