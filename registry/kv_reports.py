@@ -20,9 +20,9 @@ report never changes membership, versions or events. The rules, each a guard bel
   restarted and members that left or changed incarnation; readers also skip a summary
   whose incarnation is not the member's current one, so nothing stale is shown meanwhile.
 - Readers see a change with the report that made it; a bulk change (over VIEW_BATCH
-  members) with the first report VIEW_PERIOD_S later. Both `sweep` and a bulk change's
-  publication ride on reports, which every router sends each interval while it follows
-  any member (its rolling refresh).
+  members) with the first report VIEW_PERIOD_S later, VIEW_CHUNK members a report. Both
+  `sweep` and a bulk change's publication ride on reports, which every router sends
+  each interval while it follows any member (its rolling refresh).
 
 Per member the summary is the worst state any router reports, with that router's blocks
 and lag (the most pessimistic view: where routers disagree, one of them is behind), and
@@ -61,6 +61,9 @@ SWEEP_PERIOD_S: Final = 5.0  # how often departed routers and members are looked
 # members at once (a registry restart) must not pay that per message.
 VIEW_BATCH: Final = 256
 VIEW_PERIOD_S: Final = 0.5
+# Summaries recomputed per report at most (~5 us each with 100 routers): a departed
+# router's 10,000 members are republished over a few reports, not in one long turn.
+VIEW_CHUNK: Final = 2048
 _STATES: Final = tuple(s for s in KvIndexState if s is not KvIndexState.GONE)
 # A router's entry as one int: state, then lag, then blocks (see the module doc).
 _LAG_SHIFT: Final = 40
@@ -244,11 +247,12 @@ class KvReports:
             return
         members = self._members
         changes: dict[str, KvSummary | None] = {}
-        for member_id in dirty:
+        for _ in range(min(len(dirty), VIEW_CHUNK)):
+            member_id = dirty.pop()
             member = members.get(member_id)
             changes[member_id] = None if member is None else _summary_of(member)
-        dirty.clear()
-        self._next_view = now + VIEW_PERIOD_S
+        if not dirty:
+            self._next_view = now + VIEW_PERIOD_S
         self.view = self.view.updated(changes)
 
 
