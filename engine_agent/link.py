@@ -57,9 +57,12 @@ REPLY_TIMEOUT_INTERVALS: Final = 2.0  # ... or later than this many heartbeat in
 MAX_PENDING_REPORTS: Final = 64  # per registry; the oldest go first when more pile up
 
 # KV index reports (a router's; see router/kv_reporter.py): a message's entries are cut
-# so that it stays well inside the registry's MAX_MESSAGE_BYTES, and at most this many
-# wait per registry (newest per member kept; beyond it the oldest members' go first).
-KV_REPORT_MAX_BYTES: Final = 48 * 1024
+# at this size (~300 entries of 22-character ids, well inside MAX_MESSAGE_BYTES), which
+# with one report per interval bounds what a router costs the registry's loop even when
+# it restates every member (it started, or the registry did). At most
+# MAX_PENDING_KV_ENTRIES wait per registry (newest per member kept; beyond that the
+# oldest members' go first).
+KV_REPORT_MAX_BYTES: Final = 16 * 1024
 KV_ENTRY_OVERHEAD_BYTES: Final = 32  # msgpack of an entry, beyond its member id
 MAX_PENDING_KV_ENTRIES: Final = 65536
 
