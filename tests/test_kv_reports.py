@@ -8,6 +8,7 @@ incarnation, the worst state any current router reports, with that router's figu
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -25,6 +26,7 @@ from registry.protocol import (
     Endpoints,
     KvIndexEntry,
     KvIndexState,
+    Load,
     MemberRecord,
     MemberSpec,
     MemberState,
@@ -276,3 +278,27 @@ def test_status_rows_become_entries() -> None:
             {"id": "p3", "incarnation": 1, "state": "new-state", "blocks": 0, "lag_s": None}]
     assert entries_of(rows) == [entry("p1", 3, KvIndexState.REPLAYING, 12, 250),
                                 entry("p2", 1, KvIndexState.SYNCING)]
+
+
+def test_the_agent_link_cuts_reports_to_size_and_keeps_the_newest() -> None:
+    """What waits for a registry: newest figures per member, sent in messages that fit."""
+    from engine_agent.link import KV_REPORT_MAX_BYTES, Link, LinkPhase
+    from registry import sessions
+    from registry.protocol import KvIndexReport, make_encoder
+
+    link = Link("127.0.0.1:1", "api_server-x")
+    link.session, link.interval_s = sessions.new_session(), 1.0
+    link.phase = LinkPhase.HEARTBEATING
+    ids = [f"prefill-10.0.{i // 256}.{i % 256}-8000" for i in range(2000)]
+    link.add_kv([entry(m, blocks=1) for m in ids])
+    link.add_kv([entry(ids[0], state=UNKNOWN)])  # an update keeps its place
+    spec = record("api_server-x", 1, Role.API_SERVER).spec
+    encoder, sent = make_encoder(), []
+    now = 0.0
+    while link.kv_pending:
+        assert link.kv_due(now)
+        (frame,) = link.request(spec, "", MemberState.READY, Load(), encoder, now)
+        assert len(frame) <= KV_REPORT_MAX_BYTES + 64 and not link.kv_due(now)
+        sent += msgspec.msgpack.decode(frame, type=KvIndexReport).entries
+        now += link.interval_s
+    assert [e.member_id for e in sent] == ids and sent[0].state is UNKNOWN
