@@ -111,10 +111,6 @@ class _Member:
     counts: list[int] = field(default_factory=lambda: [0] * (len(_STATES) + 1))
 
 
-def _pack(entry: KvIndexEntry) -> int:
-    return (int(entry.state) << _STATE_SHIFT) | (entry.lag_ms << _LAG_SHIFT) | entry.blocks
-
-
 def _state_of(packed: int) -> int:
     return packed >> _STATE_SHIFT
 
@@ -182,21 +178,23 @@ class KvReports:
                 if old is None:
                     applied.unchanged += 1
                     continue
-                member.counts[_state_of(old)] -= 1
+                member.counts[old >> _STATE_SHIFT] -= 1
                 self._held -= 1
                 applied.removed += 1
             else:
-                packed = _pack(entry)
+                # The entry as one int (see the module doc); inline: the per-entry path.
+                packed = (entry.state << _STATE_SHIFT) | (entry.lag_ms << _LAG_SHIFT) \
+                    | entry.blocks
                 old = member.by_router.get(router_key)
                 if old == packed:
                     applied.unchanged += 1
                     continue
                 if old is not None:
-                    member.counts[_state_of(old)] -= 1
+                    member.counts[old >> _STATE_SHIFT] -= 1
                 else:
                     self._held += 1
                 member.by_router[router_key] = packed
-                member.counts[_state_of(packed)] += 1
+                member.counts[entry.state] += 1
                 applied.stored += 1
             dirty.add(member_id)
             if not member.by_router:
