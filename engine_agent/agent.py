@@ -42,6 +42,7 @@ from registry.protocol import (
     MAX_PROBLEM_CHARS,
     ByeReason,
     Endpoints,
+    KvIndexEntry,
     Load,
     MemberSpec,
     MemberState,
@@ -127,6 +128,7 @@ class Agent:
         self._load_failed = False  # log a failing callback once per failure streak
         self._links = [Link(address, spec.id) for address in self._addresses]
         self._reports: queue.SimpleQueue[PendingReport] = queue.SimpleQueue()
+        self._kv_reports: queue.SimpleQueue[list[KvIndexEntry]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stop_lock = threading.Lock()
         # A socket pair, not os.pipe(): once closed, a late wake-up fails on the object
@@ -193,6 +195,21 @@ class Agent:
         """
         self._reports.put((member_id, incarnation, problem[:MAX_PROBLEM_CHARS]))
         self._wake()
+
+    def report_kv(self, entries: list[KvIndexEntry]) -> bool:
+        """Hand a router's KV index entries (changes, refresh slices) to every registry;
+        never blocks. Each registry gets at most one KV report per heartbeat interval
+        (newest entry per member kept meanwhile). False once the agent is stopping.
+
+        Proved with this member's sessions: registries take them only from `api_server`
+        members (routers), and only show them (registry/kv_reports.py).
+        """
+        if self._shutdown is not ShutdownState.RUNNING:
+            return False
+        if entries:
+            self._kv_reports.put(list(entries))
+            self._wake()
+        return True
 
     def drain(self, in_flight: Callable[[], int], timeout_s: float) -> bool:
         """DRAINING, wait until in_flight() is 0 or timeout_s passes, then bye.
@@ -275,16 +292,20 @@ class Agent:
                 else:
                     plan.watch(link, late_at - now)
                     continue
-            # A state change or a failure report goes out at once, not at the next interval.
+            # A state change or a failure report goes out at once, not at the next interval
+            # (a KV index report as soon as the registry takes the next one).
             urgent = link.registered and link.failures == 0 and (
-                link.in_flight_state is not self._state or bool(link.reports))
+                link.in_flight_state is not self._state or bool(link.reports)
+                or link.kv_due(now))
             if now < link.next_send_at and not urgent:
                 plan.wait_until(link.next_send_at - now)
+                if link.registered and link.kv_pending and link.kv_next_at > now:
+                    plan.wait_until(link.kv_next_at - now)
                 continue
             if load is None:
                 load = self._read_load()  # once per round, shared by every due link
             state = self._state
-            frames = link.request(self._spec, self._token, state, load, encoder)
+            frames = link.request(self._spec, self._token, state, load, encoder, now)
             sock = link.open_socket(context, self._curve)
             # A full queue counts as unanswered: the socket is recreated when the reply is late.
             with contextlib.suppress(zmq.Again):
@@ -402,7 +423,14 @@ class Agent:
     # --- helpers --------------------------------------------------------------------
 
     def _take_reports(self) -> None:
-        """Hand queued failure reports to every registry link that can still send them."""
+        """Hand queued failure and KV index reports to every registry link."""
+        while True:
+            try:
+                entries = self._kv_reports.get_nowait()
+            except queue.Empty:
+                break
+            for link in self._links:
+                link.add_kv(entries)
         while True:
             try:
                 report = self._reports.get_nowait()

@@ -27,11 +27,14 @@ from engine_agent.backoff import backoff_delay_s
 from registry import sessions
 from registry.detector import HEARTBEAT_INTERVAL_S
 from registry.protocol import (
+    MAX_KV_ENTRIES,
     MAX_MESSAGE_BYTES,
     BannedBye,
     Bye,
     ByeReason,
     Heartbeat,
+    KvIndexEntry,
+    KvIndexReport,
     Load,
     MemberSpec,
     MemberState,
@@ -53,12 +56,22 @@ MAX_REPLY_TIMEOUT_S: Final = 5.0
 REPLY_TIMEOUT_INTERVALS: Final = 2.0  # ... or later than this many heartbeat intervals
 MAX_PENDING_REPORTS: Final = 64  # per registry; the oldest go first when more pile up
 
+# KV index reports (a router's; see router/kv_reporter.py): a message's entries are cut
+# at this size (~300 entries of 22-character ids, well inside MAX_MESSAGE_BYTES), which
+# with one report per interval bounds what a router costs the registry's loop even when
+# it restates every member (it started, or the registry did). At most
+# MAX_PENDING_KV_ENTRIES wait per registry (newest per member kept; beyond that the
+# oldest members' go first).
+KV_REPORT_MAX_BYTES: Final = 16 * 1024
+KV_ENTRY_OVERHEAD_BYTES: Final = 32  # msgpack of an entry, beyond its member id
+MAX_PENDING_KV_ENTRIES: Final = 65536
+
 PendingReport = tuple[str, int, str]  # (member id, its incarnation, problem)
 
 
 class LinkPhase(enum.Enum):
     REGISTERING = "registering"  # next request is a Register
-    HEARTBEATING = "heartbeating"  # registered; next request is a Heartbeat (or a Report)
+    HEARTBEATING = "heartbeating"  # registered; next request is a Heartbeat (or a report)
 
 
 class Request(enum.Enum):
@@ -67,6 +80,7 @@ class Request(enum.Enum):
     REGISTER = "register"
     HEARTBEAT = "heartbeat"
     REPORT = "report"
+    KV_REPORT = "kv_report"
 
 
 @dataclass
@@ -89,6 +103,21 @@ class Link:
     _token: str = ""  # the fleet token the last Register was proved with
     reports: deque[PendingReport] = field(
         default_factory=lambda: deque(maxlen=MAX_PENDING_REPORTS))
+    # KV index entries to send, newest per member (the registry takes one report per
+    # interval: `kv_next_at`); a refused or lost one is healed by the rolling refresh.
+    kv_pending: dict[str, KvIndexEntry] = field(default_factory=dict)
+    kv_next_at: float = 0.0  # monotonic
+    kv_refusals: int = 0  # consecutive refused KV reports (logged loudly only the first)
+
+    def add_kv(self, entries: list[KvIndexEntry]) -> None:
+        pending = self.kv_pending
+        for entry in entries:
+            pending[entry.member_id] = entry  # an update keeps its place in the queue
+        while len(pending) > MAX_PENDING_KV_ENTRIES:
+            del pending[next(iter(pending))]
+
+    def kv_due(self, now: float) -> bool:
+        return bool(self.kv_pending) and now >= self.kv_next_at
 
     @property
     def reply_timeout_s(self) -> float:
@@ -102,8 +131,9 @@ class Link:
     # --- requests ----------------------------------------------------------------------
 
     def request(self, spec: MemberSpec, token: str, state: MemberState, load: Load,
-                encoder: msgspec.msgpack.Encoder) -> list[bytes]:
-        """The next request's frames: a Register, a queued Report, or a Heartbeat."""
+                encoder: msgspec.msgpack.Encoder, now: float = 0.0) -> list[bytes]:
+        """The next request's frames: a Register, a queued Report, a KV index report that
+        is due (`now`), or a Heartbeat."""
         if self.phase is LinkPhase.REGISTERING:
             self.in_flight = Request.REGISTER
             register = Register(spec=spec, nonce=self.nonce, state=state, load=load)
@@ -120,9 +150,25 @@ class Link:
             return self._signed(encoder, Report(
                 id=spec.id, incarnation=spec.incarnation, seq=self.seq, member=member,
                 member_incarnation=incarnation, problem=problem))
+        if self.kv_due(now):
+            self.in_flight = Request.KV_REPORT
+            self.kv_next_at = now + self.interval_s
+            return self._signed(encoder, KvIndexReport(
+                id=spec.id, incarnation=spec.incarnation, seq=self.seq,
+                entries=self._take_kv()))
         self.in_flight = Request.HEARTBEAT
         return self._signed(encoder, Heartbeat(id=spec.id, incarnation=spec.incarnation,
                                                seq=self.seq, state=state, load=load))
+
+    def _take_kv(self) -> list[KvIndexEntry]:
+        """The oldest pending entries that fit one message."""
+        pending, taken, size = self.kv_pending, [], 0
+        for member_id in pending:
+            size += len(member_id) + KV_ENTRY_OVERHEAD_BYTES
+            if size > KV_REPORT_MAX_BYTES or len(taken) == MAX_KV_ENTRIES:
+                break
+            taken.append(member_id)
+        return [pending.pop(member_id) for member_id in taken]
 
     def bye(self, spec: MemberSpec, reason: ByeReason,
             encoder: msgspec.msgpack.Encoder) -> list[bytes]:
@@ -156,6 +202,9 @@ class Link:
         if status is ReplyStatus.OK:
             if sent is Request.REPORT:
                 return  # accepted (or about a member the registry no longer holds)
+            if sent is Request.KV_REPORT:
+                self.kv_refusals = 0
+                return
             if sent is Request.REGISTER:
                 self.session = reply.session
                 if reply.session_salt:  # sealed with the fleet token
@@ -188,6 +237,12 @@ class Link:
         elif sent is Request.REPORT:
             logger.warning("[agent] registry %s refused a report from id=%s: %s",
                            self.address, self.member_id, reply.reason)
+        elif sent is Request.KV_REPORT:
+            # Its entries are lost; the reporter's rolling refresh sends them again.
+            self.kv_refusals += 1
+            log = logger.warning if self.kv_refusals == 1 else logger.debug
+            log("[agent] registry %s refused a KV index report from id=%s: %s",
+                self.address, self.member_id, reply.reason)
         else:
             # A refused heartbeat: our session is not what the registry holds. Take a
             # session again (the nonce proves the registration is ours), not too fast.

@@ -30,6 +30,7 @@ from registry.client import MembershipView, parse_models
 from registry.protocol import ROUTER_PROTOCOL, MemberState
 from router.app import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_ATTEMPTS, MAX_MIGRATIONS
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, parse_networks
+from router.kv_reporter import KvReporter
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
@@ -183,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
                           state=MemberState.READY, curve=curve).start()
             # Failure reports need a member session: they go out through this agent.
             view.reporter = agent.report
+            # Its KV index per member, to the registries' dashboard (router/kv_reporter.py).
+            KvReporter.start_for(server.router.kv, agent)
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)
         stop.wait()
         logger.info("[shutdown] router: draining for %.1fs, then up to %.1fs for in-flight "

@@ -38,9 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list of members")
     p.add_argument("--watch", action="store_true", help="refresh the table in place")
     p.add_argument("--router", default="", metavar="URL",
-                   help="also show what this router's KV index holds per member (`--policy "
+                   help="show what this router's KV index holds per member (`--policy "
                         "kv`): index state, blocks indexed, event lag (its API key from "
-                        "PDREG_API_KEY)")
+                        "PDREG_API_KEY); without it, the KV INDEX column is the registry's "
+                        "summary of what every registered router reports")
     p.set_defaults(func=run)
 
 
@@ -88,7 +89,8 @@ def fetch_members(registries: str | list[str] | None, *,
 
 
 def render(members: list[dict[str, Any]]) -> str:
-    """A table people read at a glance (a KV INDEX column when a router was asked)."""
+    """A table people read at a glance; a KV INDEX column when any member has one (the
+    registry's summary of what routers report, or `--router`'s own index)."""
     with_kv = any("kv_index" in m for m in members)
     rows = [(*COLUMNS, "KV INDEX") if with_kv else COLUMNS]
     for m in members:
@@ -114,10 +116,18 @@ def render(members: list[dict[str, Any]]) -> str:
 
 
 def _kv_cell(kv: dict[str, Any] | None) -> str:
+    """A member's KV index: one router's (`--router`), or the registry's summary across
+    the routers that report it (the worst state, with routers per state when several)."""
     if kv is None:
         return "-"
     lag = f" lag {kv['lag_s']:.1f}s" if kv.get("lag_s") is not None else ""
-    return f"{kv['state']} {kv['blocks']} blocks{lag}"
+    routers: dict[str, int] = kv.get("routers") or {}
+    across = ""
+    if len(routers) > 1:
+        across = " (" + ", ".join(f"{n} {state}" for state, n in routers.items()) + ")"
+    elif sum(routers.values()) > 1:
+        across = f" ({sum(routers.values())} routers)"
+    return f"{kv['state']} {kv['blocks']} blocks{lag}{across}"
 
 
 def _duration(seconds: float) -> str:

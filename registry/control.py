@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from registry import sessions
+from registry.kv_reports import KvReports
 from registry.membership import OK, Membership, Outcome
 from registry.metrics import LoopStats
 from registry.outcome import Refusal, refused
@@ -33,6 +34,7 @@ from registry.protocol import (
     Bye,
     ControlMessage,
     Heartbeat,
+    KvIndexReport,
     Register,
     Reply,
     ReplyStatus,
@@ -92,7 +94,9 @@ class ControlChannel:
             BannedBye: self._on_banned_bye,
             Report: self._on_report,
             Sync: self._on_sync,
+            KvIndexReport: self._on_kv_index_report,
         }
+        self.kv_reports = KvReports()  # what routers' KV indexes say; shown, never acted on
         self._ok_reply: tuple[float, bytes] = (0.0, b"")  # (interval, encoded OK reply)
         self._last_reject_log = 0.0
         self._rejects_unlogged = 0
@@ -169,6 +173,36 @@ class ControlChannel:
         outcome = self.membership.report(message, payload, now)
         self.stats.count_report(outcome)
         return outcome
+
+    def _on_kv_index_report(self, identity: bytes, message: KvIndexReport, payload: bytes,
+                            now: float) -> Outcome:
+        """A router's KV index per member (registry.kv_reports): shown by /v1/members and
+        the dashboard; it changes no member, version or event."""
+        membership = self.membership
+        refusal = membership.authenticate_router(message.id, message.incarnation, message.seq,
+                                                 payload, message.proof)
+        if refusal is not None:
+            self.stats.kv_reports[refusal.kind or refusal.status.name.lower()] += 1
+            return refusal
+        kv = self.kv_reports
+        interval = membership.timing.heartbeat_interval_s
+        wait_s = kv.admit(message.id, message.incarnation, now, interval)
+        if wait_s > 0:
+            self.stats.kv_reports["limited"] += 1
+            return refused(f"one KV index report per {interval:g}s; retry in {wait_s:.2f}s",
+                           Refusal.RATE)
+        applied = kv.apply(message.id, message.entries, self._kv_incarnation, now)
+        kv.sweep(now, self._kv_incarnation, self._router_incarnation)
+        self.stats.count_kv_report(applied, kv.held)
+        return OK
+
+    def _kv_incarnation(self, member_id: str) -> int | None:
+        spec = self.membership.spec_of(member_id)
+        return spec.incarnation if spec is not None and spec.kv_events is not None else None
+
+    def _router_incarnation(self, member_id: str) -> int | None:
+        spec = self.membership.spec_of(member_id)
+        return spec.incarnation if spec is not None else None
 
     def _on_sync(self, identity: bytes, message: Sync, payload: bytes, now: float) -> None:
         self._send_snapshot(identity, message, now)

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
+from registry.kv_reports import KvSummary, kv_index_json
 from registry.protocol import LeaveReason, MemberJoined, MemberLeft, MembershipEvent, role_name
 from registry.published import Published
 from registry.views import member_json
@@ -50,9 +51,17 @@ def event_json(event: MembershipEvent) -> dict[str, Any]:
             "suspect": record.suspect}
 
 
-def dashboard_state(published: Published) -> dict[str, Any]:
-    """Everything the page shows, from one snapshot (ages as of when it was taken)."""
+def dashboard_state(published: Published,
+                    kv_index: Mapping[str, KvSummary] | None = None) -> dict[str, Any]:
+    """Everything the page shows, from one snapshot (ages as of when it was taken), and
+    per member what the routers' KV indexes say (`kv_index`, for those that have one)."""
     now = published.taken_at
+    members = [member_json(record, now) for record in published.members]
+    kv = kv_index_json(published.members, kv_index or {})
+    for member in members:
+        shown = kv.get(member["id"])
+        if shown is not None:
+            member["kv_index"] = shown
     return {
         "epoch": published.epoch,
         "version": published.version,
@@ -60,7 +69,7 @@ def dashboard_state(published: Published) -> dict[str, Any]:
         "lease_s": published.lease_s,
         "self_preserving": published.self_preserving,
         "taken_at": published.taken_at,
-        "members": [member_json(record, now) for record in published.members],
+        "members": members,
         "events": [event_json(event) for event in published.recent_events],
     }
 
@@ -76,22 +85,34 @@ def _page() -> str:
     return PAGE_PATH.read_text(encoding="utf-8")
 
 
-class SharedState:
-    """The page's state per snapshot, computed once for every viewer."""
+_NO_KV: Mapping[str, KvSummary] = {}
 
-    def __init__(self, published: Callable[[], Published]) -> None:
+
+class SharedState:
+    """The page's state per snapshot (and KV index view), computed once for every viewer.
+
+    `kv_index`: the registry's KV summaries, an immutable mapping swapped whole on each
+    change (registry.kv_reports), so its identity says whether it changed."""
+
+    def __init__(self, published: Callable[[], Published],
+                 kv_index: Callable[[], Mapping[str, KvSummary]] = lambda: _NO_KV) -> None:
         self._published = published
-        self._cached: tuple[Published, tuple[Any, ...], str] | None = None
+        self._kv_index = kv_index
+        self._kv_changes = 0
+        self._cached: tuple[Published, Mapping[str, KvSummary], tuple[Any, ...], str] | None \
+            = None
 
     def current(self) -> tuple[tuple[Any, ...], str]:
         """(fingerprint, JSON text) of the current snapshot."""
-        published = self._published()
+        published, kv = self._published(), self._kv_index()
         cached = self._cached
-        if cached is None or cached[0] is not published:
-            cached = (published, _fingerprint(published),
-                      json.dumps(dashboard_state(published), allow_nan=False))
+        if cached is None or cached[0] is not published or cached[1] is not kv:
+            if cached is not None and cached[1] is not kv:
+                self._kv_changes += 1  # (an id() could be reused once the old one is freed)
+            cached = (published, kv, (_fingerprint(published), self._kv_changes),
+                      json.dumps(dashboard_state(published, kv), allow_nan=False))
             self._cached = cached  # one reference swap: safe across threads
-        return cached[1], cached[2]
+        return cached[2], cached[3]
 
 
 class _StreamSlots:
@@ -115,9 +136,11 @@ class _StreamSlots:
         return release
 
 
-def dashboard_router(published: Callable[[], Published]) -> APIRouter:
+def dashboard_router(published: Callable[[], Published],
+                     kv_index: Callable[[], Mapping[str, KvSummary]] = lambda: _NO_KV,
+                     ) -> APIRouter:
     router = APIRouter()
-    shared = SharedState(published)
+    shared = SharedState(published, kv_index)
     slots = _StreamSlots(MAX_STREAMS)
 
     @router.get("/", response_class=HTMLResponse, include_in_schema=False)

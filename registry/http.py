@@ -13,7 +13,7 @@ import binascii
 import hmac
 import ipaddress
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from registry.admission import MAX_BAN_S
 from registry.dashboard import dashboard_router
 from registry.http_guard import BodyLimit
+from registry.kv_reports import KvSummary, kv_index_json
 from registry.metrics import LoopStats, make_metrics_registry
 from registry.protocol import ReplyStatus, parse_role
 from registry.published import Published
@@ -43,6 +44,8 @@ class RegistryHandle(Protocol):
 
     @property
     def published(self) -> Published: ...
+    @property
+    def kv_index(self) -> Mapping[str, KvSummary]: ...
     def submit(self, action: Callable[[Membership, float], Outcome]) -> Future[Outcome]: ...
     def loop_stall_s(self) -> float: ...
     def loop_stall_limit_s(self) -> float: ...
@@ -123,14 +126,18 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
         if state is not None and state not in states:
             raise HTTPException(400, f"unknown state {state!r}; expected one of {sorted(states)}")
         now = time.time()
-        return [member_json(record, now) for record in server.published.members
+        members = server.published.members
+        kv = kv_index_json(members, server.kv_index)
+        return [_with_kv(member_json(record, now), kv) for record in members
                 if matches(record, role=wanted_role, model=model, state=state)]
 
     @app.get("/v1/members/{member_id}", dependencies=reader)
     def get_member(member_id: str) -> dict[str, Any]:
-        for record in server.published.members:
+        members = server.published.members
+        for record in members:
             if record.spec.id == member_id:
-                return member_json(record, time.time())
+                return _with_kv(member_json(record, time.time()),
+                                kv_index_json(members, server.kv_index))
         raise HTTPException(404, f"no member {member_id!r}")
 
     @app.post("/v1/members/{member_id}/drain", dependencies=[Depends(require_admin)])
@@ -165,10 +172,19 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
     def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(dashboard_router(lambda: server.published), dependencies=reader)
+    app.include_router(dashboard_router(lambda: server.published, lambda: server.kv_index),
+                       dependencies=reader)
     # Outermost: a body is refused before anything reads it (no endpoint takes one).
     app.add_middleware(BodyLimit)
     return app
+
+
+def _with_kv(member: dict[str, Any], kv: dict[str, dict[str, object]]) -> dict[str, Any]:
+    """`kv_index` (what routers' KV indexes say of it) when routers report one."""
+    shown = kv.get(member["id"])
+    if shown is not None:
+        member["kv_index"] = shown
+    return member
 
 
 def _refuse_browsers(request: Request) -> None:

@@ -181,6 +181,11 @@ class Membership:
         entry = self._members.get(member_id)
         return entry.record(self.wall_offset) if entry else None
 
+    def spec_of(self, member_id: str) -> MemberSpec | None:
+        """A member's spec, without building its record (per-entry checks of KV reports)."""
+        entry = self._members.get(member_id)
+        return entry.spec if entry is not None else None
+
     def records(self, models: Iterable[str] = ()) -> list[MemberRecord]:
         """Every member's record (of `models`, if any): O(members returned + changed)."""
         self._refresh_records()
@@ -346,6 +351,19 @@ class Membership:
             logger.info("[registry] suspect id=%s reported by %s: %s", report.member,
                         report.id, report.problem[:200].encode("unicode_escape").decode())
         return Outcome(ReplyStatus.OK, kind="accepted")
+
+    def authenticate_router(self, member_id: str, incarnation: int, seq: int,
+                            payload: bytes, proof: bytes) -> Outcome | None:
+        """None when a message is a registered router's own (proved with its session, a
+        new seq, which is taken), else why not. For router messages that change no
+        member (`KvIndexReport`): the same guards as `report`."""
+        reporter = self._authenticate(member_id, incarnation, seq, payload, proof)
+        if isinstance(reporter, Outcome):
+            return reporter
+        if reporter.spec.role is not Role.API_SERVER:
+            return refused(f"only api_server members may send this; {member_id} is "
+                           f"{role_name(reporter.spec.role)}", Refusal.REPORTER)
+        return None
 
     def _weigh_report(self, entry: _Entry, reporter: str, now: float) -> Outcome | None:
         """Why a report about `entry` does not suspect it (answered OK), or None.

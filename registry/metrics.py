@@ -35,6 +35,7 @@ from registry.protocol import (
 )
 
 if TYPE_CHECKING:
+    from registry.kv_reports import Applied
     from registry.outcome import Outcome
     from registry.published import Published
 
@@ -86,6 +87,9 @@ class LoopStats:
     snapshots_encoded: int = 0
     digest_entries: int = 0  # load entries published in digests
     reports: Counter[str] = field(default_factory=Counter)
+    kv_reports: Counter[str] = field(default_factory=Counter)  # KvIndexReport, by result
+    kv_entries: Counter[str] = field(default_factory=Counter)  # their entries, by result
+    kv_entries_held: int = 0  # (router, member) entries the registry holds
     handshake_failures: int = 0
     replies_dropped: int = 0
     loop_errors: int = 0
@@ -105,6 +109,15 @@ class LoopStats:
         status = outcome.status
         result = outcome.kind if status is ReplyStatus.OK else status.name.lower()
         self.reports[result or "accepted"] += 1
+
+    def count_kv_report(self, applied: Applied, held: int) -> None:
+        self.kv_reports["accepted"] += 1
+        entries = self.kv_entries
+        entries["stored"] += applied.stored
+        entries["unchanged"] += applied.unchanged
+        entries["removed"] += applied.removed
+        entries["ignored"] += applied.ignored
+        self.kv_entries_held = held
 
     def count_rejection(self, reason: str) -> None:
         self.rejections[reason] += 1
@@ -166,6 +179,17 @@ class RegistryCollector(Collector):
                                 "Failure reports from routers, by result.", "result",
                                 stats.reports, ["accepted", "ignored", "rejected", "unknown",
                                                 "stale"])
+        yield _labelled_counter("pdreg_kv_index_reports",
+                                "Routers' KV index reports, by result (limited: over the "
+                                "rate; proof, replay, reporter...: refused).", "result",
+                                stats.kv_reports, ["accepted", "limited"])
+        yield _labelled_counter("pdreg_kv_index_report_entries",
+                                "Entries of accepted KV index reports, by result (ignored: "
+                                "no such member incarnation publishing KV events).", "result",
+                                stats.kv_entries, ["stored", "unchanged", "removed", "ignored"])
+        yield _gauge("pdreg_kv_index_entries",
+                     "(router, member) KV index entries the registry holds.",
+                     stats.kv_entries_held)
         yield _counter("pdreg_curve_handshake_failures",
                        "Connections refused by CURVE (no key, or a key not allowed).",
                        stats.handshake_failures)

@@ -21,7 +21,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -33,6 +33,7 @@ from registry.control import ControlChannel
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.deadband import Deadband
 from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
+from registry.kv_reports import KvSummary
 from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
 from registry.metrics import LoopStats
@@ -243,6 +244,11 @@ class RegistryServer:
             self._wake()
         built.wait(SNAPSHOT_WAIT_S)
         return self._published
+
+    @property
+    def kv_index(self) -> Mapping[str, KvSummary]:
+        """Per member, what routers report of their KV indexes (registry.kv_reports)."""
+        return self._channel.kv_reports.view
 
     def members(self) -> dict[str, MemberRecord]:
         return {record.spec.id: record for record in self.published.members}

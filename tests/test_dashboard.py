@@ -22,9 +22,19 @@ import aiohttp
 import httpx
 import pytest
 
-from engine_agent.agent import Agent, new_incarnation
+from engine_agent.agent import Agent, api_server_spec, new_incarnation
 from pdreg.testing import die_with_parent, stop_process, wait_until
-from registry.protocol import Endpoints, Load, MemberSpec, MemberState, Role
+from registry.protocol import (
+    ROUTER_PROTOCOL,
+    Endpoints,
+    KvEventsSpec,
+    KvIndexEntry,
+    KvIndexState,
+    Load,
+    MemberSpec,
+    MemberState,
+    Role,
+)
 from registry.server import RegistryServer
 
 TIMEOUT_S = 20.0
@@ -279,3 +289,41 @@ def test_state_is_computed_once_per_snapshot_for_every_viewer() -> None:
                                      lease_s=3.0, self_preserving=False, taken_at=time.time())
     second = shared.current()
     assert second[1] is not first[1] and json.loads(second[1])["version"] == 2
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install chromium)")
+@pytest.mark.timeout(120)
+def test_page_shows_the_kv_index_routers_report(registry: RegistryServer,
+                                                members: Members) -> None:
+    """A member that publishes KV events gets a KV index line: what a registered router
+    reports of it (`Agent.report_kv`, as router/kv_reporter.py sends), updated live."""
+    kv = KvEventsSpec(endpoint="tcp://127.0.0.1:21557", block_size=16)
+    spec = MemberSpec(id="prefill-127.0.0.1-21031", incarnation=new_incarnation(),
+                      role=Role.PREFILL, model="tiny", protocol="vllm-nixl", kv_events=kv,
+                      endpoints=Endpoints(http="http://127.0.0.1:21031"))
+    prefill = Agent(spec, registries=registry.control_address, state=MemberState.READY)
+    router = Agent(api_server_spec("127.0.0.1", 21041, ROUTER_PROTOCOL),
+                   registries=registry.control_address, state=MemberState.READY)
+    members.agents.update({spec.id: prefill.start(), router.spec.id: router.start()})
+    assert wait_until(lambda: len(registry.members()) == 2 and router.registered, TIMEOUT_S)
+    browser = Browser(registry.http_url + "/")
+    try:
+        asyncio.run(_drive_kv(browser, spec, router))
+    finally:
+        browser.close()
+
+
+async def _drive_kv(browser: Browser, spec: MemberSpec, router: Agent) -> None:
+    line = f"document.querySelector('[data-id=\"{spec.id}\"] .kvindex')"
+    async with aiohttp.ClientSession() as session, session.ws_connect(
+            browser.page_ws(), max_msg_size=0) as ws:
+        page = Page(ws)
+        assert await page.wait_for(f"{line} && {line}.innerText.includes('not reported')")
+        router.report_kv([KvIndexEntry(spec.id, spec.incarnation, KvIndexState.LIVE, 120, 40)])
+        assert await page.wait_for(f"{line}.innerText.includes('120 blocks')")
+        assert await page.evaluate(f"{line}.className") == "kvindex live"
+        router.report_kv([KvIndexEntry(spec.id, spec.incarnation, KvIndexState.UNKNOWN, 3,
+                                       2500)])
+        assert await page.wait_for(f"{line}.className == 'kvindex unknown'")
+        text = await page.evaluate(f"{line}.innerText")
+        assert "3 blocks" in text and "lag 2.5s" in text and "1 unknown" in text
