@@ -88,17 +88,16 @@ class RouterServer:
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
             latency_decay_s=config.latency_decay_s, body_timeout_s=config.body_timeout_s,
+            header_timeout_s=config.header_timeout_s,
+            shutdown_timeout_s=config.drain_timeout_s,
             warm_connections=config.warm_connections, adapters=adapters,
             tokenizers=dict(config.tokenizers),
             disagg_min_uncached_tokens=config.disagg_min_uncached_tokens)
-        # aiohttp closes a connection that has not delivered a whole request head within
-        # keepalive_timeout of connecting or of its previous answer: the header deadline.
+        # The app (router/http_server.py) holds the header and body deadlines and the
+        # bound on in-flight requests at close.
         self._serving = ServingThread(
             self.router.build_app(serve_metrics=config.metrics_port is None), config.host,
-            config.port, name="pdreg-router",
-            runner_options={"handler_cancellation": True, "access_log": None,
-                            "shutdown_timeout": config.drain_timeout_s,
-                            "keepalive_timeout": config.header_timeout_s})
+            config.port, name="pdreg-router")
         self.metrics_port: int | None = None  # bound port when config.metrics_port is set
 
     @property
