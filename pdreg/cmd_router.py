@@ -33,7 +33,7 @@ from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, parse_networks
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
-from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer
+from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer, settle_heap
 from router.tokenizer import parse_tokenizer_flags
 from router.upstream_bounds import (
     CONNECT_TIMEOUT_S,
@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
                           state=MemberState.READY, curve=curve).start()
             # Failure reports need a member session: they go out through this agent.
             view.reporter = agent.report
+        settle_heap()  # start-up's objects out of the collector's way (router/service.py)
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)
         stop.wait()
         logger.info("[shutdown] router: draining for %.1fs, then up to %.1fs for in-flight "

@@ -11,6 +11,7 @@ included) finish for at most `drain_timeout_s`, cancels the rest, and stops the 
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Final
@@ -37,10 +38,14 @@ from router.upstream_bounds import (
 )
 from router.warmup import WARM_CONNECTIONS
 
-__all__ = ["RouterConfig", "RouterServer"]
+__all__ = ["RouterConfig", "RouterServer", "settle_heap"]
 
 logger = logging.getLogger(__name__)
 
+# Young objects (net allocations) before a collection, against CPython's 700: a request
+# in flight holds a few dozen, so at 700 every collection walks the requests in flight
+# again, a few hundred microseconds each, dozens of times a second under load.
+GC_YOUNG_THRESHOLD: Final = 20_000
 DRAIN_DELAY_S: Final = 5.0  # after SIGTERM: serve on, unready, so balancers take us out
 DRAIN_TIMEOUT_S: Final = 30.0  # then: in-flight requests get this long to finish
 
@@ -71,6 +76,17 @@ class RouterConfig:
     metrics_port: int | None = None
     tokenizers: tuple[tuple[str, str], ...] = ()  # (model, path): --tokenizer MODEL=PATH
     disagg_min_uncached_tokens: int = 0  # kv policy: skip the prefill leg below this
+
+
+def settle_heap() -> None:
+    """For a router process, once it serves: what start-up made (imports, the app, the
+    first snapshot) lives as long as the process, so keep it out of every collection
+    (gc.freeze), and collect young objects less often. The request path makes few
+    reference cycles; measured (bench_router, c=32) the collector cost about 13 µs a
+    request before this, a tenth of the router's CPU. Not for a process that hosts a
+    router among other things (tests): freezing keeps their garbage for good."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 class RouterServer:

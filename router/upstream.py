@@ -228,7 +228,8 @@ class UpstreamResponse:
         return data
 
     async def _wait(self, timeout_s: float, kind: FailureKind) -> None:
-        loop = asyncio.get_running_loop()
+        # The pool's loop: asyncio.get_running_loop() costs a getpid() system call.
+        loop = self._pool._loop or asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         timer = loop.call_later(timeout_s, self._time_out, waiter, timeout_s, kind) \
             if timeout_s > 0 else None
@@ -311,6 +312,7 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._kv_checks: dict[str, tuple[float, str | None]] = {}
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it is used on
 
     async def kv_host_problem(self, host: str) -> str | None:
         """Why a KV host from a member's record may not be handed to an engine, or None.
@@ -357,7 +359,10 @@ class UpstreamPool:
         head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                 b"X-Request-Id: %s\r\n%s: 1\r\nContent-Length: %d\r\n\r\n"
                 % (path.encode(), host_header, request_id.encode(), _HOP, len(body)))
-        connection = await self._get((host, port))
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        key = (host, port)
+        connection = self._take_idle(key) or await self._get(key)
         response = UpstreamResponse(self, connection)
         connection.response = response
         assert connection.transport is not None
@@ -373,7 +378,8 @@ class UpstreamPool:
             raise
         return response
 
-    async def _get(self, key: tuple[str, int]) -> _Connection:
+    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
+        """A pooled connection still fit for use, or None (no coroutine: the usual case)."""
         idle = self._idle.get(key)
         if idle:
             oldest_usable = time.monotonic() - self.keepalive_s
@@ -382,6 +388,10 @@ class UpstreamPool:
                 if connection.usable and connection.idle_since > oldest_usable:
                     return connection
                 connection.close()
+        return None
+
+    async def _get(self, key: tuple[str, int]) -> _Connection:
+        """A new connection (the pool had none fit for use)."""
         loop = asyncio.get_running_loop()
         _, connection = await asyncio.wait_for(self._connect(loop, key),
                                                self.timeouts.connect_s)
