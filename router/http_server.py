@@ -12,7 +12,9 @@ Per connection, in order:
              or of the previous answer (slowloris), at most `max_head_bytes` (431)
     body     Content-Length or chunked, within `body_timeout_s` (408), at most
              `max_body_bytes` (413)
-    handle   the handler runs as one task; the client leaving cancels it
+    handle   the handler runs in the connection's task (one per connection, not one
+             per request: a task costs more than the rest of this file's work);
+             the client leaving cancels it
     answer   a `Response` in one write, or a `StreamResponse` the handler wrote itself,
              paced by the client's socket (transport pause/resume)
 
@@ -127,7 +129,7 @@ class HttpServer:
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
-            if connection.task is None:
+            if not connection.busy:
                 connection.close()
         self._check_idle()
         with contextlib.suppress(TimeoutError):
@@ -150,7 +152,7 @@ class HttpServer:
                 logger.exception("[http] a clean-up hook failed")
 
     def _check_idle(self) -> None:
-        if self.closing and all(c.task is None for c in self.connections):
+        if self.closing and not any(c.busy for c in self.connections):
             self._idle.set()
 
 
@@ -169,7 +171,9 @@ class _Connection(asyncio.Protocol):
         self.limits = server.app.limits
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.task: asyncio.Task[None] | None = None  # the request in hand
+        self.task: asyncio.Task[None] | None = None  # serves this connection's requests
+        self.busy = False  # a request is in hand (its handler runs or its answer goes out)
+        self._next: asyncio.Future[None] | None = None  # the idle task waits on it
         self._parser = httptools.HttpRequestParser(self)
         self._reading = _Reading.HEAD
         self._url = b""
@@ -212,7 +216,7 @@ class _Connection(asyncio.Protocol):
             if self._head_size > self.limits.max_head_bytes:
                 self._refuse(431, "head_too_large", "request headers larger than "
                              f"{self.limits.max_head_bytes} bytes")
-        elif self._reading is _Reading.BODY and self.task is None:
+        elif self._reading is _Reading.BODY and not self.busy:
             self._arm(self.limits.body_timeout_s, once=True)
 
     def eof_received(self) -> bool:
@@ -294,47 +298,60 @@ class _Connection(asyncio.Protocol):
             keep_alive=parser.should_keep_alive(),
             http_11=parser.get_http_version() == "1.1", connection=self)
         self._body = []
-        if self.task is None and not self._queue:
-            self._dispatch(request)
-        else:  # pipelined: answered after the one in hand; stop reading more meanwhile
-            self._queue.append(request)
+        queue = self._queue
+        queue.append(request)
+        if self.busy or len(queue) > 1:
+            # pipelined: answered after the one in hand; stop reading more meanwhile
             if self.transport is not None:
                 self.transport.pause_reading()
+        elif self.task is None:
+            self.task = self.loop.create_task(self._serve())
+        elif self._next is not None and not self._next.done():
+            self._next.set_result(None)
 
     # --- answering ----------------------------------------------------------------------
 
-    def _dispatch(self, request: Request) -> None:
+    async def _serve(self) -> None:
+        """The connection's requests, in order, until it closes."""
+        queue = self._queue
+        while self.transport is not None:
+            if not queue:
+                self._next = self.loop.create_future()
+                await self._next
+                continue
+            request = queue.popleft()
+            self.busy = True
+            answer = await self._handle(request)
+            self.busy = False
+            if not self._answered(request, answer):
+                return
+            if not queue and self.transport is not None:
+                self.transport.resume_reading()  # no-op unless a pipeline paused it
+
+    async def _handle(self, request: Request) -> Response | StreamResponse:
         handlers = self.app.routes.get(request.path)
         handler = handlers.get(request.method) if handlers is not None else None
         if handler is None:
             if handlers is None:
-                answer = openai_error(404, f"no route {request.path}", INVALID_REQUEST,
-                                      "not_found")
-            else:
-                answer = openai_error(405, f"{request.method} is not allowed on "
-                                      f"{request.path}", INVALID_REQUEST, "method_not_allowed",
-                                      {"Allow": ", ".join(handlers)})
-            self._answered(request, answer)
-            return
-        self.task = self.loop.create_task(self._handle(handler, request))
-
-    async def _handle(self, handler: Handler, request: Request) -> None:
+                return openai_error(404, f"no route {request.path}", INVALID_REQUEST,
+                                    "not_found")
+            return openai_error(405, f"{request.method} is not allowed on {request.path}",
+                                INVALID_REQUEST, "method_not_allowed",
+                                {"Allow": ", ".join(handlers)})
         try:
-            answer = await handler(request)
-        except asyncio.CancelledError:
-            self.task = None
+            return await handler(request)
+        except asyncio.CancelledError:  # the client left, or the server closes
+            self.busy = False
             self.close()
             self.server._check_idle()
             raise
         except Exception:
             logger.exception("[http] handler failed path=%s", request.path)
-            answer = openai_error(500, "internal error", "server_error")
-        self.task = None
-        self._answered(request, answer)
+            return openai_error(500, "internal error", "server_error")
 
-    def _answered(self, request: Request, answer: Response | StreamResponse) -> None:
-        """Send a whole answer (a stream has sent itself); then the next request, or
-        the close."""
+    def _answered(self, request: Request, answer: Response | StreamResponse) -> bool:
+        """Send a whole answer (a stream has sent itself); whether the connection
+        stays open for the next request."""
         transport = self.transport
         keep_alive = request.keep_alive and not answer.close and not self.server.closing
         if isinstance(answer, Response):
@@ -342,26 +359,21 @@ class _Connection(asyncio.Protocol):
                 transport.write(answer.encode(not keep_alive))
         elif not answer.ended:  # a stream the handler left unfinished: cut it
             keep_alive = False
+        self.server._check_idle()
         if not keep_alive or transport is None:
             self.close()
-            self.server._check_idle()
-            return
-        self.server._check_idle()
-        if self._queue:
-            self._dispatch(self._queue.popleft())
-            if not self._queue:
-                transport.resume_reading()
-        elif self._reading is not _Reading.BODY:
-            self._arm(self.limits.header_timeout_s)
-        else:
-            self._arm(self.limits.body_timeout_s)
+            return False
+        if not self._queue:
+            self._arm(self.limits.body_timeout_s if self._reading is _Reading.BODY
+                      else self.limits.header_timeout_s)
+        return True
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
         """Answer a request the server cannot take and close the connection."""
         self.app.count(reason)
         self._queue.clear()
         transport = self.transport
-        if transport is not None and not transport.is_closing() and self.task is None:
+        if transport is not None and not transport.is_closing() and not self.busy:
             answer = openai_error(status, message, INVALID_REQUEST, reason)
             transport.write(answer.encode(True))
         self.close()
@@ -386,7 +398,7 @@ class _Connection(asyncio.Protocol):
             self._timer = self.loop.call_at(deadline, self._on_timer)
             return
         self._deadline = 0.0
-        if self._reading is _Reading.BODY and self.task is None:
+        if self._reading is _Reading.BODY and not self.busy:
             self._refuse(408, "body_timeout", "the request body did not arrive within "
                          f"{self.limits.body_timeout_s:g} s")
         else:
