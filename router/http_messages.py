@@ -18,6 +18,8 @@ __all__ = ["CHUNKED", "UNTIL_CLOSE", "Request", "Response", "StreamResponse", "e
 _STATUS_LINES: Final = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode()
                         for s in HTTPStatus}
 _CLOSE: Final = b"Connection: close\r\n"
+_HEADS: dict[tuple[int, str, bool], bytes] = {}  # (status, content type, close) -> start
+MAX_KEPT_HEADS: Final = 256  # engines' content types are few; a flood of odd ones is not kept
 
 
 def _status_line(status: int) -> bytes:
@@ -32,6 +34,16 @@ UNTIL_CLOSE: Final = -2  # and for one that ends when the connection does (HTTP/
 def encode_head(status: int, content_type: str, headers: Mapping[str, str] | None,
                 close: bool, length: int) -> bytes:
     """Status line and headers; `length` the body's, or CHUNKED, or UNTIL_CLOSE."""
+    if headers is None and length >= 0:  # the usual answer: its head but the length, kept
+        key = (status, content_type, close)
+        start = _HEADS.get(key)
+        if start is None:
+            start = _status_line(status) + b"Content-Type: " + \
+                content_type.encode("latin-1") + b"\r\n" + (_CLOSE if close else b"") + \
+                b"Content-Length: "
+            if len(_HEADS) < MAX_KEPT_HEADS:
+                _HEADS[key] = start
+        return start + b"%d\r\n\r\n" % length
     head = _status_line(status) + b"Content-Type: " + content_type.encode("latin-1")
     if length >= 0:
         head += b"\r\nContent-Length: %d\r\n" % length

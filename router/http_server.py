@@ -359,7 +359,8 @@ class _Connection(asyncio.Protocol):
                 transport.write(answer.encode(not keep_alive))
         elif not answer.ended:  # a stream the handler left unfinished: cut it
             keep_alive = False
-        self.server._check_idle()
+        if self.server.closing:
+            self.server._check_idle()
         if not keep_alive or transport is None:
             self.close()
             return False

@@ -198,6 +198,13 @@ class UpstreamResponse:
         (default: the pool's `max_body_bytes`)."""
         if max_bytes is None:
             max_bytes = self._pool.max_body_bytes
+        chunks = self._chunks
+        if self._complete and self._buffered <= max_bytes:
+            # All of it is here (a small answer comes with its head): no waiting.
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._buffered = 0
+            return data
         parts = []
         size = 0
         while chunk := await self.readany():
