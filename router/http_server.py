@@ -156,6 +156,13 @@ class HttpServer:
             self._idle.set()
 
 
+def _no_route(request: Request, handlers: dict[str, Handler] | None) -> Response:
+    if handlers is None:
+        return openai_error(404, f"no route {request.path}", INVALID_REQUEST, "not_found")
+    return openai_error(405, f"{request.method} is not allowed on {request.path}",
+                        INVALID_REQUEST, "method_not_allowed", {"Allow": ", ".join(handlers)})
+
+
 class _Reading(enum.Enum):
     HEAD = enum.auto()  # waiting for (the rest of) a request line and headers
     BODY = enum.auto()  # headers in, body arriving
@@ -312,8 +319,11 @@ class _Connection(asyncio.Protocol):
     # --- answering ----------------------------------------------------------------------
 
     async def _serve(self) -> None:
-        """The connection's requests, in order, until it closes."""
+        """The connection's requests, in order, until it closes. The handler is awaited
+        here, not in a helper coroutine: every resumption of a request passes through
+        each coroutine it is nested in."""
         queue = self._queue
+        routes = self.app.routes
         while self.transport is not None:
             if not queue:
                 self._next = self.loop.create_future()
@@ -321,33 +331,26 @@ class _Connection(asyncio.Protocol):
                 continue
             request = queue.popleft()
             self.busy = True
-            answer = await self._handle(request)
+            handlers = routes.get(request.path)
+            handler = handlers.get(request.method) if handlers is not None else None
+            if handler is None:
+                answer: Response | StreamResponse = _no_route(request, handlers)
+            else:
+                try:
+                    answer = await handler(request)
+                except asyncio.CancelledError:  # the client left, or the server closes
+                    self.busy = False
+                    self.close()
+                    self.server._check_idle()
+                    raise
+                except Exception:
+                    logger.exception("[http] handler failed path=%s", request.path)
+                    answer = openai_error(500, "internal error", "server_error")
             self.busy = False
             if not self._answered(request, answer):
                 return
             if not queue and self.transport is not None:
                 self.transport.resume_reading()  # no-op unless a pipeline paused it
-
-    async def _handle(self, request: Request) -> Response | StreamResponse:
-        handlers = self.app.routes.get(request.path)
-        handler = handlers.get(request.method) if handlers is not None else None
-        if handler is None:
-            if handlers is None:
-                return openai_error(404, f"no route {request.path}", INVALID_REQUEST,
-                                    "not_found")
-            return openai_error(405, f"{request.method} is not allowed on {request.path}",
-                                INVALID_REQUEST, "method_not_allowed",
-                                {"Allow": ", ".join(handlers)})
-        try:
-            return await handler(request)
-        except asyncio.CancelledError:  # the client left, or the server closes
-            self.busy = False
-            self.close()
-            self.server._check_idle()
-            raise
-        except Exception:
-            logger.exception("[http] handler failed path=%s", request.path)
-            return openai_error(500, "internal error", "server_error")
 
     def _answered(self, request: Request, answer: Response | StreamResponse) -> bool:
         """Send a whole answer (a stream has sent itself); whether the connection
