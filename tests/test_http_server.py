@@ -211,3 +211,19 @@ def test_a_slow_reader_holds_the_writer_back(serve: Any,
         status, _, body = _read_answer(sock.makefile("rb"))
     assert status == 200 and len(body) == chunks * CHUNK
     assert served.finished
+
+
+def test_an_http_10_stream_ends_with_the_connection(serve: Any) -> None:
+    served = serve()
+    with served.connect() as sock:
+        sock.sendall(b"GET /stream?2 HTTP/1.0\r\n\r\n")
+        with sock.makefile("rb") as f:
+            head = f.readline()
+            headers = []
+            while (line := f.readline()) not in (b"\r\n", b""):
+                headers.append(line.lower())
+            body = f.read()  # to the close: no chunked framing on HTTP/1.0
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"connection: close\r\n" in headers
+    assert not any(h.startswith(b"transfer-encoding") for h in headers)
+    assert body == b"x" * (2 * CHUNK)
