@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Final
 
 import aiohttp
 
@@ -302,6 +303,17 @@ def baseline_engines(src: Path, handshake: str) -> Iterator[str]:
         stop_process(proc, ROUTER_STOP_TIMEOUT_S)
 
 
+LOCAL_FLAGS: Final = ("--drain-delay", "0", "--allow-upstream", "127.0.0.0/8,::1/128")
+
+
+def _flags_known(src: Path) -> list[str]:
+    """LOCAL_FLAGS that another version's `pdreg router` has (an older one may lack
+    --allow-upstream, and then sends to loopback anyway)."""
+    text = (src / "pdreg" / "cmd_router.py").read_text()
+    pairs = zip(LOCAL_FLAGS[::2], LOCAL_FLAGS[1::2], strict=True)
+    return [part for flag, value in pairs if f'"{flag}"' in text for part in (flag, value)]
+
+
 @contextmanager
 def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None = None
                  ) -> Iterator[Target]:
@@ -311,8 +323,7 @@ def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None =
     # its log goes to a file: a client that hangs up after [DONE] makes aiohttp log a
     # traceback per request, which would drown the bench's own output
     log = tempfile.NamedTemporaryFile(prefix="pdreg-bench-router-", suffix=".log")  # noqa: SIM115
-    extra = [] if src else ["--drain-delay", "0", "--allow-upstream", "127.0.0.0/8,::1/128",
-                            *ROUTER_ARGS]
+    extra = _flags_known(src) if src else [*LOCAL_FLAGS, *ROUTER_ARGS]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
          registry, "--port", str(port), "--policy", policy, "--no-register", *extra],
@@ -376,8 +387,8 @@ def run_all(requests: int, policies: list[str], scenarios: list[str], handshakes
                         rows.append(measure(target, handshake, requests))
             for src in BASELINE_SRC:  # another version's registry, engines and router
                 with baseline_engines(src, handshake) as registry, \
-                        pdreg_router(registry, "power_of_two",
-                                     f"pdreg {src.name} (power_of_two)", src) as target:
+                        pdreg_router(registry, policies[-1],
+                                     f"pdreg {src.name} ({policies[-1]})", src) as target:
                     rows.append(measure(target, handshake, requests))
         for slow in (r for r in SLOW_ROLES if r in scenarios):
             print(f"{handshake} handshake, one slow {slow}", flush=True)

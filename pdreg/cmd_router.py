@@ -34,7 +34,7 @@ from router.kv_reporter import KvReporter
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
-from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer
+from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer, settle_heap
 from router.tokenizer import parse_tokenizer_flags
 from router.upstream_bounds import (
     CONNECT_TIMEOUT_S,
@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
             view.reporter = agent.report
             # Its KV index per member, to the registries' dashboard (router/kv_reporter.py).
             KvReporter.start_for(server.router.kv, agent)
+        settle_heap()  # start-up's objects out of the collector's way (router/service.py)
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)
         stop.wait()
         logger.info("[shutdown] router: draining for %.1fs, then up to %.1fs for in-flight "

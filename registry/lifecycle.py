@@ -6,13 +6,15 @@ or `close()` only moves it to REQUESTED and wakes the loop, which ends the work 
 so with STOPPED.
 
 `ServingThread(app, host, port)` serves an app on its own uvloop event loop in a daemon
-thread, for the router, the planner and the registry's HTTP side alike: an aiohttp
-`web.Application` through aiohttp's runner, any other app as ASGI through uvicorn, on a
-socket bound here (port 0 works). `start()` returns once the socket accepts
-connections; `add_app()` serves another aiohttp app on the same loop, on a port of its
-own (the router's metrics); `close()` lets in-flight requests finish (bounded), stops
-the loop and joins the thread, and is safe twice. Work of the app's own (a planning loop) starts and
-stops with it through aiohttp's `on_startup` / `on_cleanup`.
+thread, for the router, the planner and the registry's HTTP side alike: an app that
+serves itself (`start_serving(host, port)`, the router's `HttpApp` of
+router/http_server.py), an aiohttp `web.Application` through aiohttp's runner, any other
+app as ASGI through uvicorn, on a socket bound here (port 0 works). `start()` returns
+once the socket accepts connections; `add_app()` serves another app (self-serving or
+aiohttp) on the same loop, on a port of its own (the router's metrics); `close()` lets
+in-flight requests finish (bounded), stops the loop and joins the thread, and is safe
+twice. Work of the app's own (a planning loop, the router's upstream pool) starts and
+stops with it through its `on_startup` / `on_cleanup` hooks.
 """
 
 from __future__ import annotations
@@ -94,13 +96,17 @@ class ServingThread:
             loop.call_soon_threadsafe(callback, *args)
 
     def add_app(self, app: Any, port: int) -> int:
-        """Serve another aiohttp app on this loop and host, on `port` (0: the OS picks);
+        """Serve another app on this loop and host, on `port` (0: the OS picks);
         its bound port. It stops with the thread."""
         return self.run(self._serve_also(app, port), START_TIMEOUT_S)
 
     async def _serve_also(self, app: Any, port: int) -> int:
         from aiohttp import web
 
+        if hasattr(app, "start_serving"):
+            server = await app.start_serving(self.host, port, backlog=LISTEN_BACKLOG)
+            self._also_stop.append(server.close)
+            return int(server.port)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         self._also_stop.append(runner.cleanup)
@@ -108,6 +114,12 @@ class ServingThread:
         return int(runner.addresses[0][1])
 
     async def _serve(self) -> None:
+        if hasattr(self.app, "start_serving"):  # it serves itself (router/http_server.py)
+            server = await self.app.start_serving(self.host, self.requested_port,
+                                                  backlog=LISTEN_BACKLOG)
+            self._stop = server.close
+            self.port = server.port
+            return
         from aiohttp import web
 
         if isinstance(self.app, web.Application):
@@ -162,7 +174,10 @@ class ServingThread:
         if self._stop is not None:
             stops.append(self._stop)
             self._stop = None
-        timeout_s = self._runner_options.get("shutdown_timeout", 0.0) + self._stop_timeout_s
+        limits = getattr(self.app, "limits", None)  # a self-serving app's own bound
+        in_flight_s = limits.shutdown_timeout_s if limits is not None \
+            else self._runner_options.get("shutdown_timeout", 0.0)
+        timeout_s = in_flight_s + self._stop_timeout_s
         for stop in stops:
             try:
                 asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout_s)

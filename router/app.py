@@ -16,7 +16,6 @@ on one event loop; nothing here is shared across threads except `view`, whose
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import itertools
 import logging
@@ -27,12 +26,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import msgspec
-from aiohttp import web
 
 from router.adapters import Adapters, UpstreamRejected, default_adapters
 from router.continuation import why_not_migratable
 from router.errors import INVALID_REQUEST, openai_error, unauthorized
 from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
+from router.http_messages import Request, Response, StreamResponse
+from router.http_server import HttpApp, Limits
 from router.inflight import InFlight
 from router.kv_routing import KvRouting
 from router.latency import DECAY_S, LatencyTracker
@@ -51,7 +51,7 @@ __all__ = ["MAX_ATTEMPTS", "MAX_MIGRATIONS", "MembershipSource", "Router"]
 
 logger = logging.getLogger(__name__)
 
-SESSION_HEADER: Final = "X-Session-Id"  # the `session` policy keeps a session on one pair
+SESSION_HEADER: Final = b"x-session-id"  # the `session` policy keeps a session on one pair
 MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
 MAX_MIGRATIONS: Final = 3  # times one stream may continue on a new pair
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a client's request body
@@ -60,7 +60,9 @@ MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a client's request body
 # trickling bytes (slowloris) holds a connection for seconds, not for ever.
 HEADER_TIMEOUT_S: Final = 10.0
 BODY_TIMEOUT_S: Final = 30.0
+SHUTDOWN_TIMEOUT_S: Final = 30.0
 
+_HOP: Final = HOP_HEADER.lower().encode()
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
@@ -75,6 +77,8 @@ class Router:
                  upstream_policy: UpstreamPolicy | None = None,
                  adapters: Adapters | None = None, rng: random.Random | None = None,
                  latency_decay_s: float = DECAY_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S,
+                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
                  warm_connections: int = WARM_CONNECTIONS,
                  clock: Callable[[], float] = time.monotonic,
                  tokenizers: Mapping[str, str] | None = None,
@@ -112,6 +116,8 @@ class Router:
         self.max_migrations = max(0, max_migrations)
         self.timeouts = timeouts or Timeouts()
         self.body_timeout_s = body_timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s  # in-flight requests, at close
         self.draining = False
         self._api_key = f"Bearer {api_key}".encode() if api_key else b""
         self._request_ids = itertools.count()
@@ -123,30 +129,38 @@ class Router:
 
     # --- wiring -------------------------------------------------------------------------
 
-    def build_app(self, *, serve_metrics: bool = True) -> web.Application:
+    def build_app(self, *, serve_metrics: bool = True) -> HttpApp:
         """The API app. `serve_metrics=False` leaves /metrics out: it is then served on a
         port of its own (build_metrics_app), which a NetworkPolicy opens to Prometheus
         only: the metrics name members and engine URLs."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/completions", self.handle_generate)
-        app.router.add_post("/v1/chat/completions", self.handle_generate)
-        app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/ready", self.handle_ready)
+        app = HttpApp(limits=self._limits(), count=self._count_refusal)
+        app.add("POST", "/v1/completions", self.handle_generate)
+        app.add("POST", "/v1/chat/completions", self.handle_generate)
+        app.add("GET", "/v1/models", self.handle_models)
+        app.add("GET", "/health", self.handle_health)
+        app.add("GET", "/ready", self.handle_ready)
         if serve_metrics:
-            app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/v1/kv", self.handle_kv)
+            app.add("GET", "/metrics", self.handle_metrics)
+        app.add("GET", "/v1/kv", self.handle_kv)
         app.on_startup.append(self._open_pool)
         app.on_cleanup.append(self._close_pool)
         return app
 
-    def build_metrics_app(self) -> web.Application:
+    def build_metrics_app(self) -> HttpApp:
         """/metrics alone, for a separate metrics port."""
-        app = web.Application()
-        app.router.add_get("/metrics", self.handle_metrics)
+        app = HttpApp(limits=self._limits(), count=self._count_refusal)
+        app.add("GET", "/metrics", self.handle_metrics)
         return app
 
-    async def _open_pool(self, app: web.Application) -> None:
+    def _limits(self) -> Limits:
+        return Limits(header_timeout_s=self.header_timeout_s,
+                      body_timeout_s=self.body_timeout_s, max_body_bytes=MAX_BODY_BYTES,
+                      shutdown_timeout_s=self.shutdown_timeout_s)
+
+    def _count_refusal(self, reason: str) -> None:
+        self.metrics.refused_of(reason).inc()
+
+    async def _open_pool(self) -> None:
         pool = self._pool = UpstreamPool(timeouts=self.timeouts, policy=self.upstream_policy)
         self._ports = ProxyPorts(
             pairing=self.pairing, outcomes=self.outcomes, record=self.record,
@@ -170,7 +184,7 @@ class Router:
         self.pairing.models()
         self.metrics.render()
 
-    async def _close_pool(self, app: web.Application) -> None:
+    async def _close_pool(self) -> None:
         if self._warmer is not None:
             await self._warmer.stop()
         if self._pool is not None:
@@ -184,63 +198,58 @@ class Router:
 
     # --- small handlers -----------------------------------------------------------------
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, request: Request) -> bool:
         if not self._api_key:
             return True
-        given = request.headers.get("Authorization", "").encode()
-        return hmac.compare_digest(given, self._api_key)
+        return hmac.compare_digest(request.headers.get(b"authorization", b""), self._api_key)
 
-    async def handle_models(self, request: web.Request) -> web.Response:
+    async def handle_models(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._refuse("unauthorized", unauthorized())
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdreg"}
                 for m in sorted(self.pairing.models())]
-        return web.Response(body=_encode({"object": "list", "data": data}),
-                            content_type="application/json")
+        return Response(200, _encode({"object": "list", "data": data}))
 
-    async def handle_health(self, request: web.Request) -> web.Response:
+    async def handle_health(self, request: Request) -> Response:
         """Liveness: the process and its event loop answer."""
-        return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+        return Response(200, b'{"status":"ok"}')
 
-    async def handle_ready(self, request: web.Request) -> web.Response:
+    async def handle_ready(self, request: Request) -> Response:
         """Readiness: 503 while draining or before the view has ever synced. A registry
         that goes away later does not make the router unready: it serves from its last
         view, which is the point of keeping one."""
         if self.draining:
-            return web.Response(status=503, body=b'{"status":"draining"}',
-                                content_type="application/json")
+            return Response(503, b'{"status":"draining"}')
         if not self.view.synced:
-            return web.Response(status=503, body=b'{"status":"no membership yet"}',
-                                content_type="application/json")
-        return web.Response(body=b'{"status":"ready"}', content_type="application/json")
+            return Response(503, b'{"status":"no membership yet"}')
+        return Response(200, b'{"status":"ready"}')
 
-    async def handle_kv(self, request: web.Request) -> web.Response:
+    async def handle_kv(self, request: Request) -> Response:
         """Per member: KV index state, blocks indexed, event lag (`--policy kv`)."""
         if not self._authorized(request):
             return self._refuse("unauthorized", unauthorized())
         self.pairing.table()  # follow membership first
         members = self.kv.status(time.time()) if self.kv is not None else []
-        return web.Response(body=_encode({"policy": self.policy, "members": members}),
-                            content_type="application/json")
+        return Response(200, _encode({"policy": self.policy, "members": members}))
 
-    async def _affinity(self, request: web.Request, body: dict[str, Any],
+    async def _affinity(self, request: Request, body: dict[str, Any],
                         model: str) -> Affinity:
         """The request's input to pairing: the `kv` policy's exact prompt blocks
         (tokenized off the loop when long), else what the policy computes."""
         if self.kv is not None:
             self.pairing.table()  # the model's tokenizer and block sizes follow membership
             return await self.kv.affinity(body, model)
-        return self.pairing.pairer.affinity(request.headers.get(SESSION_HEADER, ""), body)
+        return self.pairing.pairer.affinity(request.header(SESSION_HEADER), body)
 
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": "text/plain; version=0.0.4"})
+    async def handle_metrics(self, request: Request) -> Response:
+        return Response(200, self.metrics.render(),
+                        content_type="text/plain; version=0.0.4")
 
     # --- the request path ---------------------------------------------------------------
 
-    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+    async def handle_generate(self, request: Request) -> Response | StreamResponse:
         admitted = await self._admit(request)
-        if isinstance(admitted, web.Response):
+        if isinstance(admitted, Response):
             return admitted
         assert self._ports is not None, "the app has not started"
         proxy = Proxy(admitted, self._ports)
@@ -248,8 +257,8 @@ class Router:
             response = await (proxy.stream(request) if admitted.stream else proxy.whole())
         except UpstreamRejected as rejected:
             self.record.outcome(admitted.model, "client_error")
-            return web.Response(status=rejected.status, body=rejected.body,
-                                headers={"Content-Type": rejected.content_type})
+            return Response(rejected.status, rejected.body,
+                            content_type=rejected.content_type)
         except BaseException:  # the client left (cancel, reset) while we waited upstream
             self.record.outcome(admitted.model, "cancelled")
             raise
@@ -259,31 +268,20 @@ class Router:
             response.force_close()
         return response
 
-    async def _admit(self, request: web.Request) -> Call | web.Response:
-        """The request as a `Call`, or the answer refusing it."""
+    async def _admit(self, request: Request) -> Call | Response:
+        """The request as a `Call`, or the answer refusing it. The server has read the
+        body (within the body deadline, under the size cap) before this runs."""
         started = time.monotonic()
         if not self._authorized(request):
             return self._refuse("unauthorized", unauthorized())
-        if HOP_HEADER in request.headers:
+        if _HOP in request.headers:
             # Sent by a router: some member's URL leads back to a router. Refuse, so the
             # request cannot circle; the sender quarantines that member.
             return self._refuse("loop", openai_error(
                 508, "request loop: this router was reached through a router",
                 INVALID_REQUEST, "loop_detected"))
         try:
-            if request.content.is_eof():  # the whole body came with the head: no wait
-                raw = await request.read()
-            else:
-                async with asyncio.timeout(self.body_timeout_s):
-                    raw = await request.read()
-        except TimeoutError:
-            response = self._refuse("body_timeout", openai_error(
-                408, f"the request body did not arrive within {self.body_timeout_s:g} s",
-                INVALID_REQUEST, "body_timeout"))
-            response.force_close()
-            return response
-        try:
-            body = _decode(raw)
+            body = _decode(request.body)
         except msgspec.DecodeError as exc:
             return self._refuse("not_json", openai_error(
                 400, f"request body is not JSON: {exc}", INVALID_REQUEST))
@@ -308,6 +306,6 @@ class Router:
             and stream_options.get("include_usage") is True,
             migratable=why_not_migratable(request.path, body) if stream else "not streamed")
 
-    def _refuse(self, reason: str, response: web.Response) -> web.Response:
+    def _refuse(self, reason: str, response: Response) -> Response:
         self.metrics.refused_of(reason).inc()
         return response

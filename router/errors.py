@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from typing import Final
 
 import msgspec
-from aiohttp import web
+
+from router.http_messages import Response
 
 __all__ = ["no_capacity", "openai_error", "unauthorized", "upstream_failed"]
 
@@ -19,18 +20,17 @@ _encode = msgspec.json.encode
 
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> web.Response:
+                 headers: Mapping[str, str] | None = None) -> Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.Response(status=status, body=_encode(body), content_type="application/json",
-                        headers=headers)
+    return Response(status, _encode(body), headers=headers)
 
 
-def unauthorized() -> web.Response:
+def unauthorized() -> Response:
     return openai_error(401, "missing or wrong API key (Authorization: Bearer ...)",
                         INVALID_REQUEST, "invalid_api_key")
 
 
-def no_capacity(model: str, *, known: bool) -> web.Response:
+def no_capacity(model: str, *, known: bool) -> Response:
     """404 for a model no member serves or has served; 503 for one that has none
     routable right now (clients retry a 503, not a 404)."""
     if not known:
@@ -40,7 +40,7 @@ def no_capacity(model: str, *, known: bool) -> web.Response:
                         "service_unavailable", "no_capacity", {"Retry-After": "1"})
 
 
-def upstream_failed(public: str) -> web.Response:
+def upstream_failed(public: str) -> Response:
     """502 when every pair tried failed; `public`: the last failure, as a client may see it."""
     return openai_error(502, f"no pair could serve the request; last: {public}",
                         "upstream_error", "upstream_failed")

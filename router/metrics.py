@@ -187,7 +187,9 @@ class RouterMetrics:
                              "member", "role")
         self.refused = counter(
             "pdreg_router_refused", "Client requests refused before pairing, by reason "
-            "(not_json, too_deep, no_model, body_timeout, loop, unauthorized)", "reason")
+            "(not_json, too_deep, no_model, loop, unauthorized; from the HTTP server: "
+            "malformed_http, head_too_large, body_too_large, body_timeout, header_timeout)",
+            "reason")
         # KV-aware pairing (`--policy kv`; router/kv_policy.py, router/kv_feed.py). Kept
         # on prometheus_client's locked metrics: tokenization may run off the loop.
         self.prompt_tokens = Counter(

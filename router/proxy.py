@@ -23,8 +23,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from aiohttp import web
-
 from router.adapters import Exchange, LegFailure, UpstreamRejected, adapter_for, leg_failure
 from router.continuation import (
     CHAT_PATH,
@@ -36,6 +34,7 @@ from router.continuation import (
     streams_token_ids,
 )
 from router.errors import no_capacity, upstream_failed
+from router.http_messages import Request, Response, StreamResponse
 from router.inflight import Hold
 from router.policies import Affinity
 from router.ports import ProxyPorts
@@ -46,6 +45,7 @@ __all__ = ["Call", "LegOutcome", "Proxy"]
 
 logger = logging.getLogger(__name__)
 
+Answer = Response | StreamResponse  # what a request ends with
 COMPANION_WAIT_S: Final = 5.0  # after D is done, how long SGLang's P leg may still take
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -117,7 +117,7 @@ class Proxy:
     tried: list[str] = field(default_factory=list)
     attempts_left: int = 0
     last_failure: LegFailure | None = None
-    response: web.StreamResponse | None = None  # the answer, once DONE or GIVE_UP
+    response: Answer | None = None  # the answer, once DONE or GIVE_UP
 
     def __post_init__(self) -> None:
         self.attempts_left = self.ports.max_attempts
@@ -185,7 +185,7 @@ class Proxy:
         self.tried.extend(member_ids)
         self.last_failure = failure
 
-    def _answer(self, response: web.StreamResponse,
+    def _answer(self, response: Answer,
                 outcome: LegOutcome = LegOutcome.DONE) -> LegOutcome:
         self.response = response
         return outcome
@@ -202,7 +202,7 @@ class Proxy:
 
     # --- non-streaming ----------------------------------------------------------------
 
-    async def whole(self) -> web.StreamResponse:
+    async def whole(self) -> Answer:
         """D's answer, read whole and relayed. A decode that dies before its answer is
         in is re-issued whole on a new pair."""
         while await self._whole_leg() is LegOutcome.RETRY:
@@ -230,8 +230,8 @@ class Proxy:
             ports.record.outcome(call.model, "ok" if ok else "client_error")
             if ok:
                 self._observe_whole(opened, data, ports.clock())
-            return self._answer(web.Response(status=response.status, body=data,
-                                             headers={"Content-Type": response.content_type}))
+            return self._answer(Response(response.status, data,
+                                         content_type=response.content_type))
         finally:
             self._observe_prefill(opened)
             opened.close()
@@ -245,7 +245,10 @@ class Proxy:
         first_token_at = now if prefill_s is None else exchange.prefill_started + prefill_s
         record.ttft(call.model, first_token_at - call.started)
         record.e2e(call.model, now - call.started)
-        tokens = _COMPLETION_TOKENS.search(data, max(0, len(data) - 512))
+        # rfind, then the pattern at that place: a regex search from the answer's tail
+        # cost more than the rest of this method.
+        at = data.rfind(b'"completion_tokens"', max(0, len(data) - 512))
+        tokens = _COMPLETION_TOKENS.match(data, at) if at >= 0 else None
         if tokens is not None and int(tokens.group(1)) > 0:
             decode_s = now - (exchange.decode_started or opened.opened_at)
             self.ports.outcomes.observe_decode(opened.pair.decode,
@@ -253,7 +256,7 @@ class Proxy:
 
     # --- streaming --------------------------------------------------------------------
 
-    async def stream(self, request: web.Request) -> web.StreamResponse:
+    async def stream(self, request: Request) -> Answer:
         call = self.call
         ask_ids = call.migratable is None and self.ports.max_migrations > 0
         s = Stream(client=ClientStream(request),
@@ -274,7 +277,7 @@ class Proxy:
             # after [DONE], before the stream's end). A cancel, not an upstream failure.
             logger.debug("[router] client left mid-response model=%s", call.model)
             self.ports.record.outcome(call.model, "cancelled")
-            return s.client.response or web.Response(status=499)
+            return s.client.response or Response(499)
 
     async def _stream_leg(self, s: Stream) -> LegOutcome:
         """One pair's leg of a stream: open it, relay its events, say how it ended."""
@@ -358,7 +361,7 @@ class Proxy:
     async def _stream_done(self, s: Stream) -> LegOutcome:
         await s.client.end()
         self._record_ok()
-        return self._answer(s.client.response or web.Response(status=204))
+        return self._answer(s.client.response or Response(204))
 
     async def _give_up(self, s: Stream, message: str, why: str) -> LegOutcome:
         call, record = self.call, self.ports.record
@@ -367,7 +370,7 @@ class Proxy:
         logger.warning("[router] stream failed request=%s: %s (not migrated: %s)",
                        call.request_id, message, why)
         await s.client.fail(message)
-        return self._answer(s.client.response or web.Response(status=502),
+        return self._answer(s.client.response or Response(502),
                             LegOutcome.GIVE_UP)
 
     async def _complete(self, s: Stream) -> LegOutcome:
@@ -384,15 +387,14 @@ class Proxy:
         record.outcome(call.model, "ok")
         record.e2e(call.model, self.ports.clock() - call.started)
 
-    async def _relay_refusal(self, opened: Opened) -> web.Response:
+    async def _relay_refusal(self, opened: Opened) -> Response:
         response = opened.exchange.response
         try:
             data = await response.read()
         except OSError:
             data = b""
         self.ports.record.outcome(self.call.model, "client_error")
-        return web.Response(status=response.status, body=data,
-                            headers={"Content-Type": response.content_type})
+        return Response(response.status, data, content_type=response.content_type)
 
     def _first_read(self, opened: Opened, at: float, continuing: bool) -> None:
         if not continuing:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
-from aiohttp import web
 
 from router.adapters import Exchange, LegFailure, leg_failure
 from router.continuation import DONE_EVENT, EVENT_END, Reshaper, TokenTap
+from router.http_messages import Request, StreamResponse
 from router.table import Candidate
 
 __all__ = ["ClientStream", "EventBuffer", "LegEnd", "relay_leg"]
@@ -28,7 +28,7 @@ MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
 # After data: [DONE], the answer's end (its last chunk) is read for this long, so the
 # connection can be pooled; a silent engine past it just costs the connection.
 TRAILER_WAIT_S: Final = 1.0
-_SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_SSE_HEADERS: Final = {"Cache-Control": "no-cache"}
 _encode = msgspec.json.encode
 
 
@@ -76,9 +76,9 @@ class EventBuffer:
 class ClientStream:
     """The client's SSE response: prepared on the first write, ended once."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: Request) -> None:
         self.request = request
-        self.response: web.StreamResponse | None = None
+        self.response: StreamResponse | None = None
 
     @property
     def started(self) -> bool:
@@ -86,7 +86,7 @@ class ClientStream:
 
     async def write(self, data: bytes) -> None:
         if self.response is None:
-            self.response = web.StreamResponse(headers=_SSE_HEADERS)
+            self.response = StreamResponse(headers=_SSE_HEADERS)
             await self.response.prepare(self.request)
         await self.response.write(data)
 

@@ -11,6 +11,7 @@ included) finish for at most `drain_timeout_s`, cancels the rest, and stops the 
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Final
@@ -37,10 +38,14 @@ from router.upstream_bounds import (
 )
 from router.warmup import WARM_CONNECTIONS
 
-__all__ = ["RouterConfig", "RouterServer"]
+__all__ = ["RouterConfig", "RouterServer", "settle_heap"]
 
 logger = logging.getLogger(__name__)
 
+# Young objects (net allocations) before a collection, against CPython's 700: a request
+# in flight holds a few dozen, so at 700 every collection walks the requests in flight
+# again, a few hundred microseconds each, dozens of times a second under load.
+GC_YOUNG_THRESHOLD: Final = 20_000
 DRAIN_DELAY_S: Final = 5.0  # after SIGTERM: serve on, unready, so balancers take us out
 DRAIN_TIMEOUT_S: Final = 30.0  # then: in-flight requests get this long to finish
 
@@ -73,6 +78,17 @@ class RouterConfig:
     disagg_min_uncached_tokens: int = 0  # kv policy: skip the prefill leg below this
 
 
+def settle_heap() -> None:
+    """For a router process, once it serves: what start-up made (imports, the app, the
+    first snapshot) lives as long as the process, so keep it out of every collection
+    (gc.freeze), and collect young objects less often. The request path makes few
+    reference cycles; measured (bench_router, c=32) the collector cost about 13 µs a
+    request before this, a tenth of the router's CPU. Not for a process that hosts a
+    router among other things (tests): freezing keeps their garbage for good."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 class RouterServer:
     def __init__(self, config: RouterConfig, view: MembershipSource, *,
                  adapters: Adapters | None = None) -> None:
@@ -88,17 +104,16 @@ class RouterServer:
                               idle_read_s=config.stream_idle_timeout_s),
             upstream_policy=UpstreamPolicy.build(config.allow_upstream),
             latency_decay_s=config.latency_decay_s, body_timeout_s=config.body_timeout_s,
+            header_timeout_s=config.header_timeout_s,
+            shutdown_timeout_s=config.drain_timeout_s,
             warm_connections=config.warm_connections, adapters=adapters,
             tokenizers=dict(config.tokenizers),
             disagg_min_uncached_tokens=config.disagg_min_uncached_tokens)
-        # aiohttp closes a connection that has not delivered a whole request head within
-        # keepalive_timeout of connecting or of its previous answer: the header deadline.
+        # The app (router/http_server.py) holds the header and body deadlines and the
+        # bound on in-flight requests at close.
         self._serving = ServingThread(
             self.router.build_app(serve_metrics=config.metrics_port is None), config.host,
-            config.port, name="pdreg-router",
-            runner_options={"handler_cancellation": True, "access_log": None,
-                            "shutdown_timeout": config.drain_timeout_s,
-                            "keepalive_timeout": config.header_timeout_s})
+            config.port, name="pdreg-router")
         self.metrics_port: int | None = None  # bound port when config.metrics_port is set
 
     @property

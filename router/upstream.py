@@ -91,6 +91,12 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._content_type = b""
+        # One timer for every wait on this connection, moved lazily: a wait only writes
+        # `_deadline` (loop time; 0 = none), the timer re-checks it when it fires. A
+        # timer per wait cost a call_later and a cancel per leg, and per read of a stream.
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     @property
     def usable(self) -> bool:
@@ -119,6 +125,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._deadline = 0.0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if exc is not None:
             self._fail(UpstreamError(f"connection lost: {exc}", FailureKind.RESET))
         else:
@@ -152,6 +162,33 @@ class _Connection(asyncio.Protocol):
         response._feed_eof()
 
     # --- used by the pool and the response ----------------------------------------------
+
+    def arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        """The response's wait must end within `timeout_s`."""
+        deadline = self._deadline = loop.time() + timeout_s
+        timer = self._timer
+        if timer is not None and deadline < self._timer_at:  # sooner than it would fire
+            timer.cancel()
+            timer = None
+        if timer is None:
+            self._timer_at = deadline
+            self._timer = loop.call_at(deadline, self._on_deadline, loop)
+
+    def disarm(self) -> None:
+        self._deadline = 0.0
+
+    def _on_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if not deadline:
+            return
+        if loop.time() < deadline:  # moved since: wait for the new one
+            self._timer_at = deadline
+            self._timer = loop.call_at(deadline, self._on_deadline, loop)
+            return
+        self._deadline = 0.0
+        if self.response is not None:
+            self.response._time_out()
 
     def _fail(self, error: UpstreamError) -> None:
         response = self.response
@@ -190,6 +227,7 @@ class UpstreamResponse:
         self._keep_alive = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._wait_for = (0.0, FailureKind.IDLE_TIMEOUT)  # the current wait's bound
 
     # --- reading ------------------------------------------------------------------------
 
@@ -198,6 +236,13 @@ class UpstreamResponse:
         (default: the pool's `max_body_bytes`)."""
         if max_bytes is None:
             max_bytes = self._pool.max_body_bytes
+        chunks = self._chunks
+        if self._complete and self._buffered <= max_bytes:
+            # All of it is here (a small answer comes with its head): no waiting.
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._buffered = 0
+            return data
         parts = []
         size = 0
         while chunk := await self.readany():
@@ -228,20 +273,26 @@ class UpstreamResponse:
         return data
 
     async def _wait(self, timeout_s: float, kind: FailureKind) -> None:
-        loop = asyncio.get_running_loop()
+        # The pool's loop: asyncio.get_running_loop() costs a getpid() system call.
+        loop = self._pool._loop or asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, self._time_out, waiter, timeout_s, kind) \
-            if timeout_s > 0 else None
+        connection = self._connection
+        timed = timeout_s > 0 and connection is not None
+        if timed:
+            self._wait_for = (timeout_s, kind)
+            connection.arm(loop, timeout_s)  # type: ignore[union-attr]
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if timed:
+                connection.disarm()  # type: ignore[union-attr]
 
-    def _time_out(self, waiter: asyncio.Future[None], timeout_s: float,
-                  kind: FailureKind) -> None:
-        if not waiter.done():
+    def _time_out(self) -> None:
+        """The connection's deadline for the current wait passed."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            timeout_s, kind = self._wait_for
             what = "status line" if kind is FailureKind.FIRST_BYTE_TIMEOUT else "data"
             self._set_error(UpstreamError(f"no {what} from the engine for {timeout_s:g} s",
                                           kind))
@@ -311,6 +362,7 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._kv_checks: dict[str, tuple[float, str | None]] = {}
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it is used on
 
     async def kv_host_problem(self, host: str) -> str | None:
         """Why a KV host from a member's record may not be handed to an engine, or None.
@@ -357,7 +409,10 @@ class UpstreamPool:
         head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                 b"X-Request-Id: %s\r\n%s: 1\r\nContent-Length: %d\r\n\r\n"
                 % (path.encode(), host_header, request_id.encode(), _HOP, len(body)))
-        connection = await self._get((host, port))
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        key = (host, port)
+        connection = self._take_idle(key) or await self._get(key)
         response = UpstreamResponse(self, connection)
         connection.response = response
         assert connection.transport is not None
@@ -373,7 +428,8 @@ class UpstreamPool:
             raise
         return response
 
-    async def _get(self, key: tuple[str, int]) -> _Connection:
+    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
+        """A pooled connection still fit for use, or None (no coroutine: the usual case)."""
         idle = self._idle.get(key)
         if idle:
             oldest_usable = time.monotonic() - self.keepalive_s
@@ -382,6 +438,10 @@ class UpstreamPool:
                 if connection.usable and connection.idle_since > oldest_usable:
                     return connection
                 connection.close()
+        return None
+
+    async def _get(self, key: tuple[str, int]) -> _Connection:
+        """A new connection (the pool had none fit for use)."""
         loop = asyncio.get_running_loop()
         _, connection = await asyncio.wait_for(self._connect(loop, key),
                                                self.timeouts.connect_s)

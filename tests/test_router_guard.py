@@ -542,6 +542,26 @@ def test_a_body_that_never_arrives_gets_408(
     assert 'pdreg_router_refused_total{reason="body_timeout"} 1.0' in metrics(server)
 
 
+def test_malformed_http_is_a_400_counted_and_the_router_serves_on(
+        loop_thread: LoopThread, routers: list[RouterServer]) -> None:
+    import socket
+    from urllib.parse import urlsplit
+    fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
+    fleet.add("p1", P)
+    fleet.add("d1", D)
+    server = start_router(routers, fleet)
+    parts = urlsplit(server.url)
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(b"\x16\x03\x01\x02\x00 a TLS hello to a plain port\r\n\r\n")
+        sock.settimeout(30)
+        answer = b""
+        while chunk := sock.recv(4096):  # the router closes it
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400")
+    assert 'pdreg_router_refused_total{reason="malformed_http"} 1.0' in metrics(server)
+    assert httpx.post(server.url + "/v1/completions", json=BODY).status_code == 200
+
+
 @pytest.mark.parametrize("depth", [1_000, 5_000, 100_000])
 def test_deeply_nested_json_is_a_400_without_a_traceback(
         loop_thread: LoopThread, routers: list[RouterServer],
