@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import struct
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
@@ -309,11 +311,28 @@ class VllmNixlAdapter:
                         prefill_started=started, decode_started=decode_started)
 
 
+class _UrandomRooms:
+    """Unpredictable bootstrap rooms from the OS, one system call per 512 rooms
+    (`random.SystemRandom` makes one per room: about 2 µs of every SGLang request)."""
+
+    _BATCH_BYTES: Final = 4096
+
+    def __init__(self) -> None:
+        self._rooms: Iterator[tuple[int]] = iter(())
+
+    def randrange(self, limit: int) -> int:
+        room = next(self._rooms, None)
+        if room is None:
+            self._rooms = struct.iter_unpack("<Q", os.urandom(self._BATCH_BYTES))
+            room = next(self._rooms)
+        return room[0] % limit  # limit divides 2**64 (SGLANG_ROOM_LIMIT): no bias
+
+
 class SglangAdapter:
     name = Handshake.SGLANG
 
     def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.SystemRandom()
+        self._rng: random.Random | _UrandomRooms = rng or _UrandomRooms()
 
     async def open(self, pool: UpstreamPool, pair: Pair, path: str,
                    body: dict[str, Any], request_id: str) -> Exchange:
@@ -326,21 +345,32 @@ class SglangAdapter:
         started = time.monotonic()
         prefill = asyncio.ensure_future(_drain_leg(pool, pair.prefill, path, payload,
                                                    request_id))
-        decode = asyncio.ensure_future(_post(pool, pair.decode, "decode", path, payload,
-                                             request_id, quarantine_on_5xx=False))
+        # D's leg runs in this task (one task and no asyncio.wait per request): a prefill
+        # that fails before D's headers are in cancels it, and the prefill's failure is
+        # what this raises, so the request is retried on another pair.
+        me = asyncio.current_task()
+        decode_in = False
+
+        def abort_decode(task: asyncio.Future[None]) -> None:
+            if (not decode_in and me is not None and not task.cancelled()
+                    and task.exception() is not None):
+                me.cancel()
+        prefill.add_done_callback(abort_decode)
         try:
-            done, _ = await asyncio.wait((prefill, decode),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if prefill in done and prefill.exception() is not None:
-                raise prefill.exception()  # type: ignore[misc]
-            response = await decode
-        except BaseException:
+            response = await _post(pool, pair.decode, "decode", path, payload, request_id,
+                                   quarantine_on_5xx=False)
+        except BaseException as exc:
             # Either leg failing (or the client leaving) abandons both.
-            for task in (prefill, decode):
-                task.cancel()
-            if decode.done() and not decode.cancelled() and decode.exception() is None:
-                decode.result().close()
+            prefill.remove_done_callback(abort_decode)
+            prefill.cancel()
+            failure = (prefill.exception() if prefill.done() and not prefill.cancelled()
+                       else None)
+            if (isinstance(exc, asyncio.CancelledError) and failure is not None
+                    and me is not None and me.uncancel() == 0):
+                raise failure from None  # only the prefill's cancel: not the client's
             raise
+        decode_in = True
+        prefill.remove_done_callback(abort_decode)
         exchange = Exchange(response, companion=prefill, prefill_started=started,
                             decode_started=started)
 

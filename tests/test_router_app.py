@@ -449,3 +449,9 @@ def test_a_member_gets_warm_connections_when_it_becomes_routable(
     assert wait_until(lambda: idle_to(late.url) == 3, 10)
     c = client(server)
     assert c.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
+
+
+def test_default_bootstrap_rooms_are_distinct_and_in_range_across_batches() -> None:
+    adapter = default_adapters()[Handshake.SGLANG]
+    rooms = [adapter._rng.randrange(2**63) for _ in range(1500)]  # three urandom batches
+    assert len(set(rooms)) == 1500 and all(0 <= room < 2**63 for room in rooms)
