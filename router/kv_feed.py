@@ -86,18 +86,23 @@ class KvFeed:
         self._allows = allows
         self._clock = clock
         self._replay_timeout_s = replay_timeout_s
+        self._updates: queue.SimpleQueue[list[FeedMember]] = queue.SimpleQueue()
+        self._subs: dict[str, _Subscription] = {}
+        self._by_socket: dict[zmq.Socket, _Subscription] = {}
+        self._poller = zmq.Poller()
+        self._closed = False
+        # Started by the first member that publishes: a router whose fleet publishes no
+        # KV events (`kv` is the default policy) runs no thread and opens no socket.
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
         self._ctx = zmq.Context()
         inproc = f"inproc://kv-feed-{id(self)}"
         self._wake_in = self._ctx.socket(zmq.PULL)
         self._wake_in.bind(inproc)
         self._wake = self._ctx.socket(zmq.PUSH)  # the event loop's end
         self._wake.connect(inproc)
-        self._updates: queue.SimpleQueue[list[FeedMember]] = queue.SimpleQueue()
-        self._subs: dict[str, _Subscription] = {}
-        self._by_socket: dict[zmq.Socket, _Subscription] = {}
-        self._poller = zmq.Poller()
         self._poller.register(self._wake_in, zmq.POLLIN)
-        self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-feed", daemon=True)
         self._thread.start()
 
@@ -105,15 +110,23 @@ class KvFeed:
 
     def update(self, members: Iterable[FeedMember]) -> None:
         """The members to follow now (ready, with kv_events); others are dropped."""
-        if not self._closed:
-            self._updates.put(list(members))
-            self._wake.send(_UPDATE)
+        if self._closed:
+            return
+        members = list(members)
+        if self._thread is None:
+            if not members:
+                return  # nothing to follow, nothing followed yet
+            self._start()
+        self._updates.put(members)
+        self._wake.send(_UPDATE)
 
     def close(self) -> None:
         """Stop the thread, close every socket; safe twice."""
         if self._closed:
             return
         self._closed = True
+        if self._thread is None:
+            return
         self._wake.send(_STOP)
         self._thread.join(timeout=5.0)
         self._wake.close(linger=0)

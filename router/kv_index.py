@@ -159,6 +159,12 @@ class MemberIndex:
 
     # --- queries ------------------------------------------------------------------------
 
+    @property
+    def answers(self) -> bool:
+        """What it holds can be claimed: LIVE (exact) or UNKNOWN (a lower bound); not
+        while SYNCING or REPLAYING."""
+        return self.synced and not self.pending
+
     def cached_blocks(self, keys: Sequence[int]) -> int:
         """How many of a prompt's leading blocks (`keys`, in order) this member holds."""
         if self.pending or not self.synced:

@@ -118,6 +118,8 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         assert members[d.id]["kv_events"] is None and "kv_index" not in members[d.id]
         table = subprocess.run(status, capture_output=True, text=True, timeout=60, check=True)
         assert "KV INDEX" in table.stdout and "live" in table.stdout
+        assert "kv pairing, model tiny: exact, 2 members publish KV events" in table.stdout
+        assert members[d.id]["kv_pairing"]["pairing"] == "exact"
 
         # The holder restarts (same id, new incarnation, empty cache): its old blocks must
         # not be counted, whatever the timing of the feed.
