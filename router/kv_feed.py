@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import resource
 import socket
 import threading
 import time
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S: Final = 2.0  # a replay socket silent this long cannot fill the gap
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024  # one batch (a long prompt's tokens)
+MAX_SOCKETS: Final = 32_768  # per feed: 16k members (bench/bench_kv_scale.py ran 1,000)
 SUB_HWM: Final = 100_000  # batches queued per member before ZeroMQ drops (a gap, replayed)
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
 _STOP: Final = b"stop"
@@ -97,6 +99,10 @@ class KvFeed:
 
     def _start(self) -> None:
         self._ctx = zmq.Context()
+        # Two sockets per member: ZeroMQ's default cap (1,023 sockets) would stop at ~500
+        # members, and each socket holds file descriptors (its mailbox, its connection).
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+        _raise_fd_limit()
         inproc = f"inproc://kv-feed-{id(self)}"
         self._wake_in = self._ctx.socket(zmq.PULL)
         self._wake_in.bind(inproc)
@@ -328,3 +334,14 @@ class KvFeed:
                 logger.warning("[kv-feed] %s: replay timed out", state.member.id)
                 self._reset_dealer(state)
                 self._ask_replay(state, state.index.replay_done(complete=False))
+
+
+def _raise_fd_limit() -> None:
+    """Soft open-files limit up to the hard one: a router following 1,000 members holds
+    ~4,000 descriptors, and distributions' soft default is often 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            logger.warning("[kv-feed] open-files limit stays %d (hard %d)", soft, hard)
