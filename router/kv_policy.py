@@ -4,7 +4,7 @@ Pure, like router/policies.py: the KV index (router/kv_index.py) is read, never 
 time, loads and in-flight counts come in as arguments.
 
 A request's affinity input is a `KvAffinity`: the prompt's block keys per block size
-(registry/kv_blocks.py), computed at admission from its exact token ids. Per prefill:
+(router/kv_keys.py), computed at admission from its exact token ids. Per prefill:
 
     cached(c)   = leading prompt blocks c holds x block size (0 unless its index is
                   LIVE or a lower bound: SYNCING/REPLAYING members claim nothing)

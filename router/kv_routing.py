@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
-from registry.kv_blocks import block_keys
 from registry.protocol import MemberState, Role
 from router.kv_feed import FeedMember, KvFeed
 from router.kv_index import KvIndex
+from router.kv_keys import block_keys
 from router.kv_metrics import KvCollector
 from router.kv_policy import KvAffinity, KvPairer, make_kv_pairer
 from router.latency import LatencyTracker

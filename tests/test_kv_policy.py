@@ -9,10 +9,10 @@ import random
 import pytest
 from test_policies import NOW, member, view
 
-from registry.kv_blocks import block_keys
 from registry.kv_events import BlockStored, KVEventBatch
 from registry.protocol import Role
 from router.kv_index import KvIndex
+from router.kv_keys import block_keys
 from router.kv_policy import KvAffinity, make_kv_pairer
 from router.latency import LatencyTracker
 from router.policies import PREFILL_ROLE, Affinity, make_pairer
