@@ -267,7 +267,10 @@ POLICY_NAMES: Final = ("peak_ewma", "power_of_two", "round_robin", "random", "le
 # peak_ewma won bench/bench_router.py against power_of_two: one prefill 10x slower got
 # 0-2% of prefills instead of 13-14%, one decode 5x slower 4-10% instead of 24-25%, at
 # the same CPU per request within the machine's noise (bench/RESULTS.md).
-DEFAULT_POLICY: Final = "peak_ewma"
+# kv is peak_ewma wherever no engine publishes KV events (and for decodes always), and
+# where they do it won bench/bench_kv.py: TTFT p50 62 ms against 239 for peak_ewma, 287
+# for round robin and 216-343 for the peer routers' cache_aware (bench/RESULTS.md).
+DEFAULT_POLICY: Final = "kv"
 
 
 def make_chooser(name: str, rng: random.Random) -> Chooser:
