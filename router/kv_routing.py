@@ -100,7 +100,9 @@ class KvRouting:
             if spec.role is not Role.API_SERVER:
                 fleet.add(spec.model)
             if spec.role is Role.API_SERVER or spec.kv_events is None:
-                continue  # decodes that publish are followed too (conditional disagg.)
+                continue
+            if spec.role is Role.DECODE and not self.pairer.disagg_min_uncached_tokens:
+                continue  # a decode's cache matters only to conditional disaggregation
             kv = spec.kv_events
             ids.setdefault(spec.model, []).append(spec.id)
             if kv.tokenizer:

@@ -4,17 +4,22 @@ disaggregation, and the fallback to `peak_ewma` where no match can be exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import msgspec
 import pytest
 from test_policies import NOW, member, view
 
+from pdreg.testing import wait_until
 from registry.kv_events import BlockStored, KVEventBatch
-from registry.protocol import Role
+from registry.protocol import KvEventsSpec, Role
 from router.kv_index import KvIndex
 from router.kv_keys import block_keys
 from router.kv_policy import KvAffinity, make_kv_pairer
+from router.kv_routing import KvRouting
 from router.latency import LatencyTracker
+from router.metrics import RouterMetrics
 from router.policies import PREFILL_ROLE, Affinity, make_pairer
 from router.table import PairingTable
 
@@ -184,3 +189,24 @@ def test_the_load_bound_spills_a_hot_prefix():
     assert pair is not None and pair.prefill.id != "a"
     assert pairer.cached_tokens_of(pair) == 0
 
+
+
+def publishing(member_id: str, role: Role = Role.PREFILL):
+    """A ready member whose spec says it publishes KV events (nobody listens there)."""
+    m = member(member_id, role)
+    kv = KvEventsSpec(endpoint="tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2",
+                      block_size=BLOCK)
+    spec = msgspec.structs.replace(m.record.spec, kv_events=kv)
+    return dataclasses.replace(m, record=msgspec.structs.replace(m.record, spec=spec))
+
+
+@pytest.mark.parametrize(("disagg", "followed"), [(0, {"p"}), (64, {"p", "d"})])
+def test_decodes_are_followed_only_for_conditional_disaggregation(disagg, followed):
+    """A decode's cache matters only when it may serve a prompt alone: otherwise its
+    events would cost the router for nothing."""
+    kv = KvRouting(RouterMetrics(), allows=lambda a: True, disagg_min_uncached_tokens=disagg)
+    try:
+        kv.on_members(view(publishing("p"), publishing("d", Role.DECODE)))
+        assert wait_until(lambda: set(kv.index.members) == followed, 10)
+    finally:
+        kv.close()
