@@ -64,7 +64,7 @@ def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
         if member["model"] in models:
             member["kv_pairing"] = models[member["model"]]
     return [f"kv pairing, model {model}: "
-            + ("exact" if not p["why"] else f"{p['pairing']} fallback ({p['why']})")
+            + (f"{p['pairing']} fallback ({p['why']})" if p["why"] else p["pairing"])
             + f", {p['publishers']} members publish KV events"
             for model, p in sorted(models.items())]
 

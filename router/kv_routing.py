@@ -158,13 +158,15 @@ class KvRouting:
         return {"members": self.status(now_wall), "models": self.models()}
 
     def models(self) -> dict[str, dict[str, Any]]:
-        """Per model the fleet serves: how the last request was paired (`exact`, or
-        `peak_ewma` and why), and how many members publish KV events (/v1/kv)."""
+        """Per model the fleet serves: how its last request was paired (`exact`, or
+        `peak_ewma` and why; `pending` before its first request when some member
+        publishes), and how many members publish KV events (/v1/kv)."""
         out: dict[str, dict[str, Any]] = {}
         for model in sorted(self._fleet):
             info = self._models.get(model)
-            why = self._matching.get(model, "no_events" if info is None else "")
-            out[model] = {"pairing": "peak_ewma" if why else "exact", "why": why,
+            why = "no_events" if info is None else self._matching.get(model)
+            pairing = "pending" if why is None else "peak_ewma" if why else "exact"
+            out[model] = {"pairing": pairing, "why": why or "",
                           "publishers": len(info.members) if info is not None else 0}
         return out
 
