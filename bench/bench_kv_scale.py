@@ -15,7 +15,8 @@ thread, one SUB and one replay DEALER per member) and `KvIndex`, subscribed to e
 member; nothing else runs in it. Measured over the publishing window, after every
 member's index is LIVE:
 - batches/s and events/s applied, against what was offered;
-- the feed thread's CPU (its /proc task stat): the share of one core it used;
+- the feed thread's CPU (its /proc task stat): the share of one core it used; and the
+  process's (the feed thread plus ZeroMQ's IO thread, which reads the sockets);
 - lag: wall time from a batch's timestamp (set when published) to its application,
   sampled every 8th batch (p50/p99/max);
 - memory: the process's RSS growth from the subscribed-but-empty state to the end,
@@ -211,7 +212,7 @@ def main() -> int:
         time.sleep(0.5)  # SUB connections settle before the first batch (slow joiner)
         assert feed._thread is not None and feed._thread.native_id is not None
         tid = feed._thread.native_id
-        rss0, cpu0 = rss_bytes(), thread_cpu_s(tid)
+        rss0, cpu0, proc0 = rss_bytes(), thread_cpu_s(tid), time.process_time()
         batches0, events0 = feed.counters.batches, feed.counters.events
         lags.clear()
         started = time.monotonic()
@@ -227,6 +228,7 @@ def main() -> int:
         wall = time.monotonic() - started
         publish_s = min(wall, args.seconds)
         cpu = thread_cpu_s(tid) - cpu0
+        proc_cpu = time.process_time() - proc0
         batches = feed.counters.batches - batches0
         events = feed.counters.events - events0
         blocks = index.total_blocks()
@@ -258,6 +260,10 @@ def main() -> int:
         "applied_batches_per_s": round(batches / wall),
         "applied_events_per_s": round(events / wall),
         "feed_cpu_share_of_core": round(cpu / wall, 3),
+        # the feed thread + ZeroMQ's IO thread (which reads the TCP streams) + this
+        # process's idle main thread: all the router would spend
+        "process_cpu_share_of_core": round(proc_cpu / wall, 3),
+        "batches_per_process_cpu_s": round(batches / proc_cpu) if proc_cpu else None,
         "batches_per_cpu_s": round(batches / cpu) if cpu else None,
         "events_per_cpu_s": round(events / cpu) if cpu else None,
         "lag_p50_ms": round(1000 * statistics.median(lags), 1) if lags else None,
