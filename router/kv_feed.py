@@ -279,9 +279,14 @@ class KvFeed:
         return None
 
     def _read_sub(self, state: _Subscription) -> None:
+        sub = state.sub
         for _ in range(MAX_BATCHES_PER_WAKE):
+            # Asking the socket is cheaper than pyzmq's Again exception, and a wake
+            # usually finds one batch.
+            if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
-                frames = state.sub.recv_multipart(zmq.NOBLOCK)
+                frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)

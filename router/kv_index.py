@@ -266,37 +266,40 @@ class MemberIndex:
                     if salt_parts != (None, None, None) else b""
                 parent = chain_key(parent, tokens[i * size:(i + 1) * size], salt)
                 keys.append(parent)
+        blocks, counts, copies = self.blocks, self.keys, self.copies  # the feed's hot loop
         for block_hash, key in zip(hashes, keys, strict=True):
-            if block_hash in self.blocks:
-                self.copies[block_hash] = self.copies.get(block_hash, 0) + 1
-            elif len(self.blocks) >= self.max_blocks:
+            if block_hash in blocks:
+                copies[block_hash] = copies.get(block_hash, 0) + 1
+            elif len(blocks) >= self.max_blocks:
                 self._incomplete(f"over {self.max_blocks} blocks")
                 return
             else:
-                self.blocks[block_hash] = key
-                self.keys[key] = self.keys.get(key, 0) + 1
+                blocks[block_hash] = key
+                counts[key] = counts.get(key, 0) + 1
 
     def _removed(self, event: BlockRemoved) -> None:
         if event.medium not in _DEVICE_MEDIA or event.group_idx not in (None, 0):
             return
+        blocks, counts, copies = self.blocks, self.keys, self.copies
         for block_hash in event.block_hashes:
-            copies = self.copies.get(block_hash, 0)
-            if copies:
-                if copies == 1:
-                    del self.copies[block_hash]
-                else:
-                    self.copies[block_hash] = copies - 1
-                continue
-            key = self.blocks.pop(block_hash, None)
+            if copies:  # rare: blocks stored twice
+                extra = copies.get(block_hash, 0)
+                if extra:
+                    if extra == 1:
+                        del copies[block_hash]
+                    else:
+                        copies[block_hash] = extra - 1
+                    continue
+            key = blocks.pop(block_hash, None)
             if key is None:
                 if self.exact:
                     self._incomplete("BlockRemoved of a block we do not hold")
                 continue
-            left = self.keys[key] - 1
+            left = counts[key] - 1
             if left:
-                self.keys[key] = left
+                counts[key] = left
             else:
-                del self.keys[key]
+                del counts[key]
 
     def _incomplete(self, why: str) -> None:
         if self.exact:
