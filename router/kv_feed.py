@@ -90,6 +90,7 @@ class KvFeed:
         self._replay_timeout_s = replay_timeout_s
         self._updates: queue.SimpleQueue[list[FeedMember]] = queue.SimpleQueue()
         self._subs: dict[str, _Subscription] = {}
+        self._awaiting: dict[str, _Subscription] = {}  # replay deadline set
         self._by_socket: dict[zmq.Socket, _Subscription] = {}
         self._poller = zmq.Poller()
         self._closed = False
@@ -163,10 +164,10 @@ class KvFeed:
             self._wake_in.close(linger=0)
 
     def _poll_timeout_ms(self) -> int | None:
-        deadlines = [s.replay_deadline for s in self._subs.values() if s.replay_deadline]
-        if not deadlines:
+        if not self._awaiting:
             return None
-        return max(0, int(1000 * (min(deadlines) - self._clock())) + 1)
+        first = min(s.replay_deadline for s in self._awaiting.values())
+        return max(0, int(1000 * (first - self._clock())) + 1)
 
     def _drain_wakes(self) -> bool:
         """Apply membership updates; False when told to stop."""
@@ -251,6 +252,7 @@ class KvFeed:
 
     def _drop(self, member_id: str) -> None:
         state = self._subs.pop(member_id, None)
+        self._awaiting.pop(member_id, None)
         self.index.forget(member_id)
         if state is None:
             return
@@ -300,7 +302,7 @@ class KvFeed:
                 return
             # [b"", topic, seq, payload] (vLLM 0.32) or [b"", seq, payload]: from the end.
             if len(frames) >= 2 and frames[-2] == REPLAY_END:
-                state.replay_deadline = 0.0
+                self._deadline(state, 0.0)
                 self._ask_replay(state, state.index.replay_done(complete=True))
             else:
                 self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)
@@ -325,17 +327,28 @@ class KvFeed:
         if applied is not Applied.GAP:
             return
         if state.dealer is None:  # no replay socket: the gap cannot be filled
-            state.replay_deadline = 0.0
+            self._deadline(state, 0.0)
             self._ask_replay(state, state.index.replay_done(complete=False))
             return
         state.dealer.send_multipart([b"", encode_seq(state.index.replay_from)])
-        state.replay_deadline = self._clock() + self._replay_timeout_s
+        self._deadline(state, self._clock() + self._replay_timeout_s)
+
+    def _deadline(self, state: _Subscription, at: float) -> None:
+        """Set (or with 0, clear) a member's replay deadline; `_awaiting` holds those set,
+        so a wake costs nothing per member that is not replaying (1,000 are followed)."""
+        state.replay_deadline = at
+        if at:
+            self._awaiting[state.member.id] = state
+        else:
+            self._awaiting.pop(state.member.id, None)
 
     def _check_replay_deadlines(self) -> None:
+        if not self._awaiting:
+            return
         now = self._clock()
-        for state in list(self._subs.values()):
-            if state.replay_deadline and now >= state.replay_deadline:
-                state.replay_deadline = 0.0
+        for state in list(self._awaiting.values()):
+            if now >= state.replay_deadline:
+                self._deadline(state, 0.0)
                 logger.warning("[kv-feed] %s: replay timed out", state.member.id)
                 self._reset_dealer(state)
                 self._ask_replay(state, state.index.replay_done(complete=False))
