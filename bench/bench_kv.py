@@ -203,6 +203,8 @@ class Row:
     router_cpu_ms_per_request: float = 0.0
     tokenize_ms_per_request: float = 0.0
     predicted_hit_rate: float = 0.0  # the router's own prediction at its picks (kv only)
+    skipped_prefill: int = 0  # requests served by a decode alone (conditional disagg.)
+    decode_prefill_tokens_per_request: float = 0.0  # prompt tokens decodes computed
     ttfts: list[float] = field(default_factory=list, repr=False)
 
 
@@ -224,7 +226,11 @@ def cluster(cache_blocks: int) -> Iterator[tuple[RegistryServer, list[EngineHand
     try:
         specs = [{"role": "prefill", "registry": control, "extra_args": [
             *engine_args(cache_blocks), "--port", str(free_low_port())]} for _ in range(3)]
+        # Decodes cache and publish like prefills and compute a prompt at the same cost:
+        # what a decode serving a request alone (conditional disaggregation) would do.
+        # The sim does not slow a decode's other streams while it prefills one.
         specs += [{"role": "decode", "registry": control, "extra_args": [
+            *engine_args(cache_blocks), "--max-running", "8",
             "--sim-decode-delay", str(DECODE_S_PER_TOKEN)]} for _ in range(2)]
         handles += start_engines(specs)
         yield registry, handles, specs
@@ -382,6 +388,7 @@ def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: 
                 c.close()
             cpu = peers.process_tree_cpu_s(pid) - cpu_before
             router_metrics = httpx.get(url + "/metrics").text
+        decode_prompt, decode_hit = counters(handles[3:5])
         prompt, hit = counters(handles)
         prompt += retired[0]
         hit += retired[1]
@@ -391,6 +398,10 @@ def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: 
         return sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
                    if line.startswith(name + "{"))
 
+    picks = [line for line in router_metrics.splitlines()
+             if line.startswith("pdreg_router_picks_total{")]
+    skipped = sum(float(line.rsplit(" ", 1)[1]) * (1 if 'role="decode"' in line else -1)
+                  for line in picks)
     routed = metric("pdreg_router_prompt_tokens_total")
     predicted = metric("pdreg_router_prompt_tokens_cached_total") / routed if routed else 0.0
     n = len(trace)
@@ -399,6 +410,8 @@ def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: 
                (prompt - hit) / n, hit / prompt if prompt else 0.0,
                router_cpu_ms_per_request=1000 * cpu / n,
                tokenize_ms_per_request=1000 * tok_sum / n, predicted_hit_rate=predicted,
+               skipped_prefill=round(skipped),
+               decode_prefill_tokens_per_request=(decode_prompt - decode_hit) / n,
                ttfts=ttfts)
 
 
@@ -475,6 +488,7 @@ def main() -> int:
                              "bench/out/kv-decisions-ROUTER.log")
     parser.add_argument("--no-kv-events", action="store_true",
                         help="engines publish no KV events (what `kv` does blind)")
+    parser.add_argument("--out", type=Path, default=OUT, help="JSON results")
     parser.add_argument("--scale", action="store_true",
                         help="only the index at 1,000 members: events/s and memory")
     args = parser.parse_args()
@@ -508,16 +522,18 @@ def main() -> int:
           "prefill)")
     print(f"{'router':<28} {'TTFT p50':>9} {'p99':>8} {'prefill tok/req':>16} {'hit':>6} "
           f"{'vs oracle':>9} {'vs greedy':>9} {'CPU ms/req':>10} {'tokenize':>9} "
-          f"{'errors':>6} {'predicted':>9}")
+          f"{'errors':>6} {'predicted':>9} {'skipped P':>9} {'D tok/req':>9}")
     for r in rows:
         print(f"{r.router:<28} {r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>6.0f}ms "
               f"{r.prefill_tokens_per_request:>16.0f} {r.hit_rate:>6.1%} {r.vs_oracle:>9.1%} "
               f"{r.vs_greedy_oracle:>9.1%} {r.router_cpu_ms_per_request:>10.2f} "
-              f"{r.tokenize_ms_per_request:>7.3f}ms {r.errors:>6} {r.predicted_hit_rate:>9.1%}")
+              f"{r.tokenize_ms_per_request:>7.3f}ms {r.errors:>6} {r.predicted_hit_rate:>9.1%} "
+              f"{r.skipped_prefill:>9} {r.decode_prefill_tokens_per_request:>9.0f}")
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"oracle_hit_rate": fair.hit_rate,
+    args.out.write_text(json.dumps({"oracle_hit_rate": fair.hit_rate,
                                "oracle_load_ignored_hit_rate": greedy.hit_rate,
-                               "requests_per_s": len(trace) / times[-1], "args": vars(args),
+                               "requests_per_s": len(trace) / times[-1],
+                               "args": {k: str(v) for k, v in vars(args).items()},
                                "rows": [{k: v for k, v in asdict(r).items() if k != "ttfts"}
                                         for r in rows]}, indent=2))
     return 0

@@ -56,7 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="serve /metrics on this port only, not on --port (the metrics name "
                         "members and engine URLs: open this port to Prometheus alone)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES,
-                   help="pairing policy per role (peak_ewma: power of two over load x the "
+                   help="pairing policy per role (kv, the default: the prefill that "
+                        "computes least, from the engines' own KV events; for a model whose "
+                        "engines publish none, or a prompt it cannot tokenize, and for "
+                        "decodes, as peak_ewma. peak_ewma: power of two over load x the "
                         "member's observed latency; prefix: prefix affinity for prefills, "
                         "power_of_two for decodes; session: the X-Session-Id header, else "
                         "the request's `user`, keeps a conversation on one pair)")
@@ -66,8 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "name in the local cache) for MODEL; repeatable. Default: what the "
                         "model's members register")
     p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
-                   help="kv policy: a prompt the chosen prefill would compute fewer than N "
-                        "tokens of skips the prefill leg (the decode prefills it); 0 = off")
+                   help="kv policy: a prompt the chosen decode would compute fewer than N "
+                        "tokens of itself skips the prefill leg (the decode prefills it); "
+                        "0 = off")
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
     p.add_argument("--models", default="", type=_models, metavar="NAME[,NAME]",
                    help="serve only these models: the view subscribes to their events "
@@ -113,7 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stale-load", type=float, default=DEFAULT_STALE_LOAD_S, metavar="S",
                    help="a load report older than this counts as saturated")
     p.add_argument("--latency-decay", type=float, default=DECAY_S, metavar="S",
-                   help="peak_ewma: how fast a member's latency estimate forgets (the old "
+                   help="peak_ewma and kv: how fast a member's latency estimate forgets (the old "
                         "estimate's weight after t seconds is exp(-t/S))")
     p.add_argument("--advertise-host", default="",
                    help="host to register as the router's address (default --host)")

@@ -45,8 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_kv_index(members: list[dict[str, Any]], router: str) -> None:
-    """Merge a router's /v1/kv (per member: state, blocks, lag) into `members`."""
+def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
+    """Merge a router's /v1/kv (per member: state, blocks, lag; per model: exact or the
+    peak_ewma fallback, `kv_pairing`) into `members`; one line per model for the table."""
     key = os.environ.get("PDREG_API_KEY", "")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = httpx.get(router.rstrip("/") + "/v1/kv", headers=headers, timeout=5.0)
@@ -59,6 +60,14 @@ def add_kv_index(members: list[dict[str, Any]], router: str) -> None:
                                                         "replays", "unknown")}
         elif member.get("kv_events"):
             member["kv_index"] = {"state": "not followed", "blocks": 0, "lag_s": None}
+    models = response.json().get("models", {})
+    for member in members:
+        if member["model"] in models:
+            member["kv_pairing"] = models[member["model"]]
+    return [f"kv pairing, model {model}: "
+            + (f"{p['pairing']} fallback ({p['why']})" if p["why"] else p["pairing"])
+            + f", {p['publishers']} members publish KV events"
+            for model, p in sorted(models.items())]
 
 
 def fetch_members(registries: str | list[str] | None, *,
@@ -151,11 +160,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         def table(once: bool) -> str:
             members = fetch()
-            if args.router:
-                add_kv_index(members, args.router)
+            kv_lines = add_kv_index(members, args.router) if args.router else []
             if args.json:
                 return json.dumps(members, indent=2 if once else None)
-            return render(members)
+            return "\n".join([render(members), *kv_lines])
         show(table, title="pdreg status", watch=args.watch)
         return 0
     except KeyboardInterrupt:

@@ -97,7 +97,7 @@ class Router:
         self.kv: KvRouting | None = None
         if policy == "kv":
             self.kv = KvRouting(self.metrics, allows=self.upstream_policy.allows,
-                                tokenizers=tokenizers, stale_after_s=stale_load_s,
+                                tokenizers=tokenizers, stale_after_s=stale_load_s, latency=latency,
                                 disagg_min_uncached_tokens=disagg_min_uncached_tokens)
             pairer: Pairer = self.kv.pairer
         else:
@@ -229,8 +229,8 @@ class Router:
         if not self._authorized(request):
             return self._refuse("unauthorized", unauthorized())
         self.pairing.table()  # follow membership first
-        members = self.kv.status(time.time()) if self.kv is not None else []
-        return Response(200, _encode({"policy": self.policy, "members": members}))
+        kv = self.kv.report(time.time()) if self.kv is not None else {"members": []}
+        return Response(200, _encode({"policy": self.policy, **kv}))
 
     async def _affinity(self, request: Request, body: dict[str, Any],
                         model: str) -> Affinity:

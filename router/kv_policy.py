@@ -4,7 +4,7 @@ Pure, like router/policies.py: the KV index (router/kv_index.py) is read, never 
 time, loads and in-flight counts come in as arguments.
 
 A request's affinity input is a `KvAffinity`: the prompt's block keys per block size
-(registry/kv_blocks.py), computed at admission from its exact token ids. Per prefill:
+(router/kv_keys.py), computed at admission from its exact token ids. Per prefill:
 
     cached(c)   = leading prompt blocks c holds x block size (0 unless its index is
                   LIVE or a lower bound: SYNCING/REPLAYING members claim nothing)
@@ -22,9 +22,9 @@ trust (the usual score: saturated) rank last. A prompt cached nowhere is placed 
 `prefix` ring (bounded load), so requests sharing a new prefix meet on one prefill.
 On top, the bounded-load rule of `prefix` (router/choosers.py) with a looser factor: only
 members whose load is within KV_BOUND_FACTOR x the average (+1) compete, so a hot prefix
-never piles onto one prefill. The decode is chosen by power of two on load: every decode
-pulls the whole prompt's KV from its prefill (no decode-side cache here), so that part of
-the cost is the same for all.
+never piles onto one prefill. The decode is chosen as `peak_ewma` chooses it (power of
+two over load x observed service time): every decode pulls the whole prompt's KV from its
+prefill (no decode-side cache here), so that part of the cost is the same for all.
 
 Conditional disaggregation (`disagg_min_uncached_tokens` > 0): when the chosen decode
 would compute fewer prompt tokens than that itself (the prompt less what its own cache
@@ -37,8 +37,19 @@ blocks of requests in flight as "soon cached" too: no gain (71.2% hits with, 71.
 without), and the hits the router predicted equalled what the engines found (71.2% /
 71.2%), so the events were not lagging behind the next request sharing a prefix.
 
-A request whose tokens are not known exactly (no tokenizer for the model, a request
-shape we do not tokenize) carries a plain `Affinity` instead, and goes by `prefix`'s ring.
+Where the match cannot be exact, the prefill is chosen as `peak_ewma` chooses it (power
+of two over outstanding work x observed service time, router/policies.py), the default
+policy's scoring, so a fleet that publishes nothing is routed as well as before `kv`:
+- a request whose tokens are not known exactly (no tokenizer for the model, no block
+  size, a request shape we do not tokenize) carries a plain `Affinity`;
+- a `KvAffinity` request for which no eligible prefill has an index that can answer
+  (none publishes KV events, or every publisher is SYNCING/REPLAYING or of another
+  block size).
+The mixed case, some prefills publishing and some not: while at least one eligible
+prefill's index can answer, the choice is by cost, and a prefill without an index counts
+as holding nothing (what the router can see; it still wins on a shorter queue, and a
+prompt cached nowhere goes by the ring over all of them). A member is never assumed to
+hold blocks it has not reported. Decodes are chosen as `peak_ewma` chooses them, always.
 """
 
 from __future__ import annotations
@@ -59,7 +70,8 @@ from router.choosers import (
     PrefixAffinity,
 )
 from router.kv_index import KvIndex
-from router.policies import DEFAULT_STALE_LOAD_S, Affinity, Pairer
+from router.latency import LatencyTracker
+from router.policies import DEFAULT_STALE_LOAD_S, PREFILL_ROLE, Affinity, Loads, Options, Pairer
 from router.table import Candidate, Pair, PairingTable
 
 __all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
@@ -112,6 +124,19 @@ class KvChooser:
         # whole prompt wherever it lands, so only a short queue is worth having there.
         self._ring = PrefixAffinity(AFFINITY_BOUND_FACTOR)
 
+    def answers(self, eligible: Sequence[Candidate], affinity: KvAffinity) -> bool:
+        """Some eligible member's index can say what it holds of this prompt (it publishes
+        at one of the prompt's block sizes, or has stored nothing yet, and is LIVE or a
+        lower bound): the choice can go by cost. Otherwise the caller falls back to
+        `peak_ewma`."""
+        get, keys = self.index.get, affinity.keys
+        for c in eligible:
+            member = get(c.id, c.incarnation)
+            if (member is not None and member.answers
+                    and (member.block_size in keys or not member.blocks)):
+                return True
+        return False
+
     def cached_tokens(self, c: Candidate, affinity: KvAffinity) -> int:
         member = self.index.get(c.id, c.incarnation)
         if member is None or not member.block_size:
@@ -122,10 +147,10 @@ class KvChooser:
         return member.cached_blocks(keys) * member.block_size
 
     def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
+        """`load` is the plain score (queue + in-flight + KV pressure), not latency-
+        weighted: the bound and the queue term count requests."""
         request = self.request
-        if request is None:
-            self.last = None
-            return self._ring.choose(eligible, load, key)
+        assert request is not None, "KvPairer sets the request before each choice"
         return self._choose_by_cost(eligible, load, request)
 
     def _choose_by_cost(self, eligible: Sequence[Candidate], load: LoadFn,
@@ -174,17 +199,36 @@ class KvChooser:
 
 
 class KvPairer(Pairer):
-    """`Pairer` with the KV chooser for prefills, power of two for decodes, and
-    conditional disaggregation. `on_pick(model, affinity, pair)`: called for a request's
-    first choice (the prompt tokens it routed, and those predicted cached)."""
+    """`Pairer` with the KV chooser for prefills where an index can answer, `peak_ewma`'s
+    choice otherwise (and for decodes), and conditional disaggregation.
+    `on_pick(model, affinity, pair)`: called for a request's first choice (the prompt
+    tokens it routed, and those predicted cached); `exact` says whether that choice went
+    by the index."""
 
-    def __init__(self, chooser: KvChooser, decode: Chooser, *,
+    def __init__(self, chooser: KvChooser, decode: Chooser, fallback: Chooser, *,
+                 latency: LatencyTracker,
                  stale_after_s: float = DEFAULT_STALE_LOAD_S,
                  disagg_min_uncached_tokens: int = 0) -> None:
-        super().__init__(chooser, decode, stale_after_s=stale_after_s)
+        super().__init__(chooser, decode, stale_after_s=stale_after_s, latency=latency)
         self.kv = chooser
+        self._fallback = fallback  # peak_ewma's prefill chooser
         self.disagg_min_uncached_tokens = disagg_min_uncached_tokens
         self.on_pick: Callable[[str, KvAffinity, Pair], None] | None = None
+        self.exact = False  # the last prefill choice went by the index
+
+    def _choose_prefill(self, options: Options, loads: Loads, key: int,
+                        now: float) -> Candidate:
+        prefills = options[0][0] if len(options) == 1 else [c for ps, _ in options
+                                                             for c in ps]
+        request = self.kv.request
+        self.exact = request is not None and self.kv.answers(prefills, request)
+        if self.exact:
+            p = self.kv.choose(prefills, loads.base, key)
+        else:
+            self.kv.last = None
+            p = self._fallback.choose(prefills, loads.prefill, key)
+        self._note_probe(PREFILL_ROLE, p, now)
+        return p
 
     def choose(self, table: PairingTable, model: str, *, now: float,
                in_flight: Mapping[str, int], quarantined: Mapping[str, int] | None = None,
@@ -198,8 +242,7 @@ class KvPairer(Pairer):
                               loads_confirmed_at=loads_confirmed_at, affinity=affinity)
         if pair is None or request is None:
             return pair
-        if (self.disagg_min_uncached_tokens and not pair.direct
-                and self.kv.last is not None):
+        if self.disagg_min_uncached_tokens and not pair.direct:
             # What the decode would compute itself: the prompt less what *it* caches (a
             # decode that publishes KV events is indexed too; one that does not caches
             # nothing here).
@@ -218,7 +261,10 @@ class KvPairer(Pairer):
 
 def make_kv_pairer(index: KvIndex, *, rng: random.Random | None = None,
                    stale_after_s: float = DEFAULT_STALE_LOAD_S,
+                   latency: LatencyTracker | None = None,
                    disagg_min_uncached_tokens: int = 0) -> KvPairer:
-    return KvPairer(KvChooser(index), PowerOfTwo(rng or random.Random()),
-                    stale_after_s=stale_after_s,
+    """`latency`: the router's tracker (the one its outcomes feed), else one of its own."""
+    rng = rng or random.Random()
+    return KvPairer(KvChooser(index), PowerOfTwo(rng), PowerOfTwo(rng),
+                    latency=latency or LatencyTracker(), stale_after_s=stale_after_s,
                     disagg_min_uncached_tokens=disagg_min_uncached_tokens)

@@ -7,9 +7,20 @@ pair was chosen (`picked`). Built only with `--policy kv`.
   and its block sizes.
 - `affinity`: the prompt's exact token ids (the client's, else tokenized: off the event
   loop when long) and its block keys per block size -> a `KvAffinity`. A model or
-  request we cannot match exactly gets the `prefix` policy's int key instead, counted in
-  `pdreg_router_kv_inexact_requests{why}` and shown in `pdreg_router_kv_exact{model}`.
-- `picked`: count routed and predicted-cached prompt tokens per model.
+  request we cannot match exactly gets a plain `Affinity` instead, and its prefill is
+  chosen as `peak_ewma` chooses (router/kv_policy.py), counted in
+  `pdreg_router_kv_inexact_requests{model,why}`, shown in `pdreg_router_kv_exact{model}`
+  and in `models()` (/v1/kv, `pdreg status --router`), and logged once per model and why.
+- `picked`: count routed and predicted-cached prompt tokens per model; a request matched
+  exactly whose eligible prefills had no index that could answer (why `no_index`) fell
+  back too.
+
+Why a model falls back (`why`): `no_events` (none of its members publishes KV events:
+zero configuration, the common case without `--kv-events-config`), `no_block_size`,
+`no_tokenizer`, `tokenizer_error`; per request: `not_tokenized` (a shape we do not
+tokenize: tools, images, several prompts), `no_index` (its publishers are syncing or
+replaying). A model the fleet does not serve is labelled `unknown` (clients name it;
+the label set stays the fleet's).
 """
 
 from __future__ import annotations
@@ -22,14 +33,15 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
-from registry.kv_blocks import block_keys
 from registry.protocol import MemberState, Role
 from router.kv_feed import FeedMember, KvFeed
 from router.kv_index import KvIndex
+from router.kv_keys import block_keys
 from router.kv_metrics import KvCollector
 from router.kv_policy import KvAffinity, KvPairer, make_kv_pairer
+from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
-from router.policies import DEFAULT_STALE_LOAD_S, Affinity, prompt_key
+from router.policies import DEFAULT_STALE_LOAD_S, NO_AFFINITY, Affinity, prompt_key
 from router.table import Pair
 from router.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
 
@@ -54,16 +66,22 @@ class KvRouting:
                  tokenizers: Mapping[str, str] | None = None,
                  disagg_min_uncached_tokens: int = 0,
                  stale_after_s: float = DEFAULT_STALE_LOAD_S,
-                 tokenizer_set: TokenizerSet | None = None) -> None:
+                 tokenizer_set: TokenizerSet | None = None,
+                 latency: LatencyTracker | None = None) -> None:
+        """`latency`: the router's tracker, which its outcomes feed (the fallback and the
+        decodes are `peak_ewma`'s choice)."""
         self.metrics = metrics
         self.index = KvIndex()
         self.feed = KvFeed(self.index, allows=allows)
         self.pairer: KvPairer = make_kv_pairer(
-            self.index, stale_after_s=stale_after_s,
+            self.index, stale_after_s=stale_after_s, latency=latency,
             disagg_min_uncached_tokens=disagg_min_uncached_tokens)
         self.pairer.on_pick = self.picked
         self.tokenizers = tokenizer_set or TokenizerSet(tokenizers)
-        self._models: dict[str, ModelKv] = {}
+        self._models: dict[str, ModelKv] = {}  # models with members that publish
+        self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
+        self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
+        self._logged: set[tuple[str, str]] = set()
         metrics.registry.register(KvCollector(self.index, self.feed))
 
     def close(self) -> None:
@@ -76,10 +94,15 @@ class KvRouting:
         sources: dict[str, str] = {}
         sizes: dict[str, set[int]] = {}
         ids: dict[str, list[str]] = {}
+        fleet: set[str] = set()
         for member in members.values():
             spec = member.record.spec
+            if spec.role is not Role.API_SERVER:
+                fleet.add(spec.model)
             if spec.role is Role.API_SERVER or spec.kv_events is None:
-                continue  # decodes that publish are followed too (conditional disagg.)
+                continue
+            if spec.role is Role.DECODE and not self.pairer.disagg_min_uncached_tokens:
+                continue  # a decode's cache matters only to conditional disaggregation
             kv = spec.kv_events
             ids.setdefault(spec.model, []).append(spec.id)
             if kv.tokenizer:
@@ -90,16 +113,17 @@ class KvRouting:
                 follow.append(FeedMember(spec.id, spec.incarnation, kv))
         self._models = {m: ModelKv(sources.get(m, ""), tuple(sorted(sizes.get(m, ()))),
                                    tuple(member_ids)) for m, member_ids in ids.items()}
+        self._fleet = frozenset(fleet)
+        self._matching = {m: why for m, why in self._matching.items() if m in fleet}
         self.feed.update(follow)
 
     async def affinity(self, body: Mapping[str, Any], model: str) -> Affinity:
         info = self._models.get(model)
-        fallback = prompt_key("", body)
         if info is None:  # client-named models label metrics only when the fleet serves them
-            return self._inexact("unknown", fallback, "no_block_size")
+            return self._inexact(model if model in self._fleet else "unknown", "no_events")
         block_sizes = info.block_sizes or self._learnt_block_sizes(info)
         if not block_sizes:
-            return self._inexact(model, fallback, "no_block_size")
+            return self._inexact(model, "no_block_size")
         tokenizer = self.tokenizers.get(model, info.tokenizer_source)
         started = time.perf_counter()
         try:
@@ -109,19 +133,42 @@ class KvRouting:
             else:
                 keyed = _key(tokenizer, body, block_sizes)
         except Exception:  # a tokenizer that fails on odd input must not fail the request
-            logger.exception("[kv] tokenizing a %s prompt failed; approximate affinity", model)
-            return self._inexact(model, fallback, "tokenizer_error")
+            logger.exception("[kv] tokenizing a %s prompt failed; peak_ewma for it", model)
+            return self._inexact(model, "tokenizer_error")
         self.metrics.tokenize_seconds.labels(model).observe(time.perf_counter() - started)
         if keyed is None:
-            return self._inexact(model, fallback,
-                                 "no_tokenizer" if tokenizer is None else "not_tokenized")
+            return self._inexact(model, "no_tokenizer" if tokenizer is None
+                                 else "not_tokenized")
         n, keys = keyed
-        self.metrics.kv_exact.labels(model).set(1 if tokenizer is not None else 0)
-        return KvAffinity(key=fallback, prompt_tokens=n, keys=keys)
+        # The cached-nowhere ring (router/kv_policy.py) keys on the prompt's first bytes.
+        return KvAffinity(key=prompt_key("", body), prompt_tokens=n, keys=keys)
 
     def picked(self, model: str, key: KvAffinity, pair: Pair) -> None:
         self.metrics.prompt_tokens.labels(model).inc(key.prompt_tokens)
         self.metrics.prompt_tokens_cached.labels(model).inc(self.pairer.cached_tokens_of(pair))
+        if self.pairer.exact:
+            if self._matching.get(model) != "":
+                self._note(model, "")
+        else:
+            self.metrics.kv_inexact_requests.labels(model, "no_index").inc()
+            self._note(model, "no_index")
+
+    def report(self, now_wall: float) -> dict[str, Any]:
+        """/v1/kv: `members` (`status`) and `models` (`models`)."""
+        return {"members": self.status(now_wall), "models": self.models()}
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        """Per model the fleet serves: how its last request was paired (`exact`, or
+        `peak_ewma` and why; `pending` before its first request when some member
+        publishes), and how many members publish KV events (/v1/kv)."""
+        out: dict[str, dict[str, Any]] = {}
+        for model in sorted(self._fleet):
+            info = self._models.get(model)
+            why = "no_events" if info is None else self._matching.get(model)
+            pairing = "pending" if why is None else "peak_ewma" if why else "exact"
+            out[model] = {"pairing": pairing, "why": why or "",
+                          "publishers": len(info.members) if info is not None else 0}
+        return out
 
     def status(self, now_wall: float) -> list[dict[str, Any]]:
         """Per member: index state, blocks, event lag; for /kv and `pdreg status`."""
@@ -141,10 +188,30 @@ class KvRouting:
         return tuple(sorted({indexes[m].block_size for m in info.members
                              if m in indexes and indexes[m].block_size}))
 
-    def _inexact(self, model: str, fallback: int, why: str) -> Affinity:
-        self.metrics.kv_exact.labels(model).set(0)
+    def _inexact(self, model: str, why: str) -> Affinity:
         self.metrics.kv_inexact_requests.labels(model, why).inc()
-        return Affinity(fallback)
+        self._note(model, why)
+        return NO_AFFINITY  # peak_ewma's choice needs no key
+
+    def _note(self, model: str, why: str) -> None:
+        """How `model` is paired now: exact (`why` ""), else peak_ewma and why. The gauge
+        follows; the log says it once per model and reason, not once per request."""
+        self.metrics.kv_exact.labels(model).set(0 if why else 1)
+        if model == "unknown":
+            return
+        self._matching[model] = why
+        if why and (model, why) not in self._logged:
+            self._logged.add((model, why))
+            logger.info("[kv] model %s: paired as peak_ewma (%s)%s", model, why,
+                        _HINTS.get(why, ""))
+
+
+_HINTS: Final = {
+    "no_events": "; its engines publish no KV events (vLLM/SGLang --kv-events-config, "
+                 "the reference engine --kv-events)",
+    "no_tokenizer": "; no tokenizer for it here (--tokenizer MODEL=PATH)",
+    "no_block_size": "; its members registered no block size and no events came yet",
+}
 
 
 def _long(body: Mapping[str, Any]) -> bool:

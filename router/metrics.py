@@ -200,11 +200,11 @@ class RouterMetrics:
             "cached at the chosen prefill", ("model",), registry=r)
         self.kv_exact = Gauge(
             "pdreg_router_kv_exact", "1 when the kv policy matches this model's prompts "
-            "exactly (tokenizer and block size known), 0 when it falls back to approximate "
-            "prefix affinity", ("model",), registry=r)
+            "exactly (tokenizer and block size known), 0 when it pairs as peak_ewma "
+            "(no KV events, no tokenizer...)", ("model",), registry=r)
         self.kv_inexact_requests = Counter(
-            "pdreg_router_kv_inexact_requests", "Requests the kv policy routed by approximate "
-            "prefix affinity, by why (no_tokenizer, not_tokenized, no_block_size)",
+            "pdreg_router_kv_inexact_requests", "Requests the kv policy paired as peak_ewma, "
+            "by why (no_events, no_tokenizer, not_tokenized, no_block_size, no_index)",
             ("model", "why"), registry=r)
         self.tokenize_seconds = Histogram(
             "pdreg_router_tokenize_seconds", "Time to tokenize a prompt and key its blocks "

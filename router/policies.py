@@ -263,11 +263,14 @@ def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Seque
 POLICY_NAMES: Final = ("peak_ewma", "power_of_two", "round_robin", "random", "least_loaded",
                        "prefix", "session", "kv")
 # `kv` (router/kv_policy.py) is built by the router with its KV index; made here it is
-# its own fallback: `prefix` affinity, for models it cannot match exactly.
+# its own fallback: `peak_ewma`, for models it cannot match exactly.
 # peak_ewma won bench/bench_router.py against power_of_two: one prefill 10x slower got
 # 0-2% of prefills instead of 13-14%, one decode 5x slower 4-10% instead of 24-25%, at
 # the same CPU per request within the machine's noise (bench/RESULTS.md).
-DEFAULT_POLICY: Final = "peak_ewma"
+# kv is peak_ewma wherever no engine publishes KV events (and for decodes always), and
+# where they do it won bench/bench_kv.py: TTFT p50 62 ms against 239 for peak_ewma, 287
+# for round robin and 216-343 for the peer routers' cache_aware (bench/RESULTS.md).
+DEFAULT_POLICY: Final = "kv"
 
 
 def make_chooser(name: str, rng: random.Random) -> Chooser:
@@ -279,7 +282,9 @@ def make_chooser(name: str, rng: random.Random) -> Chooser:
         return PowerOfTwo(rng)
     if name == "least_loaded":
         return LeastLoaded(rng)
-    if name in ("prefix", "session", "kv"):
+    if name == "kv":  # without its index (router/kv_policy.py): its fallback
+        return PowerOfTwo(rng)
+    if name in ("prefix", "session"):
         return PrefixAffinity()  # the same bounded-load ring, keyed differently
     raise ValueError(f"unknown policy {name!r}; expected one of: {', '.join(POLICY_NAMES)}")
 
@@ -294,9 +299,8 @@ def make_pairer(name: str = DEFAULT_POLICY, *, rng: random.Random | None = None,
     roles and ignores latency."""
     rng = rng or random.Random()
     prefill = make_chooser(name, rng)
-    decode = make_chooser("power_of_two" if name in ("prefix", "kv") else name, rng)
-    key = {"prefix": prompt_key, "kv": prompt_key, "session": conversation_key}.get(name,
-                                                                                     no_key)
-    latency = (latency or LatencyTracker()) if name == "peak_ewma" else None
+    decode = make_chooser("power_of_two" if name == "prefix" else name, rng)
+    key = {"prefix": prompt_key, "session": conversation_key}.get(name, no_key)
+    latency = (latency or LatencyTracker()) if name in ("peak_ewma", "kv") else None
     return Pairer(prefill, decode, stale_after_s=stale_after_s, affinity_key=key,
                   latency=latency)

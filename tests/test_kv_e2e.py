@@ -5,8 +5,10 @@ holds it; a restarted prefill's old blocks are never counted; the answer is unch
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +120,8 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         assert members[d.id]["kv_events"] is None and "kv_index" not in members[d.id]
         table = subprocess.run(status, capture_output=True, text=True, timeout=60, check=True)
         assert "KV INDEX" in table.stdout and "live" in table.stdout
+        assert "kv pairing, model tiny: exact, 2 members publish KV events" in table.stdout
+        assert members[d.id]["kv_pairing"]["pairing"] == "exact"
 
         # The holder restarts (same id, new incarnation, empty cache): its old blocks must
         # not be counted, whatever the timing of the feed.
@@ -136,3 +140,30 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         assert wait_until(lambda: kv_members(router).get(holder, {}).get("incarnation")
                           not in (None, old), WAIT_S)
         assert wait_until(lambda: kv_members(router)[holder]["state"] == "live", WAIT_S)
+
+
+def test_a_fleet_that_publishes_nothing_is_paired_as_peak_ewma(
+        registry: RegistryServer, view: MembershipView, router: RouterServer,
+        handles: list[EngineHandle], caplog: pytest.LogCaptureFixture) -> None:
+    """Zero configuration: engines without KV events, no tokenizer anywhere. Requests are
+    served, the router says per model that it pairs as peak_ewma and why, in /v1/kv and
+    its metrics, logs that once, and follows nobody (no feed thread)."""
+    control = registry.control_address
+    p, d = start_engines([{"role": "prefill", "registry": control},
+                          {"role": "decode", "registry": control}])
+    handles += [p, d]
+    assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
+    caplog.set_level(logging.INFO, logger="router.kv_routing")
+    with httpx.Client(timeout=60) as http:
+        assert wait_until(lambda: http.get(router.url + "/v1/models").json()["data"], WAIT_S)
+        for question in ("Name a colour.", "Why is the sky blue?", "Count to three."):
+            assert ask(http, router, SYSTEM + question)
+        body = http.get(router.url + "/v1/kv").json()
+    assert body["members"] == []
+    assert body["models"] == {"tiny": {"pairing": "peak_ewma", "why": "no_events",
+                                       "publishers": 0}}
+    assert router_metric(router, "pdreg_router_kv_inexact_requests_total") == 3
+    assert router_metric(router, "pdreg_router_kv_exact") == 0
+    said = [r for r in caplog.records if "paired as peak_ewma" in r.getMessage()]
+    assert len(said) == 1 and "no_events" in said[0].getMessage()
+    assert not any(t.name == "kv-feed" for t in threading.enumerate())

