@@ -132,6 +132,7 @@ class Exchange:
     prefill_started: float = 0.0
     decode_started: float = 0.0
     _closed: bool = field(default=False, repr=False)
+    _reader: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def companion_failure(self) -> LegFailure | None:
         task = self.companion
@@ -149,6 +150,11 @@ class Exchange:
                 await asyncio.wait_for(asyncio.shield(task), timeout_s)
         return self.companion_failure()
 
+    def finish_later(self, reader: asyncio.Future[None]) -> None:
+        """`reader` goes on reading D's answer to its end after this request is done:
+        `close()` waits for it before pooling or dropping the connection."""
+        self._reader = reader
+
     def close(self) -> None:
         """Give the connection back to the pool if D's answer was read to the end, else
         drop it (that is how an engine learns to stop generating); cancel the companion
@@ -156,7 +162,11 @@ class Exchange:
         if self._closed:
             return
         self._closed = True
-        self.response.release()  # closes instead when the body is not at its end
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.add_done_callback(lambda _: self.response.release())
+        else:
+            self.response.release()  # closes instead when the body is not at its end
         if self.companion is not None and not self.companion.done():
             self.companion.cancel()
 

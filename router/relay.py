@@ -9,6 +9,7 @@ reason. Writes to a departed client raise `ConnectionError` to the caller.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from router.adapters import Exchange, LegFailure, leg_failure
 from router.continuation import DONE_EVENT, EVENT_END, Reshaper, TokenTap
 from router.http_messages import Request, StreamResponse
 from router.table import Candidate
+from router.upstream import UpstreamResponse
 
 __all__ = ["ClientStream", "EventBuffer", "LegEnd", "relay_leg"]
 
@@ -173,14 +175,29 @@ async def relay_leg(exchange: Exchange, decode: Candidate, client: ClientStream,
                                      kind="error_event", quarantine=False)
             return end
         if fed.done:
-            await _read_trailer(exchange)
+            _read_trailer(exchange)
             return end
 
 
-async def _read_trailer(exchange: Exchange) -> None:
-    """Read the answer to its end after [DONE] (bounded), so its connection is pooled."""
+_trailers: set[asyncio.Future[None]] = set()  # reads of answers' ends still going on
+
+
+def _read_trailer(exchange: Exchange) -> None:
+    """Read the answer to its end after [DONE] (bounded) so that its connection is
+    pooled, beside the request rather than in it: the client gets the end of its stream
+    at once, and a client that hangs up right after [DONE] (many do), cancelling this
+    request's handler, does not cost the decode connection."""
     response = exchange.response
+    if response.complete:  # the usual case: the end came with [DONE]
+        return
     response.idle_timeout_s = TRAILER_WAIT_S
+    trailer = asyncio.ensure_future(_drain(response))
+    _trailers.add(trailer)
+    trailer.add_done_callback(_trailers.discard)
+    exchange.finish_later(trailer)
+
+
+async def _drain(response: UpstreamResponse) -> None:
     try:
         while await response.readany():
             pass

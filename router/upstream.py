@@ -321,6 +321,11 @@ class UpstreamResponse:
         self._error = error
         self._wake()
 
+    @property
+    def complete(self) -> bool:
+        """The whole answer has arrived (some of it may still be unread)."""
+        return self._complete
+
     # --- ending -------------------------------------------------------------------------
 
     def release(self) -> None:

@@ -133,6 +133,7 @@ class Faults:
     delay_s: float = 0.0  # before answering
     token_delay_s: float = 0.0  # between streamed chunks
     answer_delay_s: float = 0.0  # after the handshake (KV handed over), before answering
+    end_delay_s: float = 0.0  # between a stream's [DONE] and its end (the last chunk)
 
 
 KV_REPLY = web.RequestKey("kv_reply", dict)
@@ -371,6 +372,8 @@ class StandinEngine:
             if (body.get("stream_options") or {}).get("include_usage"):
                 await response.write(event([], usage=usage))
             await response.write(b"data: [DONE]\n\n")
+            if f.end_delay_s:
+                await asyncio.sleep(f.end_delay_s)
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled += 1
             raise
