@@ -266,15 +266,16 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
 # --- subscribers (raw SUB sockets, as a router's view holds) -------------------------------
 
 
-def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queue,
+def subscribers(events_address: str, indices: range, per_model: bool, ready: mp.Queue,
                 ctl: mp.Queue, out: mp.Queue) -> None:
-    """With `per_model`, every subscriber but the first serves one model, as a router
-    started with --models does (its topic, the probe's and the pulse); the first one
+    """Subscribers `indices` (of all the bench's, over --sub-procs processes). With
+    `per_model`, every subscriber but the first serves one model, as a router started
+    with --models does (its topic, the probe's and the pulse); the first one (index 0)
     takes every topic (the bytes a router serving every model receives)."""
     ctx = zmq.Context()
     socks = []
     poller = zmq.Poller()
-    for k in range(count):
+    for k in indices:
         s = ctx.socket(zmq.SUB)
         s.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
         if per_model and k:
@@ -290,7 +291,11 @@ def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queu
     measuring = False
     nbytes = messages = 0
     arrivals: dict[int, list[float]] = {}  # probe k -> arrival time per subscriber
+    # probe k -> per arrival, how long this process had been busy with other sockets since
+    # its poll returned (its own share of the delay, beyond waiting for a CPU)
+    own: dict[int, list[float]] = {}
     wrongly_suspect: set[str] = set()
+    all_topics = socks[0] if indices.start == 0 else None
     ready.put("subscribed")
     while True:
         try:
@@ -302,7 +307,8 @@ def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queu
         elif message == "end":
             break
         for s, _ in poller.poll(20):
-            first = s is socks[0]
+            polled = time.monotonic()
+            first = s is all_topics
             while True:
                 try:
                     topic, body = s.recv_multipart(zmq.NOBLOCK)
@@ -317,12 +323,13 @@ def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queu
                     if isinstance(event, MemberUpdated):
                         k = int(event.member.load.extra.get("probe", -1))
                         arrivals.setdefault(k, []).append(now)
+                        own.setdefault(k, []).append(now - polled)
                 elif first and measuring and body[:20].find(b"MemberUpdated") >= 0:
                     event = decode(body)
                     if (isinstance(event, MemberUpdated) and event.member.suspect
                             and not event.member.spec.id.startswith("churn-")):
                         wrongly_suspect.add(event.member.spec.id)
-    out.put((nbytes, messages, arrivals, sorted(wrongly_suspect)))
+    out.put((nbytes, messages, arrivals, own, sorted(wrongly_suspect)))
     ctx.destroy(linger=0)
 
 
@@ -382,12 +389,19 @@ class Result:
     scrapes: int = 0  # /metrics scrapes inside the window (--scrape-every)
     scrape_kb: float = 0.0
     scrape_ms_max: float = 0.0
+    # The probe's propagation to the first subscriber that got it (the registry, libzmq and
+    # one socket: no fan-out queueing), and the subscriber processes' own part of each
+    # arrival: time spent on other sockets since the poll returned.
+    first_p50_ms: float = 0.0
+    first_p99_ms: float = 0.0
+    sub_own_p99_ms: float = 0.0
+    sub_procs: int = 1
 
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             measure_s: float, extra: tuple[str, ...], per_model: bool = False,
             warmup_s: float = 0.0, profile: str = "", scrape_every_s: float = 0.0,
-            nice_generator: int = 0) -> Result:
+            nice_generator: int = 0, sub_procs: int = 1) -> Result:
     label = f"{tree}-{members}"
     with _profiled(src, profile, label) as run_src, registry_process(1.0, 3.0, src=run_src,
                           extra=("--max-members", str(2 * members + 1000), "--http-port", "0",
@@ -404,10 +418,16 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         # Routers come once the fleet is up (100 of them in one process here could not
         # take 100k joins each; in a real fleet each has its own host).
         ready: mp.Queue = mp.Queue()
-        sub = mp.Process(target=subscribers,
-                         args=(events, subs, per_model, ready, *queues["sub"]))
-        sub.start()
-        ready.get(timeout=60)
+        procs = max(1, min(sub_procs, subs))
+        sub_queues = [queues["sub"], *((mp.Queue(), mp.Queue()) for _ in range(procs - 1))]
+        share = [range(subs * j // procs, subs * (j + 1) // procs) for j in range(procs)]
+        subs_p = [mp.Process(target=subscribers,
+                             args=(events, share[j], per_model, ready, *sub_queues[j]))
+                  for j in range(procs)]
+        for p in subs_p:
+            p.start()
+        for _ in subs_p:
+            ready.get(timeout=60)
         view = mp.Process(target=view_process, args=(address, *queues["view"]))
         view.start()
         # Every member heartbeats once, the view syncs, the registration backlog drains.
@@ -419,22 +439,35 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         # series were capped takes ~1.5 s per scrape at 100k, stalling its loop.
         figures = tree == "this"
         loop0 = _loop_figures(metrics_url) if figures else {}
-        waited0 = {name: _runq_s(p) for name, p in (("registry", pid), ("sub", sub.pid))}
+        watched = (("registry", [pid]), ("sub", [p.pid for p in subs_p]))
+        waited0 = {name: sum(map(_runq_s, pids)) for name, pids in watched}
         cpu0, t0 = _cpu_s(pid), time.monotonic()
         scrapes = _scrape_during(metrics_url, measure_s, scrape_every_s)
         cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
-        waited = {name: _runq_s(p) - waited0[name]
-                  for name, p in (("registry", pid), ("sub", sub.pid))}
+        waited = {name: sum(map(_runq_s, pids)) - waited0[name] for name, pids in watched}
         loop = {k: v - loop0.get(k, 0.0)
                 for k, v in (_loop_figures(metrics_url) if figures else {}).items()}
         if spy is not None:
             spy.wait(timeout=60)
         for name in queues:
             queues[name][0].put("end")
+        for q in sub_queues[1:]:
+            q[0].put("end")
         _, marks, probes = queues["gen"][1].get(timeout=120)
-        nbytes, messages, arrivals, suspects = queues["sub"][1].get(timeout=120)
+        arrivals: dict[int, list[float]] = {}
+        own: dict[int, list[float]] = {}
+        suspects: list[str] = []
+        for j, q in enumerate(sub_queues):
+            got_bytes, got_messages, got_arrivals, got_own, got_suspects = q[1].get(timeout=120)
+            if j == 0:
+                nbytes, messages = got_bytes, got_messages
+            for k, times in got_arrivals.items():
+                arrivals.setdefault(k, []).extend(times)
+            for k, times in got_own.items():
+                own.setdefault(k, []).extend(times)
+            suspects.extend(got_suspects)
         view_core, view_members = queues["view"][1].get(timeout=120)
-        for p in (gen, sub, view):
+        for p in (gen, *subs_p, view):
             p.join(timeout=30)
         # Scraped after the window (a registry before the cap: ~10 MB, ~1.5 s at 100k).
         time.sleep(2.0)
@@ -444,13 +477,18 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         snapshot_s = time.perf_counter() - t_sync
     start, end = marks["start"], marks["end"]
     window = end["t"] - start["t"]
-    lat = []
+    lat, first_lat, own_ms = [], [], []
     lost = 0
     for k in range(int(start["probes"]), int(end["probes"])):
         got = arrivals.get(k, [])
         lost += subs - len(got)
         lat.extend(1e3 * (t - probes[k]) for t in got)
+        if got:
+            first_lat.append(1e3 * (min(got) - probes[k]))
+        own_ms.extend(1e3 * t for t in own.get(k, []))
     lat.sort()
+    first_lat.sort()
+    own_ms.sort()
     answered = end["ok"] - start["ok"]
     delivered = messages * subs
     return Result(
@@ -464,6 +502,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         registry_us_per_heartbeat=round(1e6 * cpu / max(1, answered), 1),
         registry_us_per_delivered_msg=round(1e6 * cpu / max(1, delivered), 2),
         propagation_p50_ms=round(_pct(lat, 0.5), 1), propagation_p99_ms=round(_pct(lat, 0.99), 1),
+        first_p50_ms=round(_pct(first_lat, 0.5), 1), first_p99_ms=round(_pct(first_lat, 0.99), 1),
+        sub_own_p99_ms=round(_pct(own_ms, 0.99), 1), sub_procs=procs,
         probes_lost=lost, pub_bytes_per_router_per_s=round(nbytes / elapsed),
         pub_msgs_per_router_per_s=round(messages / elapsed),
         view_core_pct=round(100 * view_core, 1), view_members=view_members,
@@ -718,6 +758,8 @@ def main() -> int:
                         help="scrape the registry's /metrics every S seconds in the window")
     parser.add_argument("--nice-generator", type=int, default=0, metavar="N",
                         help="run the load generator at this nice level")
+    parser.add_argument("--sub-procs", type=int, default=1, metavar="K",
+                        help="spread the subscribers over K processes")
     args = parser.parse_args()
     trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
     tmp = None
@@ -736,7 +778,8 @@ def main() -> int:
             for name, src, extra in trees:
                 result = run_one(name, src, members, args.subscribers, args.churn,
                                  args.measure, extra, args.per_model, args.warmup,
-                                 args.profile, args.scrape_every, args.nice_generator)
+                                 args.profile, args.scrape_every, args.nice_generator,
+                                 args.sub_procs)
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
@@ -752,7 +795,8 @@ def _table(results: list[Result]) -> None:
             "handled_total",
             "answered_per_s",
             "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
-            "propagation_p50_ms", "propagation_p99_ms", "probes_lost",
+            "propagation_p50_ms", "propagation_p99_ms", "first_p50_ms", "first_p99_ms",
+            "sub_own_p99_ms", "sub_procs", "probes_lost",
             "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
             "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_over_25ms",
             "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",

@@ -517,6 +517,11 @@ class Membership:
 
     # --- outputs -----------------------------------------------------------------------
 
+    @property
+    def has_events(self) -> bool:
+        """Whether take_events() has something (cheap: asked after every message)."""
+        return bool(self._outbox)
+
     def take_events(self) -> list[MembershipEvent]:
         events, self._outbox = self._outbox, []
         return events
