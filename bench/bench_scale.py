@@ -163,8 +163,10 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                     if reply.status is ReplyStatus.OK:
                         member.session = reply.session
                         registered_hook[0](member)
-                elif kind == "beat":
+                elif kind in ("beat", "probe"):
                     counts["ok" if reply.status is ReplyStatus.OK else "other"] += 1
+                    if kind == "probe":
+                        probe_replies.append(time.monotonic())
 
     def register(member: _Member, k: int) -> None:
         send(k, encode(Register(spec=member.spec, nonce=member.nonce,
@@ -172,14 +174,14 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
              "register", member)
 
     def beat(member: _Member, k: int, extra: dict[str, float] | None = None,
-             state: MemberState = MemberState.READY) -> None:
+             state: MemberState = MemberState.READY, kind: str = "beat") -> None:
         member.seq += 1
         member.running = max(0, member.running + rng.choice((-2, -1, 0, 0, 1, 2)))
         member.kv = min(1.0, max(0.0, member.kv + rng.uniform(-0.01, 0.01)))
         load = Load(member.running, 0, round(member.kv, 4), extra or {})
         send(k, sessions.seal(member.session, encode(Heartbeat(
             member.spec.id, member.spec.incarnation, member.seq, state, load))),
-             "beat", member)
+             kind, member)
         counts["sent"] += 1
 
     # Members heartbeat from the moment they are registered, as agents do, each in its
@@ -191,6 +193,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     to_register = 0
     registered_reported = False
     probes: list[float] = []
+    probe_replies: list[float] = []  # when each probe's reply was read (the control round trip)
     next_probe = math.inf
     next_churn = math.inf
     marks: dict[str, dict[str, float]] = {}
@@ -236,7 +239,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
             next_probe += PROBE_EVERY_S
             state = MemberState.JOINING if len(probes) % 2 == 0 else MemberState.READY
             probes.append(time.monotonic())
-            beat(probe, 0, {"probe": float(len(probes) - 1)}, state)
+            beat(probe, 0, {"probe": float(len(probes) - 1)}, state, "probe")
         while now >= next_churn:
             next_churn += 1.0 / churn_per_s
             if down and (rng.random() < 0.5 or len(down) > len(churners) // 2):
@@ -259,7 +262,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
         wait = min(due[0][0] if due else math.inf, next_probe, next_churn) - time.monotonic()
         if wait > 0 or to_register < len(everyone):
             drain(int(min(max(wait, 0.0), 0.005) * 1e3) + 1)
-    out.put(("done", marks, probes))
+    out.put(("done", marks, probes, probe_replies))
     ctx.destroy(linger=0)
 
 
@@ -396,6 +399,10 @@ class Result:
     first_p99_ms: float = 0.0
     sub_own_p99_ms: float = 0.0
     sub_procs: int = 1
+    # The probe heartbeat's reply, read back by the generator: its way into the registry
+    # and through the control queue (plus the generator's own delay in reading it).
+    probe_reply_p50_ms: float = 0.0
+    probe_reply_p99_ms: float = 0.0
 
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
@@ -437,7 +444,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         spy = _py_spy(pid, measure_s, os.path.join(profile, f"{label}.txt")) if profile else None
         # Scraped around the window, this tree only: a registry before the per-member
         # series were capped takes ~1.5 s per scrape at 100k, stalling its loop.
-        figures = tree == "this"
+        figures = tree.startswith("this")
         loop0 = _loop_figures(metrics_url) if figures else {}
         watched = (("registry", [pid]), ("sub", [p.pid for p in subs_p]))
         waited0 = {name: sum(map(_runq_s, pids)) for name, pids in watched}
@@ -453,7 +460,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             queues[name][0].put("end")
         for q in sub_queues[1:]:
             q[0].put("end")
-        _, marks, probes = queues["gen"][1].get(timeout=120)
+        _, marks, probes, probe_replies = queues["gen"][1].get(timeout=120)
         arrivals: dict[int, list[float]] = {}
         own: dict[int, list[float]] = {}
         suspects: list[str] = []
@@ -486,6 +493,9 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         if got:
             first_lat.append(1e3 * (min(got) - probes[k]))
         own_ms.extend(1e3 * t for t in own.get(k, []))
+    replied = sorted(1e3 * (probe_replies[k] - probes[k])
+                     for k in range(int(start["probes"]), min(len(probe_replies),
+                                                              int(end["probes"]))))
     lat.sort()
     first_lat.sort()
     own_ms.sort()
@@ -504,6 +514,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         propagation_p50_ms=round(_pct(lat, 0.5), 1), propagation_p99_ms=round(_pct(lat, 0.99), 1),
         first_p50_ms=round(_pct(first_lat, 0.5), 1), first_p99_ms=round(_pct(first_lat, 0.99), 1),
         sub_own_p99_ms=round(_pct(own_ms, 0.99), 1), sub_procs=procs,
+        probe_reply_p50_ms=round(_pct(replied, 0.5), 1),
+        probe_reply_p99_ms=round(_pct(replied, 0.99), 1),
         probes_lost=lost, pub_bytes_per_router_per_s=round(nbytes / elapsed),
         pub_msgs_per_router_per_s=round(messages / elapsed),
         view_core_pct=round(100 * view_core, 1), view_members=view_members,
@@ -616,10 +628,14 @@ def _register_only(address: str, members: int) -> None:
     ctx.destroy(linger=0)
 
 
-def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, object]:
+def sync_storm(tree: str, src: str, members: int, views: int,
+               models_per_view: int = 0) -> dict[str, object]:
     """`views` DEALERs ask for a snapshot at once (as views starting together do); the
-    time until every one holds a snapshot, retrying after a refusal as a view does. The
-    snapshots are received, not decoded: decoding is each router's own CPU, elsewhere."""
+    time until every one holds a snapshot, retrying after a refusal as a view does. With
+    `models_per_view`, view k asks for that many of the models (k's own first), as a
+    router started with --models does. The snapshots are received, not decoded, during the
+    storm (decoding is each router's own CPU, on its own host): afterwards one of each kind
+    is decoded as a view decodes it, and the views' total decode CPU is that times `views`."""
     with registry_process(5.0, 3600.0, src=src,
                           extra=("--max-members", str(members + 1000))) as (address, pid):
         _register_only(address, members)
@@ -632,16 +648,20 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
             s.connect(f"tcp://{address}")
             poller.register(s, zmq.POLLIN)
             socks.append(s)
-        request = make_encoder().encode(Sync())
+        encode = make_encoder().encode
+        requests = [encode(Sync(models=[f"m{(k + j) % MODELS}"
+                                        for j in range(models_per_view)]))
+                    for k in range(views)]
         time.sleep(1.0)  # every connection up
         cpu0, t0 = _cpu_s(pid), time.monotonic()
-        for s in socks:
-            s.send(request)
+        for k, s in enumerate(socks):
+            s.send(requests[k])
         waiting = set(range(views))
         index = {s: k for k, s in enumerate(socks)}
         retry: dict[int, float] = {}
         syncs = refusals = 0
         nbytes = 0
+        kept: dict[bytes, zmq.Frame] = {}  # one snapshot per distinct request
         deadline = t0 + 900
         while waiting and time.monotonic() < deadline:
             for s, _ in poller.poll(100):
@@ -651,6 +671,7 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
                     waiting.discard(k)
                     syncs += 1
                     nbytes += len(frame)
+                    kept.setdefault(requests[k], frame)
                 else:  # refused (rate): ask again a little later, as a view does
                     refusals += 1
                     retry[k] = time.monotonic() + 0.5
@@ -658,13 +679,26 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
             for k, at in list(retry.items()):
                 if now >= at:
                     del retry[k]
-                    socks[k].send(request)
+                    socks[k].send(requests[k])
         elapsed = time.monotonic() - t0
         cpu = _cpu_s(pid) - cpu0
         ctx.destroy(linger=0)
-    return {"tree": tree, "members": members, "views": views, "synced": views - len(waiting),
+    decode = reply_decoder().decode
+    decode_s = []
+    for frame in kept.values():
+        t = time.process_time()
+        snapshot = decode(frame.buffer)
+        decode_s.append(time.process_time() - t)
+        del snapshot
+    one_decode_s = sum(decode_s) / max(1, len(decode_s))
+    return {"tree": tree, "members": members, "views": views,
+            "models_per_view": models_per_view or MODELS, "synced": views - len(waiting),
             "seconds": round(elapsed, 1), "refusals": refusals,
-            "registry_cpu_s": round(cpu, 1), "gb_sent": round(nbytes / 1e9, 2)}
+            "registry_cpu_s": round(cpu, 1), "gb_sent": round(nbytes / 1e9, 2),
+            "gb_per_s": round(nbytes / 1e9 / max(1e-9, elapsed), 2),
+            "mb_per_snapshot": round(nbytes / 1e6 / max(1, syncs), 2),
+            "one_decode_ms": round(1e3 * one_decode_s, 1),
+            "views_decode_cpu_s": round(views * one_decode_s, 1)}
 
 
 def _heartbeats_handled(metrics_url: str) -> float:
@@ -745,7 +779,9 @@ def main() -> int:
                         help="seconds between the last registration and the window")
     parser.add_argument("--baseline", default="", help="a commit to run beside this tree")
     parser.add_argument("--only-baseline", action="store_true")
-    parser.add_argument("--registry-args", default="", help="extra args for this tree's registry")
+    parser.add_argument("--registry-args", default="",
+                        help="extra args for this tree's registry; VARIANT;VARIANT runs "
+                             "each (an empty one: the defaults)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-model", action="store_true",
                         help="subscribers serve one model each (router --models)")
@@ -758,10 +794,17 @@ def main() -> int:
                         help="scrape the registry's /metrics every S seconds in the window")
     parser.add_argument("--nice-generator", type=int, default=0, metavar="N",
                         help="run the load generator at this nice level")
+    parser.add_argument("--storm-models", type=int, default=0, metavar="K",
+                        help="with --sync-storm: each view asks for K of the models")
     parser.add_argument("--sub-procs", type=int, default=1, metavar="K",
                         help="spread the subscribers over K processes")
     args = parser.parse_args()
-    trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
+    # Several variants of this tree side by side: --registry-args "A;B" runs "this A" and
+    # "this B" (an empty variant is the default flags).
+    variants = args.registry_args.split(";")
+    trees = [] if args.only_baseline else [
+        ("this" + (f" {v.strip()}" if v.strip() else ""), ROOT, tuple(v.split()))
+        for v in variants]
     tmp = None
     if args.baseline:
         tmp = baseline_tree(args.baseline)
@@ -771,8 +814,8 @@ def main() -> int:
         if args.sync_storm:
             for members in (int(m) for m in args.members.split(",")):
                 for name, src, _ in trees:
-                    print(json.dumps(sync_storm(name, src, members, args.sync_storm)),
-                          flush=True)
+                    print(json.dumps(sync_storm(name, src, members, args.sync_storm,
+                                                args.storm_models)), flush=True)
             return 0
         for members in (int(m) for m in args.members.split(",")):
             for name, src, extra in trees:
@@ -796,7 +839,8 @@ def _table(results: list[Result]) -> None:
             "answered_per_s",
             "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
             "propagation_p50_ms", "propagation_p99_ms", "first_p50_ms", "first_p99_ms",
-            "sub_own_p99_ms", "sub_procs", "probes_lost",
+            "sub_own_p99_ms", "sub_procs", "probe_reply_p50_ms", "probe_reply_p99_ms",
+            "probes_lost",
             "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
             "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_over_25ms",
             "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",

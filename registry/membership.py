@@ -530,7 +530,7 @@ class Membership:
         """Loads that changed since the last call (past the deadband, or held back for
         its max age), grouped by model."""
         held = self._held
-        max_age_s = self.deadband.max_age_s
+        max_age_s = self.deadband.max_age_for(self.timing.heartbeat_interval_s)
         while held:
             entry = _first(held)
             if now - entry.held_since < max_age_s:

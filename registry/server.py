@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from registry.admission import MAX_MEMBERS, Limits
 from registry.control import ControlChannel
+from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.deadband import Deadband
 from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
@@ -86,10 +87,12 @@ class RegistryConfig:
     # A load change inside its deadband goes out at most this late (0: every change at
     # once); see registry.deadband.
     load_max_age_s: float = LOAD_MAX_AGE_S
+    load_max_age_intervals: float = LOAD_MAX_AGE_INTERVALS  # or this many intervals, if longer
     io_threads: int = 1  # libzmq I/O threads: the PUB fan-out to many routers uses them
 
     def deadband(self) -> Deadband:
-        return Deadband(max_age_s=self.load_max_age_s)
+        return Deadband(max_age_s=self.load_max_age_s,
+                        max_age_intervals=self.load_max_age_intervals)
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(heartbeat_interval_s=self.heartbeat_interval_s,
