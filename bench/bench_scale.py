@@ -727,6 +727,59 @@ def sync_storm(tree: str, src: str, members: int, views: int,
             "views_decode_cpu_s": round(views * one_decode_s, 1)}
 
 
+def deadband_entries(members: int, interval_s: float, seconds: float) -> list[dict[str, object]]:
+    """Load-digest entries per second that `members` heartbeating every `interval_s` with
+    the generator's random walk make, per deadband setting: pure state, simulated time
+    (no sockets), so the figure does not depend on the machine's load."""
+    from registry.deadband import MAX_AGE_INTERVALS, MAX_AGE_S, Deadband
+    from registry.detector import DetectorConfig
+    from registry.membership import Membership
+    from registry.protocol import Heartbeat
+
+    settings = [("every change (--load-max-age 0)", Deadband(max_age_s=0.0)),
+                (f"band, max age {MAX_AGE_S:g} s", Deadband(max_age_s=MAX_AGE_S)),
+                (f"band, max age {MAX_AGE_S:g} s or {MAX_AGE_INTERVALS:g} intervals",
+                 Deadband(max_age_s=MAX_AGE_S, max_age_intervals=MAX_AGE_INTERVALS))]
+    encode = make_encoder().encode
+    rows = []
+    for label, band in settings:
+        rng = random.Random(7)
+        m = Membership(7, DetectorConfig(heartbeat_interval_s=interval_s,
+                                         lease_s=3 * interval_s, tick_period_s=0.1),
+                       deadband=band)
+        fleet = []
+        for i in range(members):
+            member = _Member(member_spec(f"d{i}", f"m{i % MODELS}", i), b"",
+                             running=rng.randrange(64), kv=rng.random())
+            member.session = m.register(member.spec, MemberState.READY, Load(member.running),
+                                        0.0, nonce=sessions.new_nonce()).session
+            fleet.append(member)
+        due = [(rng.random() * interval_s, i) for i in range(members)]
+        heapq.heapify(due)
+        t, entries, counted_from = 0.0, 0, 2 * interval_s + 2.0
+        while t < counted_from + seconds:
+            t += 0.1  # the digest period
+            while due[0][0] <= t:
+                when, i = heapq.heappop(due)
+                member = fleet[i]
+                member.seq += 1
+                member.running = max(0, member.running + rng.choice((-2, -1, 0, 0, 1, 2)))
+                member.kv = min(1.0, max(0.0, member.kv + rng.uniform(-0.01, 0.01)))
+                payload = sessions.seal(member.session, encode(Heartbeat(
+                    member.spec.id, 1, member.seq, MemberState.READY,
+                    Load(member.running, 0, round(member.kv, 4)))))
+                m.heartbeat(msgspec.msgpack.decode(payload, type=Heartbeat), payload, when)
+                heapq.heappush(due, (when + interval_s, i))
+            digests = m.take_load_digests(t)
+            if t >= counted_from:
+                entries += sum(map(len, digests.values()))
+            m.take_events()
+        rows.append({"members": members, "interval_s": interval_s, "deadband": label,
+                     "heartbeats_per_s": round(members / interval_s),
+                     "digest_entries_per_s": round(entries / seconds)})
+    return rows
+
+
 def _heartbeats_handled(metrics_url: str) -> float:
     """The registry's own count of heartbeats handled (scraped: it costs the loop nothing)."""
 
@@ -824,6 +877,8 @@ def main() -> int:
                         help="with --sync-storm: each view asks for K of the models")
     parser.add_argument("--storm-mem-gb", type=float, default=6.0, metavar="GB",
                         help="with --sync-storm: cap this process's address space meanwhile")
+    parser.add_argument("--deadband", default="", metavar="MEMBERS:INTERVAL",
+                        help="instead: digest entries/s per deadband setting (simulated)")
     parser.add_argument("--sub-procs", type=int, default=1, metavar="K",
                         help="spread the subscribers over K processes")
     args = parser.parse_args()
@@ -839,6 +894,11 @@ def main() -> int:
         trees.insert(0, (args.baseline, tmp, ()))
     results = []
     try:
+        if args.deadband:
+            count, _, interval = args.deadband.partition(":")
+            for row in deadband_entries(int(count), float(interval), args.measure):
+                print(json.dumps(row), flush=True)
+            return 0
         if args.sync_storm:
             for members in (int(m) for m in args.members.split(",")):
                 for name, src, _ in trees:

@@ -8,8 +8,9 @@ last sent, or when it has been held back for `max_age_s`, or `max_age_intervals`
 heartbeat intervals if that is longer (a view's load is then never off by more than the
 band for longer than that). The interval grows with the fleet (5 s at 100k members), and
 a change inside the band is by definition not worth routing on: holding it for two
-intervals lets the next heartbeat fold into it, so a big fleet whose loads wobble on
-every beat sends about half the entries it would with a fixed 1 s. Small values keep a
+intervals lets the next heartbeat fold into it: members whose loads wobble on every 5 s
+beat send ~60% fewer entries than with a fixed 1 s, which let every beat through
+(`bench_scale.py --deadband`). Small values keep a
 band of one: 0 -> 1 running, or a queue forming, is always news.
 
     running, waiting  |new - sent| >= max(1, relative * sent)
