@@ -10,8 +10,8 @@ band for longer than that). The interval grows with the fleet (5 s at 100k membe
 a change inside the band is by definition not worth routing on: holding it for two
 intervals lets the next heartbeat fold into it: members whose loads wobble on every 5 s
 beat send ~60% fewer entries than with a fixed 1 s, which let every beat through
-(`bench_scale.py --deadband`). Small values keep a
-band of one: 0 -> 1 running, or a queue forming, is always news.
+(`bench_scale.py --deadband`). Small values keep a band of one: 0 -> 1 running, or a
+queue forming, is always news.
 
     running, waiting  |new - sent| >= max(1, relative * sent)
     kv_usage          |new - sent| >= kv_usage_abs
