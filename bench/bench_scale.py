@@ -396,6 +396,7 @@ class Result:
     # time the process's threads waited for a CPU while runnable (schedstat), % of the window
     registry_runq_wait_pct: float = 0.0
     subscribers_runq_wait_pct: float = 0.0
+    turns_per_s: int = 0  # loop turns a second in the window (the registry's own count)
     turns_over_25ms: int = 0  # loop turns in the window that took longer (the registry's own)
     turns_over_100ms: int = 0
     snapshot_builds: int = 0  # HTTP snapshots built in the window
@@ -542,6 +543,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         snapshot_mb=round(len(raw) / 1e6, 2),
         registry_runq_wait_pct=round(100 * waited["registry"] / elapsed, 1),
         subscribers_runq_wait_pct=round(100 * waited["sub"] / elapsed, 1),
+        turns_per_s=round(loop.get("turns", 0.0) / elapsed),
         turns_over_25ms=int(loop.get("turns_over_25ms", 0)),
         turns_over_100ms=int(loop.get("turns_over_100ms", 0)),
         snapshot_builds=int(loop.get("snapshot_builds", 0)),
@@ -879,6 +881,9 @@ def main() -> int:
                         help="with --sync-storm: cap this process's address space meanwhile")
     parser.add_argument("--deadband", default="", metavar="MEMBERS:INTERVAL",
                         help="instead: digest entries/s per deadband setting (simulated)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the trees in turn N times (A B A B: the machine's load "
+                             "drifts)")
     parser.add_argument("--sub-procs", type=int, default=1, metavar="K",
                         help="spread the subscribers over K processes")
     args = parser.parse_args()
@@ -907,7 +912,7 @@ def main() -> int:
                           flush=True)
             return 0
         for members in (int(m) for m in args.members.split(",")):
-            for name, src, extra in trees:
+            for name, src, extra in trees * args.repeat:
                 result = run_one(name, src, members, args.subscribers, args.churn,
                                  args.measure, extra, args.per_model, args.warmup,
                                  args.profile, args.scrape_every, args.nice_generator,
@@ -931,7 +936,7 @@ def _table(results: list[Result]) -> None:
             "sub_own_p99_ms", "sub_procs", "probe_reply_p50_ms", "probe_reply_p99_ms",
             "probes_lost", "generator_core_pct", "subscribers_core_pct",
             "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
-            "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_over_25ms",
+            "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_per_s", "turns_over_25ms",
             "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",
             "scrape_kb", "scrape_ms_max", "snapshot_ms",
             "snapshot_mb", "register_s"]
