@@ -42,7 +42,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 import msgspec
@@ -415,6 +415,7 @@ class Result:
     # and through the control queue (plus the generator's own delay in reading it).
     probe_reply_p50_ms: float = 0.0
     probe_reply_p99_ms: float = 0.0
+    probe_series_ms: list[float] = field(default_factory=list)  # (JSON only)
     generator_core_pct: float = 0.0  # the bench's own share of the machine
     subscribers_core_pct: float = 0.0
 
@@ -456,9 +457,10 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         for name in queues:
             queues[name][0].put("start")
         spy = _py_spy(pid, measure_s, os.path.join(profile, f"{label}.txt")) if profile else None
-        # Scraped around the window, this tree only: a registry before the per-member
-        # series were capped takes ~1.5 s per scrape at 100k, stalling its loop.
-        figures = tree.startswith("this")
+        # Scraped around the window (a registry before the per-member series were capped,
+        # before bde53e6, takes ~1.5 s per scrape at 100k, stalling its loop: with such a
+        # baseline, --no-baseline-figures).
+        figures = tree.startswith("this") or not _NO_BASELINE_FIGURES
         loop0 = _loop_figures(metrics_url) if figures else {}
         watched = (("registry", [pid]), ("sub", [p.pid for p in subs_p]))
         waited0 = {name: sum(map(_runq_s, pids)) for name, pids in watched}
@@ -503,6 +505,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
     start, end = marks["start"], marks["end"]
     window = end["t"] - start["t"]
     lat, first_lat, own_ms = [], [], []
+    series: list[float] = []  # per probe, in order: when its last subscriber had it
     lost = 0
     for k in range(int(start["probes"]), int(end["probes"])):
         got = arrivals.get(k, [])
@@ -510,6 +513,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         lat.extend(1e3 * (t - probes[k]) for t in got)
         if got:
             first_lat.append(1e3 * (min(got) - probes[k]))
+        series.append(round(1e3 * (max(got) - probes[k]), 1) if got else math.nan)
         own_ms.extend(1e3 * t for t in own.get(k, []))
     replied = sorted(1e3 * (probe_replies[k] - probes[k])
                      for k in range(int(start["probes"]), min(len(probe_replies),
@@ -532,6 +536,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         propagation_p50_ms=round(_pct(lat, 0.5), 1), propagation_p99_ms=round(_pct(lat, 0.99), 1),
         first_p50_ms=round(_pct(first_lat, 0.5), 1), first_p99_ms=round(_pct(first_lat, 0.99), 1),
         sub_own_p99_ms=round(_pct(own_ms, 0.99), 1), sub_procs=procs,
+        probe_series_ms=series,
         generator_core_pct=round(100 * others_cpu["gen"] / elapsed, 1),
         subscribers_core_pct=round(100 * others_cpu["sub"] / elapsed, 1),
         probe_reply_p50_ms=round(_pct(replied, 0.5), 1),
@@ -554,6 +559,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         scrape_ms_max=round(1e3 * max(scraped[1] for scraped in _SCRAPED), 1)
         if _SCRAPED else 0.0)
 
+
+_NO_BASELINE_FIGURES = "--no-baseline-figures" in sys.argv
 
 # (bytes, seconds) of each /metrics scrape inside the last window
 _SCRAPED: list[tuple[int, float]] = []
@@ -884,6 +891,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the trees in turn N times (A B A B: the machine's load "
                              "drifts)")
+    parser.add_argument("--no-baseline-figures", action="store_true",
+                        help="do not scrape the baseline's loop histograms")
     parser.add_argument("--sub-procs", type=int, default=1, metavar="K",
                         help="spread the subscribers over K processes")
     args = parser.parse_args()
