@@ -416,6 +416,8 @@ class Result:
     probe_reply_p50_ms: float = 0.0
     probe_reply_p99_ms: float = 0.0
     probe_series_ms: list[float] = field(default_factory=list)  # (JSON only)
+    # % of a core per registry thread (the loop vs libzmq's I/O threads), JSON only
+    registry_threads_pct: dict[str, float] = field(default_factory=dict)
     generator_core_pct: float = 0.0  # the bench's own share of the machine
     subscribers_core_pct: float = 0.0
 
@@ -466,9 +468,13 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         waited0 = {name: sum(map(_runq_s, pids)) for name, pids in watched}
         others = {"gen": [gen.pid], "sub": [p.pid for p in subs_p]}
         others0 = {name: sum(map(_cpu_s, pids)) for name, pids in others.items()}
+        threads0 = _thread_cpu_s(pid)
         cpu0, t0 = _cpu_s(pid), time.monotonic()
         scrapes = _scrape_during(metrics_url, measure_s, scrape_every_s)
         cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
+        threads = {name: round(100 * (s - threads0.get(name, 0.0)) / elapsed, 1)
+                   for name, s in _thread_cpu_s(pid).items()}
+        threads = {k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v}
         others_cpu = {name: sum(map(_cpu_s, pids)) - others0[name]
                       for name, pids in others.items()}
         waited = {name: sum(map(_runq_s, pids)) - waited0[name] for name, pids in watched}
@@ -536,7 +542,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         propagation_p50_ms=round(_pct(lat, 0.5), 1), propagation_p99_ms=round(_pct(lat, 0.99), 1),
         first_p50_ms=round(_pct(first_lat, 0.5), 1), first_p99_ms=round(_pct(first_lat, 0.99), 1),
         sub_own_p99_ms=round(_pct(own_ms, 0.99), 1), sub_procs=procs,
-        probe_series_ms=series,
+        probe_series_ms=series, registry_threads_pct=threads,
         generator_core_pct=round(100 * others_cpu["gen"] / elapsed, 1),
         subscribers_core_pct=round(100 * others_cpu["sub"] / elapsed, 1),
         probe_reply_p50_ms=round(_pct(replied, 0.5), 1),
@@ -796,6 +802,23 @@ def _heartbeats_handled(metrics_url: str) -> float:
         if line.startswith("pdreg_heartbeats_total "):
             return float(line.split()[1])
     return math.nan
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per thread of `pid`, keyed "name/tid" (libzmq names its I/O threads
+    ZMQbg/IO/N; Python's show the process name)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                text = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[f"{name}/{task}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _runq_s(pid: int) -> float:
