@@ -1,7 +1,11 @@
 """The registry at fleet scale: a big fleet heartbeating, routers subscribed, churn.
 
     .venv/bin/python bench/bench_scale.py [--members 10000,100000] [--subscribers 100]
-        [--churn 10] [--measure 10] [--baseline 97f4301]
+        [--churn 10] [--measure 10] [--baseline COMMIT] [--repeat N]
+        [--registry-args "VARIANT;VARIANT"] [--per-model] [--sub-procs K]
+    .venv/bin/python bench/bench_scale.py --members 100000 --sync-storm 1000
+        [--storm-models K] [--baseline COMMIT]
+    .venv/bin/python bench/bench_scale.py --deadband 20000:5 --measure 30
 
 Per registry (this tree, and with --baseline a commit of this repository extracted with
 `git archive` into a temporary directory) and per fleet size, in one run, side by side:
@@ -21,7 +25,9 @@ least once): heartbeats offered and answered OK, registry CPU (% of a core, and 
 heartbeat and per delivered PUB message), propagation p50/p99 of the probe's events to
 every subscriber, PUB bytes per router per second, view CPU, members wrongly suspected
 (a `MemberUpdated` with suspect set for a member that never stopped), and afterwards a
-Sync's round trip time and size.
+Sync's round trip time and size. Where a probe's delay is: its propagation to the
+first subscriber (no fan-out queueing), its own heartbeat's reply (the control queue),
+the subscriber processes' own delay, and CPU per registry thread (the loop, libzmq's I/O).
 """
 
 from __future__ import annotations
