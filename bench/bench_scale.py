@@ -1,7 +1,11 @@
 """The registry at fleet scale: a big fleet heartbeating, routers subscribed, churn.
 
     .venv/bin/python bench/bench_scale.py [--members 10000,100000] [--subscribers 100]
-        [--churn 10] [--measure 10] [--baseline 97f4301]
+        [--churn 10] [--measure 10] [--baseline COMMIT] [--repeat N]
+        [--registry-args "VARIANT;VARIANT"] [--per-model] [--sub-procs K]
+    .venv/bin/python bench/bench_scale.py --members 100000 --sync-storm 1000
+        [--storm-models K] [--baseline COMMIT]
+    .venv/bin/python bench/bench_scale.py --deadband 20000:5 --measure 30
 
 Per registry (this tree, and with --baseline a commit of this repository extracted with
 `git archive` into a temporary directory) and per fleet size, in one run, side by side:
@@ -21,7 +25,9 @@ least once): heartbeats offered and answered OK, registry CPU (% of a core, and 
 heartbeat and per delivered PUB message), propagation p50/p99 of the probe's events to
 every subscriber, PUB bytes per router per second, view CPU, members wrongly suspected
 (a `MemberUpdated` with suspect set for a member that never stopped), and afterwards a
-Sync's round trip time and size.
+Sync's round trip time and size. Where a probe's delay is: its propagation to the
+first subscriber (no fan-out queueing), its own heartbeat's reply (the control queue),
+the subscriber processes' own delay, and CPU per registry thread (the loop, libzmq's I/O).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -41,7 +48,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 import msgspec
@@ -136,6 +143,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     pending: list[deque[tuple[str, _Member | None]]] = [deque() for _ in socks]
     counts = {"sent": 0, "ok": 0, "other": 0, "registered": 0}
     interval = [1.0]
+    ok_reply = [b""]  # the encoded plain OK reply, once seen
     registered_hook: list = [lambda member: None]
 
     def send(k: int, payload: bytes, kind: str, member: _Member | None) -> None:
@@ -156,6 +164,13 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                 except zmq.Again:
                     break
                 kind, member = pending[k].popleft()
+                if payload == ok_reply[0] and kind != "register":
+                    # The registry sends the same bytes for every plain OK: no decode (the
+                    # generator stands in for 100k hosts; its CPU is not the registry's).
+                    counts["ok"] += 1
+                    if kind == "probe":
+                        probe_replies.append(time.monotonic())
+                    continue
                 reply = decode(payload)
                 interval[0] = getattr(reply, "heartbeat_interval_s", interval[0])
                 if kind == "register" and member is not None:
@@ -163,8 +178,12 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                     if reply.status is ReplyStatus.OK:
                         member.session = reply.session
                         registered_hook[0](member)
-                elif kind == "beat":
+                elif kind in ("beat", "probe"):
                     counts["ok" if reply.status is ReplyStatus.OK else "other"] += 1
+                    if reply.status is ReplyStatus.OK and not reply.reason:
+                        ok_reply[0] = payload
+                    if kind == "probe":
+                        probe_replies.append(time.monotonic())
 
     def register(member: _Member, k: int) -> None:
         send(k, encode(Register(spec=member.spec, nonce=member.nonce,
@@ -172,14 +191,14 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
              "register", member)
 
     def beat(member: _Member, k: int, extra: dict[str, float] | None = None,
-             state: MemberState = MemberState.READY) -> None:
+             state: MemberState = MemberState.READY, kind: str = "beat") -> None:
         member.seq += 1
         member.running = max(0, member.running + rng.choice((-2, -1, 0, 0, 1, 2)))
         member.kv = min(1.0, max(0.0, member.kv + rng.uniform(-0.01, 0.01)))
         load = Load(member.running, 0, round(member.kv, 4), extra or {})
         send(k, sessions.seal(member.session, encode(Heartbeat(
             member.spec.id, member.spec.incarnation, member.seq, state, load))),
-             "beat", member)
+             kind, member)
         counts["sent"] += 1
 
     # Members heartbeat from the moment they are registered, as agents do, each in its
@@ -191,6 +210,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     to_register = 0
     registered_reported = False
     probes: list[float] = []
+    probe_replies: list[float] = []  # when each probe's reply was read (the control round trip)
     next_probe = math.inf
     next_churn = math.inf
     marks: dict[str, dict[str, float]] = {}
@@ -236,7 +256,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
             next_probe += PROBE_EVERY_S
             state = MemberState.JOINING if len(probes) % 2 == 0 else MemberState.READY
             probes.append(time.monotonic())
-            beat(probe, 0, {"probe": float(len(probes) - 1)}, state)
+            beat(probe, 0, {"probe": float(len(probes) - 1)}, state, "probe")
         while now >= next_churn:
             next_churn += 1.0 / churn_per_s
             if down and (rng.random() < 0.5 or len(down) > len(churners) // 2):
@@ -259,22 +279,23 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
         wait = min(due[0][0] if due else math.inf, next_probe, next_churn) - time.monotonic()
         if wait > 0 or to_register < len(everyone):
             drain(int(min(max(wait, 0.0), 0.005) * 1e3) + 1)
-    out.put(("done", marks, probes))
+    out.put(("done", marks, probes, probe_replies))
     ctx.destroy(linger=0)
 
 
 # --- subscribers (raw SUB sockets, as a router's view holds) -------------------------------
 
 
-def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queue,
+def subscribers(events_address: str, indices: range, per_model: bool, ready: mp.Queue,
                 ctl: mp.Queue, out: mp.Queue) -> None:
-    """With `per_model`, every subscriber but the first serves one model, as a router
-    started with --models does (its topic, the probe's and the pulse); the first one
+    """Subscribers `indices` (of all the bench's, over --sub-procs processes). With
+    `per_model`, every subscriber but the first serves one model, as a router started
+    with --models does (its topic, the probe's and the pulse); the first one (index 0)
     takes every topic (the bytes a router serving every model receives)."""
     ctx = zmq.Context()
     socks = []
     poller = zmq.Poller()
-    for k in range(count):
+    for k in indices:
         s = ctx.socket(zmq.SUB)
         s.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
         if per_model and k:
@@ -290,7 +311,11 @@ def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queu
     measuring = False
     nbytes = messages = 0
     arrivals: dict[int, list[float]] = {}  # probe k -> arrival time per subscriber
+    # probe k -> per arrival, how long this process had been busy with other sockets since
+    # its poll returned (its own share of the delay, beyond waiting for a CPU)
+    own: dict[int, list[float]] = {}
     wrongly_suspect: set[str] = set()
+    all_topics = socks[0] if indices.start == 0 else None
     ready.put("subscribed")
     while True:
         try:
@@ -302,7 +327,8 @@ def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queu
         elif message == "end":
             break
         for s, _ in poller.poll(20):
-            first = s is socks[0]
+            polled = time.monotonic()
+            first = s is all_topics
             while True:
                 try:
                     topic, body = s.recv_multipart(zmq.NOBLOCK)
@@ -317,12 +343,13 @@ def subscribers(events_address: str, count: int, per_model: bool, ready: mp.Queu
                     if isinstance(event, MemberUpdated):
                         k = int(event.member.load.extra.get("probe", -1))
                         arrivals.setdefault(k, []).append(now)
+                        own.setdefault(k, []).append(now - polled)
                 elif first and measuring and body[:20].find(b"MemberUpdated") >= 0:
                     event = decode(body)
                     if (isinstance(event, MemberUpdated) and event.member.suspect
                             and not event.member.spec.id.startswith("churn-")):
                         wrongly_suspect.add(event.member.spec.id)
-    out.put((nbytes, messages, arrivals, sorted(wrongly_suspect)))
+    out.put((nbytes, messages, arrivals, own, sorted(wrongly_suspect)))
     ctx.destroy(linger=0)
 
 
@@ -375,6 +402,7 @@ class Result:
     # time the process's threads waited for a CPU while runnable (schedstat), % of the window
     registry_runq_wait_pct: float = 0.0
     subscribers_runq_wait_pct: float = 0.0
+    turns_per_s: int = 0  # loop turns a second in the window (the registry's own count)
     turns_over_25ms: int = 0  # loop turns in the window that took longer (the registry's own)
     turns_over_100ms: int = 0
     snapshot_builds: int = 0  # HTTP snapshots built in the window
@@ -382,12 +410,28 @@ class Result:
     scrapes: int = 0  # /metrics scrapes inside the window (--scrape-every)
     scrape_kb: float = 0.0
     scrape_ms_max: float = 0.0
+    # The probe's propagation to the first subscriber that got it (the registry, libzmq and
+    # one socket: no fan-out queueing), and the subscriber processes' own part of each
+    # arrival: time spent on other sockets since the poll returned.
+    first_p50_ms: float = 0.0
+    first_p99_ms: float = 0.0
+    sub_own_p99_ms: float = 0.0
+    sub_procs: int = 1
+    # The probe heartbeat's reply, read back by the generator: its way into the registry
+    # and through the control queue (plus the generator's own delay in reading it).
+    probe_reply_p50_ms: float = 0.0
+    probe_reply_p99_ms: float = 0.0
+    probe_series_ms: list[float] = field(default_factory=list)  # (JSON only)
+    # % of a core per registry thread (the loop vs libzmq's I/O threads), JSON only
+    registry_threads_pct: dict[str, float] = field(default_factory=dict)
+    generator_core_pct: float = 0.0  # the bench's own share of the machine
+    subscribers_core_pct: float = 0.0
 
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             measure_s: float, extra: tuple[str, ...], per_model: bool = False,
             warmup_s: float = 0.0, profile: str = "", scrape_every_s: float = 0.0,
-            nice_generator: int = 0) -> Result:
+            nice_generator: int = 0, sub_procs: int = 1) -> Result:
     label = f"{tree}-{members}"
     with _profiled(src, profile, label) as run_src, registry_process(1.0, 3.0, src=run_src,
                           extra=("--max-members", str(2 * members + 1000), "--http-port", "0",
@@ -404,10 +448,16 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         # Routers come once the fleet is up (100 of them in one process here could not
         # take 100k joins each; in a real fleet each has its own host).
         ready: mp.Queue = mp.Queue()
-        sub = mp.Process(target=subscribers,
-                         args=(events, subs, per_model, ready, *queues["sub"]))
-        sub.start()
-        ready.get(timeout=60)
+        procs = max(1, min(sub_procs, subs))
+        sub_queues = [queues["sub"], *((mp.Queue(), mp.Queue()) for _ in range(procs - 1))]
+        share = [range(subs * j // procs, subs * (j + 1) // procs) for j in range(procs)]
+        subs_p = [mp.Process(target=subscribers,
+                             args=(events, share[j], per_model, ready, *sub_queues[j]))
+                  for j in range(procs)]
+        for p in subs_p:
+            p.start()
+        for _ in subs_p:
+            ready.get(timeout=60)
         view = mp.Process(target=view_process, args=(address, *queues["view"]))
         view.start()
         # Every member heartbeats once, the view syncs, the registration backlog drains.
@@ -415,26 +465,48 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         for name in queues:
             queues[name][0].put("start")
         spy = _py_spy(pid, measure_s, os.path.join(profile, f"{label}.txt")) if profile else None
-        # Scraped around the window, this tree only: a registry before the per-member
-        # series were capped takes ~1.5 s per scrape at 100k, stalling its loop.
-        figures = tree == "this"
+        # Scraped around the window (a registry before the per-member series were capped,
+        # before bde53e6, takes ~1.5 s per scrape at 100k, stalling its loop: with such a
+        # baseline, --no-baseline-figures).
+        figures = tree.startswith("this") or not _NO_BASELINE_FIGURES
         loop0 = _loop_figures(metrics_url) if figures else {}
-        waited0 = {name: _runq_s(p) for name, p in (("registry", pid), ("sub", sub.pid))}
+        watched = (("registry", [pid]), ("sub", [p.pid for p in subs_p]))
+        waited0 = {name: sum(map(_runq_s, pids)) for name, pids in watched}
+        others = {"gen": [gen.pid], "sub": [p.pid for p in subs_p]}
+        others0 = {name: sum(map(_cpu_s, pids)) for name, pids in others.items()}
+        threads0 = _thread_cpu_s(pid)
         cpu0, t0 = _cpu_s(pid), time.monotonic()
         scrapes = _scrape_during(metrics_url, measure_s, scrape_every_s)
         cpu, elapsed = _cpu_s(pid) - cpu0, time.monotonic() - t0
-        waited = {name: _runq_s(p) - waited0[name]
-                  for name, p in (("registry", pid), ("sub", sub.pid))}
+        threads = {name: round(100 * (s - threads0.get(name, 0.0)) / elapsed, 1)
+                   for name, s in _thread_cpu_s(pid).items()}
+        threads = {k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v}
+        others_cpu = {name: sum(map(_cpu_s, pids)) - others0[name]
+                      for name, pids in others.items()}
+        waited = {name: sum(map(_runq_s, pids)) - waited0[name] for name, pids in watched}
         loop = {k: v - loop0.get(k, 0.0)
                 for k, v in (_loop_figures(metrics_url) if figures else {}).items()}
         if spy is not None:
             spy.wait(timeout=60)
         for name in queues:
             queues[name][0].put("end")
-        _, marks, probes = queues["gen"][1].get(timeout=120)
-        nbytes, messages, arrivals, suspects = queues["sub"][1].get(timeout=120)
+        for q in sub_queues[1:]:
+            q[0].put("end")
+        _, marks, probes, probe_replies = queues["gen"][1].get(timeout=120)
+        arrivals: dict[int, list[float]] = {}
+        own: dict[int, list[float]] = {}
+        suspects: list[str] = []
+        for j, q in enumerate(sub_queues):
+            got_bytes, got_messages, got_arrivals, got_own, got_suspects = q[1].get(timeout=120)
+            if j == 0:
+                nbytes, messages = got_bytes, got_messages
+            for k, times in got_arrivals.items():
+                arrivals.setdefault(k, []).extend(times)
+            for k, times in got_own.items():
+                own.setdefault(k, []).extend(times)
+            suspects.extend(got_suspects)
         view_core, view_members = queues["view"][1].get(timeout=120)
-        for p in (gen, sub, view):
+        for p in (gen, *subs_p, view):
             p.join(timeout=30)
         # Scraped after the window (a registry before the cap: ~10 MB, ~1.5 s at 100k).
         time.sleep(2.0)
@@ -444,13 +516,23 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         snapshot_s = time.perf_counter() - t_sync
     start, end = marks["start"], marks["end"]
     window = end["t"] - start["t"]
-    lat = []
+    lat, first_lat, own_ms = [], [], []
+    series: list[float] = []  # per probe, in order: when its last subscriber had it
     lost = 0
     for k in range(int(start["probes"]), int(end["probes"])):
         got = arrivals.get(k, [])
         lost += subs - len(got)
         lat.extend(1e3 * (t - probes[k]) for t in got)
+        if got:
+            first_lat.append(1e3 * (min(got) - probes[k]))
+        series.append(round(1e3 * (max(got) - probes[k]), 1) if got else math.nan)
+        own_ms.extend(1e3 * t for t in own.get(k, []))
+    replied = sorted(1e3 * (probe_replies[k] - probes[k])
+                     for k in range(int(start["probes"]), min(len(probe_replies),
+                                                              int(end["probes"]))))
     lat.sort()
+    first_lat.sort()
+    own_ms.sort()
     answered = end["ok"] - start["ok"]
     delivered = messages * subs
     return Result(
@@ -464,6 +546,13 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         registry_us_per_heartbeat=round(1e6 * cpu / max(1, answered), 1),
         registry_us_per_delivered_msg=round(1e6 * cpu / max(1, delivered), 2),
         propagation_p50_ms=round(_pct(lat, 0.5), 1), propagation_p99_ms=round(_pct(lat, 0.99), 1),
+        first_p50_ms=round(_pct(first_lat, 0.5), 1), first_p99_ms=round(_pct(first_lat, 0.99), 1),
+        sub_own_p99_ms=round(_pct(own_ms, 0.99), 1), sub_procs=procs,
+        probe_series_ms=series, registry_threads_pct=threads,
+        generator_core_pct=round(100 * others_cpu["gen"] / elapsed, 1),
+        subscribers_core_pct=round(100 * others_cpu["sub"] / elapsed, 1),
+        probe_reply_p50_ms=round(_pct(replied, 0.5), 1),
+        probe_reply_p99_ms=round(_pct(replied, 0.99), 1),
         probes_lost=lost, pub_bytes_per_router_per_s=round(nbytes / elapsed),
         pub_msgs_per_router_per_s=round(messages / elapsed),
         view_core_pct=round(100 * view_core, 1), view_members=view_members,
@@ -471,6 +560,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         snapshot_mb=round(len(raw) / 1e6, 2),
         registry_runq_wait_pct=round(100 * waited["registry"] / elapsed, 1),
         subscribers_runq_wait_pct=round(100 * waited["sub"] / elapsed, 1),
+        turns_per_s=round(loop.get("turns", 0.0) / elapsed),
         turns_over_25ms=int(loop.get("turns_over_25ms", 0)),
         turns_over_100ms=int(loop.get("turns_over_100ms", 0)),
         snapshot_builds=int(loop.get("snapshot_builds", 0)),
@@ -481,6 +571,8 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         scrape_ms_max=round(1e3 * max(scraped[1] for scraped in _SCRAPED), 1)
         if _SCRAPED else 0.0)
 
+
+_NO_BASELINE_FIGURES = "--no-baseline-figures" in sys.argv
 
 # (bytes, seconds) of each /metrics scrape inside the last window
 _SCRAPED: list[tuple[int, float]] = []
@@ -576,13 +668,23 @@ def _register_only(address: str, members: int) -> None:
     ctx.destroy(linger=0)
 
 
-def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, object]:
+def sync_storm(tree: str, src: str, members: int, views: int,
+               models_per_view: int = 0, mem_cap_gb: float = 0.0) -> dict[str, object]:
     """`views` DEALERs ask for a snapshot at once (as views starting together do); the
-    time until every one holds a snapshot, retrying after a refusal as a view does. The
-    snapshots are received, not decoded: decoding is each router's own CPU, elsewhere."""
+    time until every one holds a snapshot, retrying after a refusal as a view does. With
+    `models_per_view`, view k asks for that many of the models (k's own first), as a
+    router started with --models does. The snapshots are received, not decoded, during the
+    storm (decoding is each router's own CPU, on its own host): afterwards one of each kind
+    is decoded as a view decodes it, and the views' total decode CPU is that times `views`."""
     with registry_process(5.0, 3600.0, src=src,
                           extra=("--max-members", str(members + 1000))) as (address, pid):
         _register_only(address, members)
+        # Snapshots in flight are whole buffers here (libzmq allocates a message when its
+        # header arrives): capped, so a storm that outruns this process fails it, not the
+        # machine's other work. The registry, started before, is not capped.
+        limit = resource.getrlimit(resource.RLIMIT_AS)
+        if mem_cap_gb > 0:
+            resource.setrlimit(resource.RLIMIT_AS, (int(mem_cap_gb * 2**30), limit[1]))
         ctx = zmq.Context()
         socks = []
         poller = zmq.Poller()
@@ -592,16 +694,20 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
             s.connect(f"tcp://{address}")
             poller.register(s, zmq.POLLIN)
             socks.append(s)
-        request = make_encoder().encode(Sync())
+        encode = make_encoder().encode
+        requests = [encode(Sync(models=[f"m{(k + j) % MODELS}"
+                                        for j in range(models_per_view)]))
+                    for k in range(views)]
         time.sleep(1.0)  # every connection up
         cpu0, t0 = _cpu_s(pid), time.monotonic()
-        for s in socks:
-            s.send(request)
+        for k, s in enumerate(socks):
+            s.send(requests[k])
         waiting = set(range(views))
         index = {s: k for k, s in enumerate(socks)}
         retry: dict[int, float] = {}
         syncs = refusals = 0
         nbytes = 0
+        kept: dict[bytes, zmq.Frame] = {}  # one snapshot per distinct request
         deadline = t0 + 900
         while waiting and time.monotonic() < deadline:
             for s, _ in poller.poll(100):
@@ -611,6 +717,7 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
                     waiting.discard(k)
                     syncs += 1
                     nbytes += len(frame)
+                    kept.setdefault(requests[k], frame)
                 else:  # refused (rate): ask again a little later, as a view does
                     refusals += 1
                     retry[k] = time.monotonic() + 0.5
@@ -618,13 +725,80 @@ def sync_storm(tree: str, src: str, members: int, views: int) -> dict[str, objec
             for k, at in list(retry.items()):
                 if now >= at:
                     del retry[k]
-                    socks[k].send(request)
+                    socks[k].send(requests[k])
         elapsed = time.monotonic() - t0
         cpu = _cpu_s(pid) - cpu0
         ctx.destroy(linger=0)
-    return {"tree": tree, "members": members, "views": views, "synced": views - len(waiting),
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+    decode = reply_decoder().decode
+    decode_s = []
+    for frame in kept.values():
+        t = time.process_time()
+        snapshot = decode(frame.buffer)
+        decode_s.append(time.process_time() - t)
+        del snapshot
+    one_decode_s = sum(decode_s) / max(1, len(decode_s))
+    return {"tree": tree, "members": members, "views": views,
+            "models_per_view": models_per_view or MODELS, "synced": views - len(waiting),
             "seconds": round(elapsed, 1), "refusals": refusals,
-            "registry_cpu_s": round(cpu, 1), "gb_sent": round(nbytes / 1e9, 2)}
+            "registry_cpu_s": round(cpu, 1), "gb_sent": round(nbytes / 1e9, 2),
+            "gb_per_s": round(nbytes / 1e9 / max(1e-9, elapsed), 2),
+            "mb_per_snapshot": round(nbytes / 1e6 / max(1, syncs), 2),
+            "one_decode_ms": round(1e3 * one_decode_s, 1),
+            "views_decode_cpu_s": round(views * one_decode_s, 1)}
+
+
+def deadband_entries(members: int, interval_s: float, seconds: float) -> list[dict[str, object]]:
+    """Load-digest entries per second that `members` heartbeating every `interval_s` with
+    the generator's random walk make, per deadband setting: pure state, simulated time
+    (no sockets), so the figure does not depend on the machine's load."""
+    from registry.deadband import MAX_AGE_INTERVALS, MAX_AGE_S, Deadband
+    from registry.detector import DetectorConfig
+    from registry.membership import Membership
+    from registry.protocol import Heartbeat
+
+    settings = [("every change (--load-max-age 0)", Deadband(max_age_s=0.0)),
+                (f"band, max age {MAX_AGE_S:g} s", Deadband(max_age_s=MAX_AGE_S)),
+                (f"band, max age {MAX_AGE_S:g} s or {MAX_AGE_INTERVALS:g} intervals",
+                 Deadband(max_age_s=MAX_AGE_S, max_age_intervals=MAX_AGE_INTERVALS))]
+    encode = make_encoder().encode
+    rows = []
+    for label, band in settings:
+        rng = random.Random(7)
+        m = Membership(7, DetectorConfig(heartbeat_interval_s=interval_s,
+                                         lease_s=3 * interval_s, tick_period_s=0.1),
+                       deadband=band)
+        fleet = []
+        for i in range(members):
+            member = _Member(member_spec(f"d{i}", f"m{i % MODELS}", i), b"",
+                             running=rng.randrange(64), kv=rng.random())
+            member.session = m.register(member.spec, MemberState.READY, Load(member.running),
+                                        0.0, nonce=sessions.new_nonce()).session
+            fleet.append(member)
+        due = [(rng.random() * interval_s, i) for i in range(members)]
+        heapq.heapify(due)
+        t, entries, counted_from = 0.0, 0, 2 * interval_s + 2.0
+        while t < counted_from + seconds:
+            t += 0.1  # the digest period
+            while due[0][0] <= t:
+                when, i = heapq.heappop(due)
+                member = fleet[i]
+                member.seq += 1
+                member.running = max(0, member.running + rng.choice((-2, -1, 0, 0, 1, 2)))
+                member.kv = min(1.0, max(0.0, member.kv + rng.uniform(-0.01, 0.01)))
+                payload = sessions.seal(member.session, encode(Heartbeat(
+                    member.spec.id, 1, member.seq, MemberState.READY,
+                    Load(member.running, 0, round(member.kv, 4)))))
+                m.heartbeat(msgspec.msgpack.decode(payload, type=Heartbeat), payload, when)
+                heapq.heappush(due, (when + interval_s, i))
+            digests = m.take_load_digests(t)
+            if t >= counted_from:
+                entries += sum(map(len, digests.values()))
+            m.take_events()
+        rows.append({"members": members, "interval_s": interval_s, "deadband": label,
+                     "heartbeats_per_s": round(members / interval_s),
+                     "digest_entries_per_s": round(entries / seconds)})
+    return rows
 
 
 def _heartbeats_handled(metrics_url: str) -> float:
@@ -634,6 +808,23 @@ def _heartbeats_handled(metrics_url: str) -> float:
         if line.startswith("pdreg_heartbeats_total "):
             return float(line.split()[1])
     return math.nan
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per thread of `pid`, keyed "name/tid" (libzmq names its I/O threads
+    ZMQbg/IO/N; Python's show the process name)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                text = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[f"{name}/{task}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _runq_s(pid: int) -> float:
@@ -705,7 +896,9 @@ def main() -> int:
                         help="seconds between the last registration and the window")
     parser.add_argument("--baseline", default="", help="a commit to run beside this tree")
     parser.add_argument("--only-baseline", action="store_true")
-    parser.add_argument("--registry-args", default="", help="extra args for this tree's registry")
+    parser.add_argument("--registry-args", default="",
+                        help="extra args for this tree's registry; VARIANT;VARIANT runs "
+                             "each (an empty one: the defaults)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-model", action="store_true",
                         help="subscribers serve one model each (router --models)")
@@ -718,25 +911,50 @@ def main() -> int:
                         help="scrape the registry's /metrics every S seconds in the window")
     parser.add_argument("--nice-generator", type=int, default=0, metavar="N",
                         help="run the load generator at this nice level")
+    parser.add_argument("--storm-models", type=int, default=0, metavar="K",
+                        help="with --sync-storm: each view asks for K of the models")
+    parser.add_argument("--storm-mem-gb", type=float, default=6.0, metavar="GB",
+                        help="with --sync-storm: cap this process's address space meanwhile")
+    parser.add_argument("--deadband", default="", metavar="MEMBERS:INTERVAL",
+                        help="instead: digest entries/s per deadband setting (simulated)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the trees in turn N times (A B A B: the machine's load "
+                             "drifts)")
+    parser.add_argument("--no-baseline-figures", action="store_true",
+                        help="do not scrape the baseline's loop histograms")
+    parser.add_argument("--sub-procs", type=int, default=1, metavar="K",
+                        help="spread the subscribers over K processes")
     args = parser.parse_args()
-    trees = [] if args.only_baseline else [("this", ROOT, tuple(args.registry_args.split()))]
+    # Several variants of this tree side by side: --registry-args "A;B" runs "this A" and
+    # "this B" (an empty variant is the default flags).
+    variants = args.registry_args.split(";")
+    trees = [] if args.only_baseline else [
+        ("this" + (f" {v.strip()}" if v.strip() else ""), ROOT, tuple(v.split()))
+        for v in variants]
     tmp = None
     if args.baseline:
         tmp = baseline_tree(args.baseline)
         trees.insert(0, (args.baseline, tmp, ()))
     results = []
     try:
+        if args.deadband:
+            count, _, interval = args.deadband.partition(":")
+            for row in deadband_entries(int(count), float(interval), args.measure):
+                print(json.dumps(row), flush=True)
+            return 0
         if args.sync_storm:
             for members in (int(m) for m in args.members.split(",")):
                 for name, src, _ in trees:
-                    print(json.dumps(sync_storm(name, src, members, args.sync_storm)),
+                    print(json.dumps(sync_storm(name, src, members, args.sync_storm,
+                                                args.storm_models, args.storm_mem_gb)),
                           flush=True)
             return 0
         for members in (int(m) for m in args.members.split(",")):
-            for name, src, extra in trees:
+            for name, src, extra in trees * args.repeat:
                 result = run_one(name, src, members, args.subscribers, args.churn,
                                  args.measure, extra, args.per_model, args.warmup,
-                                 args.profile, args.scrape_every, args.nice_generator)
+                                 args.profile, args.scrape_every, args.nice_generator,
+                                 args.sub_procs)
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
@@ -752,9 +970,11 @@ def _table(results: list[Result]) -> None:
             "handled_total",
             "answered_per_s",
             "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
-            "propagation_p50_ms", "propagation_p99_ms", "probes_lost",
+            "propagation_p50_ms", "propagation_p99_ms", "first_p50_ms", "first_p99_ms",
+            "sub_own_p99_ms", "sub_procs", "probe_reply_p50_ms", "probe_reply_p99_ms",
+            "probes_lost", "generator_core_pct", "subscribers_core_pct",
             "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
-            "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_over_25ms",
+            "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_per_s", "turns_over_25ms",
             "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",
             "scrape_kb", "scrape_ms_max", "snapshot_ms",
             "snapshot_mb", "register_s"]

@@ -17,6 +17,7 @@ from pdreg.args import (
     secret_of,
     server_curve_of,
 )
+from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.detector import HEARTBEAT_INTERVAL_S, LEASE_INTERVALS
 from registry.server import DEFAULT_MAX_MEMBERS, RegistryConfig, RegistryServer
@@ -57,8 +58,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "routers is their work; about one per 200 routers, up to the cores)")
     p.add_argument("--load-max-age", type=float, default=LOAD_MAX_AGE_S, metavar="S",
                    help="a load change too small to route on (a tenth of the value, two "
-                        "points of KV) reaches routers at most S late; 0 sends every "
-                        "change at once")
+                        "points of KV) reaches routers at most S late (or "
+                        "--load-max-age-intervals heartbeat intervals, if longer); 0 sends "
+                        "every change at once")
+    p.add_argument("--load-max-age-intervals", type=float, default=LOAD_MAX_AGE_INTERVALS,
+                   metavar="N", help="see --load-max-age (0: S alone)")
     p.set_defaults(func=run)
 
 
@@ -98,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             lease_s=lease, token=token, admin_token=admin_token,
             max_members=args.max_members, max_members_per_model=args.max_members_per_model,
             curve=curve, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
-            load_max_age_s=args.load_max_age, io_threads=args.io_threads)
+            load_max_age_s=args.load_max_age,
+            load_max_age_intervals=args.load_max_age_intervals, io_threads=args.io_threads)
         server = RegistryServer(config)
     except ValueError as exc:
         print(f"pdreg registry: {exc}", file=sys.stderr)

@@ -535,6 +535,11 @@ class Membership:
 
     # --- outputs -----------------------------------------------------------------------
 
+    @property
+    def has_events(self) -> bool:
+        """Whether take_events() has something (cheap: asked after every message)."""
+        return bool(self._outbox)
+
     def take_events(self) -> list[MembershipEvent]:
         events, self._outbox = self._outbox, []
         return events
@@ -543,7 +548,7 @@ class Membership:
         """Loads that changed since the last call (past the deadband, or held back for
         its max age), grouped by model."""
         held = self._held
-        max_age_s = self.deadband.max_age_s
+        max_age_s = self.deadband.max_age_for(self.timing.heartbeat_interval_s)
         while held:
             entry = _first(held)
             if now - entry.held_since < max_age_s:

@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from registry.admission import MAX_MEMBERS, Limits
 from registry.control import ControlChannel
+from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.deadband import Deadband
 from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
@@ -87,10 +88,12 @@ class RegistryConfig:
     # A load change inside its deadband goes out at most this late (0: every change at
     # once); see registry.deadband.
     load_max_age_s: float = LOAD_MAX_AGE_S
+    load_max_age_intervals: float = LOAD_MAX_AGE_INTERVALS  # or this many intervals, if longer
     io_threads: int = 1  # libzmq I/O threads: the PUB fan-out to many routers uses them
 
     def deadband(self) -> Deadband:
-        return Deadband(max_age_s=self.load_max_age_s)
+        return Deadband(max_age_s=self.load_max_age_s,
+                        max_age_intervals=self.load_max_age_intervals)
 
     def detector(self) -> DetectorConfig:
         return DetectorConfig(heartbeat_interval_s=self.heartbeat_interval_s,
@@ -148,6 +151,8 @@ class RegistryServer:
                                        admin_token=self.config.admin_token,
                                        syncs_need_token=not is_loopback(self.config.host))
         self._publisher = Publisher(self._events, self.stats, self.epoch)
+        self._channel.on_events = self._publish_events
+        _split_io_threads(self._control, self._events, self.config.io_threads)
         for sock in (self._control, self._events):
             self._zap.secure(sock)
             if self._curve is not None:
@@ -307,7 +312,7 @@ class RegistryServer:
                 # 3) Tick the detector, then publish what changed.
                 membership.tick(now)
                 self.stats.lag_compensated_s = membership.last_lag_s
-                self._publisher.events(membership.take_events())
+                self._publish_events()
                 if now >= next_digest:
                     self._publisher.digests(membership, now, pulse=now >= next_pulse)
                     if now >= next_pulse:
@@ -324,6 +329,11 @@ class RegistryServer:
                 logger.exception("[registry] loop step failed; continuing")
             self.stats.turns.observe(time.monotonic() - now)
         self._drain_admin_on_shutdown()
+
+    def _publish_events(self) -> None:
+        """Membership events out on the PUB socket (after each message that made some, and
+        after each tick)."""
+        self._publisher.events(self._membership.take_events())
 
     def _build_snapshot(self, now: float) -> None:
         """Build the HTTP snapshot and answer every reader that asked for it."""
@@ -382,6 +392,16 @@ class RegistryServer:
                 # A full pipe of wakes: the loop is woken already.
                 with contextlib.suppress(zmq.Again):
                     self._wake_tx.send(b"", zmq.NOBLOCK)
+
+
+def _split_io_threads(control: zmq.Socket, events: zmq.Socket, io_threads: int) -> None:
+    """With two or more libzmq I/O threads, the control socket's connections get the first
+    and the PUB fan-out the others (ZMQ_AFFINITY, set before bind): heartbeats coming in
+    never queue behind copies of events to every router, nor the other way round."""
+    if io_threads < 2:
+        return
+    control.setsockopt(zmq.AFFINITY, 1)
+    events.setsockopt(zmq.AFFINITY, ((1 << io_threads) - 1) & ~1)
 
 
 def _bind(sock: zmq.Socket, host: str, port: int) -> int:

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
-from membership_ops import fresh, spec
+from membership_ops import fresh, signed, spec
 from raw_member import RawMember, member_spec
 
 from pdreg.testing import wait_until
@@ -143,6 +143,46 @@ def test_the_sync_limiter_counts_bytes_and_hands_back_what_it_refused():
 # --- dispatch by type --------------------------------------------------------------------
 
 
+def test_an_event_leaves_after_its_own_message_not_after_the_rest_of_the_batch(channel):
+    """A state change queued behind a thousand heartbeats: its event is handed to the
+    publisher as soon as its message is handled (the heartbeats after it wait), not after
+    the whole batch, so routers hear of it without the batch's delay."""
+    from registry.protocol import Heartbeat, Load, MemberState, control_decoder
+
+    control, dealer = channel
+    membership = control.membership
+    membership.join(spec("flipper"), now=0.0)
+    for i in range(20):
+        membership.join(spec(f"steady-{i}"), now=0.0)
+    membership.take_events()
+    seq = iter(range(1, 10_000))
+
+    def beat(member_id: str, state: MemberState = MemberState.READY) -> bytes:
+        message = Heartbeat(member_id, 1, next(seq), state, Load(running=1))
+        return signed(membership.session_of(member_id, 1), message)[1]
+
+    queued = [beat(f"steady-{i % 20}") for i in range(10)]
+    queued.append(beat("flipper", MemberState.JOINING))
+    queued += [beat(f"steady-{i % 20}") for i in range(1_000)]
+    for payload in queued:
+        dealer.send(payload)
+    wait_until(lambda: control.sock.poll(0), WAIT_S)
+    published: list[tuple[int, list]] = []  # (heartbeats handled then, events)
+    control.on_events = lambda: published.append((control.stats.heartbeats,
+                                                  membership.take_events()))
+    decoder = control_decoder()
+
+    def handle_all() -> bool:
+        control.process(1.0, decoder)
+        return control.stats.heartbeats >= len(queued)
+
+    assert wait_until(handle_all, WAIT_S)
+    assert [(at, [e.member.state for e in events]) for at, events in published] == [
+        (11, [MemberState.JOINING])]
+    replies = [reply_decoder().decode(dealer.recv()) for _ in queued]
+    assert all(r.status is ReplyStatus.OK for r in replies)
+
+
 def test_every_control_message_type_has_its_own_handler(channel):
     control, _ = channel
     assert set(typing.get_args(ControlMessage)) == set(control._handlers)
@@ -182,6 +222,27 @@ def test_a_view_syncs_once_when_nothing_changes_meanwhile(registry):
             assert registry.stats.syncs == 1
     finally:
         member.close()
+
+
+def test_with_two_io_threads_heartbeats_and_the_fan_out_each_get_their_own():
+    """--io-threads 2: the control socket's connections on the first libzmq I/O thread,
+    the PUB fan-out on the second; members and views work as with one."""
+    server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1,
+                                           heartbeat_interval_s=0.5, lease_s=5.0,
+                                           io_threads=2)).start()
+    member = RawMember(server.control_address)
+    try:
+        assert server._control.getsockopt(zmq.AFFINITY) == 0b01
+        assert server._events.getsockopt(zmq.AFFINITY) == 0b10
+        with MembershipView(server.control_address) as view:
+            member.register()
+            assert view.wait_for(lambda m: member.id in m, WAIT_S)  # an event, on PUB
+            assert member.heartbeat().status is ReplyStatus.OK
+            member.bye()
+            assert view.wait_for(lambda m: member.id not in m, WAIT_S)
+    finally:
+        member.close()
+        server.close()
 
 
 def test_a_view_for_some_models_holds_only_those(registry):
