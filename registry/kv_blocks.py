@@ -1,4 +1,6 @@
-"""Block keys by token content: the one prefix-cache key that engine, index and router share.
+"""Block keys by token content, stable across processes: the reference engine's block hashes,
+and what the real-engine checks compare stored blocks with. A router keys its own index the
+same way by content, with a cheaper process-local hash (router/kv_keys.py).
 
 A prompt's full blocks (`block_size` tokens each; a partial last block is never cached)
 get chained keys: key_i = H(key_{i-1}, tokens of block i), key_{-1} = ROOT_KEY. Two
@@ -10,8 +12,8 @@ Why our own key and not the engine's hash: vLLM's block hash is
 root is `hash_fn(seed)` with the seed from PYTHONHASHSEED or random per process for
 xxhash, and events may carry the low 64 bits only. Reproducing it bit for bit means
 reproducing Python's pickle and guessing flags and seeds per engine (and SGLang has its
-own). But every `BlockStored` carries the blocks' `token_ids` and parent hash, so the
-router keys its index by content and maps the engine's hashes to its keys (for
+own). But every `BlockStored` carries the blocks' `token_ids` and parent hash, so a
+consumer keys its index by content and maps the engine's hashes to its keys (for
 `BlockRemoved`); it then needs only the prompt's token ids and the block size, whatever
 the engine hashes with. The reference engine uses these keys as its own block hashes.
 

@@ -29,6 +29,7 @@ from registry.kv_events import (  # noqa: E402
     decode_seq,
 )
 from router.kv_index import IndexState, MemberIndex  # noqa: E402
+from router.kv_keys import block_keys as router_keys  # noqa: E402
 
 RECV_TIMEOUT_MS = 10_000
 
@@ -68,7 +69,7 @@ def test_published_events_rebuild_the_cache_in_a_router_index():
         assert index.state is IndexState.LIVE
         assert set(index.blocks) == set(cache._blocks)
         probe = rng.choice(prefixes) + [0] * 4
-        assert index.cached_blocks(block_keys(probe, 4)) >= cache.lookup(probe).cached_blocks
+        assert index.cached_blocks(router_keys(probe, 4)) >= cache.lookup(probe).cached_blocks
 
 
 def test_torch_hit_skips_compute_and_is_identical():
