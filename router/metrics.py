@@ -10,7 +10,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -113,6 +113,9 @@ class _Value:
     def dec(self, amount: float = 1.0) -> None:
         self.value -= amount
 
+    def set(self, value: float) -> None:
+        self.value = value
+
 
 class LoopMetric:
     """A labelled counter or gauge owned by one event loop: `inc` is an add.
@@ -190,23 +193,23 @@ class RouterMetrics:
             "(not_json, too_deep, no_model, loop, unauthorized; from the HTTP server: "
             "malformed_http, head_too_large, body_too_large, body_timeout, header_timeout)",
             "reason")
-        # KV-aware pairing (`--policy kv`; router/kv_policy.py, router/kv_feed.py). Kept
-        # on prometheus_client's locked metrics: tokenization may run off the loop.
-        self.prompt_tokens = Counter(
+        # KV-aware pairing (`--policy kv`, the default; router/kv_routing.py): updated on
+        # the loop (tokenizing runs off it, its timing is observed back on it).
+        self.prompt_tokens = counter(
             "pdreg_router_prompt_tokens", "Prompt tokens routed with exact token ids "
-            "(kv policy)", ("model",), registry=r)
-        self.prompt_tokens_cached = Counter(
+            "(kv policy)", "model")
+        self.prompt_tokens_cached = counter(
             "pdreg_router_prompt_tokens_cached", "Of those, tokens the KV index predicted "
-            "cached at the chosen prefill", ("model",), registry=r)
-        self.kv_exact = Gauge(
-            "pdreg_router_kv_exact", "1 when the kv policy matches this model's prompts "
-            "exactly (tokenizer and block size known), 0 when it pairs as peak_ewma "
-            "(no KV events, no tokenizer...)", ("model",), registry=r)
-        self.kv_inexact_requests = Counter(
+            "cached at the chosen prefill", "model")
+        self.kv_exact = LoopMetric(
+            "gauge", "pdreg_router_kv_exact", "1 when the kv policy matches this model's "
+            "prompts exactly (tokenizer and block size known), 0 when it pairs as peak_ewma "
+            "(no KV events, no tokenizer...)", ("model",), r)
+        self.kv_inexact_requests = counter(
             "pdreg_router_kv_inexact_requests", "Requests the kv policy paired as peak_ewma, "
             "by why (no_events, no_tokenizer, not_tokenized, no_block_size, no_index)",
-            ("model", "why"), registry=r)
-        self.tokenize_seconds = Histogram(
+            "model", "why")
+        self.tokenize_seconds = LoopHistogram(
             "pdreg_router_tokenize_seconds", "Time to tokenize a prompt and key its blocks "
             "(kv policy), on or off the event loop", ("model",),
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
