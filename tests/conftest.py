@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from reference_helpers import EngineHandle
 from standins_fleet import LoopThread
 
 from registry.client import MembershipView
@@ -81,3 +82,14 @@ def routers() -> Iterator[list[RouterServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+@pytest.fixture
+def handles() -> Iterator[list[EngineHandle]]:
+    """Reference engines a test starts (append them); each is stopped at the end."""
+    started: list[EngineHandle] = []
+    try:
+        yield started
+    finally:
+        for handle in started:
+            handle.stop(timeout_s=10)

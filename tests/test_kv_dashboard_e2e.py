@@ -30,16 +30,6 @@ PROMPT = ("You are a careful assistant. Answer in one short sentence, cite nothi
 
 
 @pytest.fixture
-def handles() -> Iterator[list[EngineHandle]]:
-    started: list[EngineHandle] = []
-    try:
-        yield started
-    finally:
-        for handle in started:
-            handle.stop(timeout_s=10)
-
-
-@pytest.fixture
 def router_url(registry: RegistryServer) -> Iterator[str]:
     """`pdreg router --policy kv`, registered with `registry`."""
     with tempfile.TemporaryFile() as log:

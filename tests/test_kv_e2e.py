@@ -38,16 +38,6 @@ def router(view: MembershipView) -> Iterator[RouterServer]:
         server.close()
 
 
-@pytest.fixture
-def handles() -> Iterator[list[EngineHandle]]:
-    started: list[EngineHandle] = []
-    try:
-        yield started
-    finally:
-        for handle in started:
-            handle.stop(timeout_s=10)
-
-
 def kv_members(router: RouterServer) -> dict[str, dict[str, Any]]:
     body = httpx.get(router.url + "/v1/kv", timeout=10).json()
     return {m["id"]: m for m in body["members"]}
