@@ -52,7 +52,8 @@ def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = httpx.get(router.rstrip("/") + "/v1/kv", headers=headers, timeout=5.0)
     response.raise_for_status()
-    indexed = {m["id"]: m for m in response.json()["members"]}
+    body = response.json()
+    indexed = {m["id"]: m for m in body["members"]}
     for member in members:
         entry = indexed.get(member["id"])
         if entry is not None and entry["incarnation"] == member["incarnation"]:
@@ -60,7 +61,7 @@ def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
                                                         "replays", "unknown")}
         elif member.get("kv_events"):
             member["kv_index"] = {"state": "not followed", "blocks": 0, "lag_s": None}
-    models = response.json().get("models", {})
+    models = body.get("models", {})
     for member in members:
         if member["model"] in models:
             member["kv_pairing"] = models[member["model"]]

@@ -147,8 +147,7 @@ class KvRouting:
         self.metrics.prompt_tokens.labels(model).inc(key.prompt_tokens)
         self.metrics.prompt_tokens_cached.labels(model).inc(self.pairer.cached_tokens_of(pair))
         if self.pairer.exact:
-            if self._matching.get(model) != "":
-                self._note(model, "")
+            self._note(model, "")
         else:
             self.metrics.kv_inexact_requests.labels(model, "no_index").inc()
             self._note(model, "no_index")
@@ -196,6 +195,8 @@ class KvRouting:
     def _note(self, model: str, why: str) -> None:
         """How `model` is paired now: exact (`why` ""), else peak_ewma and why. The gauge
         follows; the log says it once per model and reason, not once per request."""
+        if self._matching.get(model) == why:
+            return  # the usual case, once per request: nothing changed
         self.metrics.kv_exact.labels(model).set(0 if why else 1)
         if model == "unknown":
             return
