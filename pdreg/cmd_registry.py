@@ -17,12 +17,16 @@ from pdreg.args import (
     secret_of,
     server_curve_of,
 )
+from registry.coalesce import PAUSE_S as COALESCE_PAUSE_S
 from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.detector import HEARTBEAT_INTERVAL_S, LEASE_INTERVALS
 from registry.server import DEFAULT_MAX_MEMBERS, RegistryConfig, RegistryServer
 
 MAX_IO_THREADS = 64
+
+
+MAX_COALESCE_MS = 50.0  # beyond this the pause, not the work, would set the latency
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,6 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--io-threads", type=_io_threads, default=1, metavar="N",
                    help="libzmq I/O threads for the sockets (the event fan-out to many "
                         "routers is their work; about one per 200 routers, up to the cores)")
+    p.add_argument("--coalesce-ms", type=_coalesce_ms, default=1e3 * COALESCE_PAUSE_S, metavar="MS",
+                   help="above 2,000 messages/s, pause MS between the loop's turns so that "
+                        "each handles a batch: less CPU per heartbeat, up to MS more latency "
+                        "(0: never pause)")
     p.add_argument("--load-max-age", type=float, default=LOAD_MAX_AGE_S, metavar="S",
                    help="a load change too small to route on (a tenth of the value, two "
                         "points of KV) reaches routers at most S late (or "
@@ -64,6 +72,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--load-max-age-intervals", type=float, default=LOAD_MAX_AGE_INTERVALS,
                    metavar="N", help="see --load-max-age (0: S alone)")
     p.set_defaults(func=run)
+
+
+def _coalesce_ms(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= MAX_COALESCE_MS:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"--coalesce-ms must be 0..{MAX_COALESCE_MS:g}")
+    return value
 
 
 def _io_threads(text: str) -> int:
@@ -103,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             max_members=args.max_members, max_members_per_model=args.max_members_per_model,
             curve=curve, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
             load_max_age_s=args.load_max_age,
-            load_max_age_intervals=args.load_max_age_intervals, io_threads=args.io_threads)
+            load_max_age_intervals=args.load_max_age_intervals, io_threads=args.io_threads,
+            coalesce_s=args.coalesce_ms / 1e3)
         server = RegistryServer(config)
     except ValueError as exc:
         print(f"pdreg registry: {exc}", file=sys.stderr)

@@ -95,6 +95,7 @@ class LoopStats:
     loop_errors: int = 0
     loop_lateness_s: float = 0.0
     lag_compensated_s: float = 0.0
+    coalescing: bool = False  # registry.coalesce: the loop pauses between turns
     turns: Durations = field(default_factory=Durations)  # each turn's work, not its wait
     snapshot_builds: Durations = field(default_factory=Durations)
 
@@ -206,6 +207,9 @@ class RegistryCollector(Collector):
         yield _gauge("pdreg_loop_lag_compensated_seconds",
                      "The last stall the detector gave back to members (deadlines moved).",
                      stats.lag_compensated_s)
+        yield _gauge("pdreg_loop_coalescing",
+                     "1 while the message rate is high enough that the loop pauses briefly "
+                     "between turns to handle messages in batches.", float(stats.coalescing))
         yield stats.turns.family(
             "pdreg_loop_turn_seconds",
             "Time the loop spent on each turn, not counting its wait: every message and "

@@ -29,7 +29,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from registry.admission import MAX_MEMBERS, Limits
-from registry.control import ControlChannel
+from registry.coalesce import PAUSE_S as COALESCE_PAUSE_S
+from registry.coalesce import Coalescer
+from registry.control import BATCH_MAX_MESSAGES, ControlChannel
 from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.deadband import Deadband
@@ -90,6 +92,9 @@ class RegistryConfig:
     load_max_age_s: float = LOAD_MAX_AGE_S
     load_max_age_intervals: float = LOAD_MAX_AGE_INTERVALS  # or this many intervals, if longer
     io_threads: int = 1  # libzmq I/O threads: the PUB fan-out to many routers uses them
+    # Under a high message rate the loop pauses this long between turns (registry.coalesce;
+    # 0: never).
+    coalesce_s: float = COALESCE_PAUSE_S
 
     def deadband(self) -> Deadband:
         return Deadband(max_age_s=self.load_max_age_s,
@@ -290,7 +295,9 @@ class RegistryServer:
         now = time.monotonic()
         next_digest = next_pulse = now
         requests = self._snapshot_requests
+        coalescer = Coalescer(self.config.coalesce_s)
         while self._state is ShutdownState.RUNNING:
+            handled = 0
             # 1) Poll until the next deadline (never forever).
             next_snapshot = (math.inf if requests.empty()
                              else self._built_at + self._snapshot_gap_s)
@@ -304,7 +311,7 @@ class RegistryServer:
             # 2) Handle what arrived.
             try:
                 if self._control in ready:
-                    self._channel.process(now, decoder)
+                    handled = self._channel.process(now, decoder)
                 if self._wake_rx in ready:
                     self._process_admin(now)
                 if self._monitors:
@@ -328,6 +335,10 @@ class RegistryServer:
                 self.stats.loop_errors += 1
                 logger.exception("[registry] loop step failed; continuing")
             self.stats.turns.observe(time.monotonic() - now)
+            pause_s = coalescer.pause_after(handled, handled >= BATCH_MAX_MESSAGES, now)
+            self.stats.coalescing = coalescer.active
+            if pause_s:
+                time.sleep(pause_s)
         self._drain_admin_on_shutdown()
 
     def _publish_events(self) -> None:

@@ -198,6 +198,7 @@ def test_a_message_type_without_a_handler_is_refused_not_taken_for_a_sync(channe
     dealer.send(b"ping")
     identity, _ = control.sock.recv_multipart()
     control._handle(identity, Novel(), b"", 0.0)  # type: ignore[arg-type]
+    control.flush_replies()
     assert dealer.poll(WAIT_S * 1e3)
     reply = reply_decoder().decode(dealer.recv())
     assert isinstance(reply, Reply)
@@ -329,6 +330,7 @@ def test_a_model_name_no_member_could_have_is_refused_at_the_command_line(capsys
 CHURN_MEMBERS = 2_000
 CHURN_FLIPS_PER_S = 20
 CHURN_SECONDS = 6.0
+COALESCE_S = 0.001
 
 
 def test_under_churn_every_heartbeat_is_answered_and_no_steady_member_expires():
@@ -353,6 +355,45 @@ def test_under_churn_every_heartbeat_is_answered_and_no_steady_member_expires():
         assert fleet.flips >= CHURN_FLIPS_PER_S * (CHURN_SECONDS - 1)
         assert {i for i in expired if not i.startswith("churn-")} == set()
         assert len(registry.members()) >= CHURN_MEMBERS
+    finally:
+        ctx.destroy(linger=0)
+        registry.close()
+
+
+def test_under_a_high_rate_the_loop_batches_messages_and_still_answers_every_one():
+    """Above 2,000 messages/s the loop pauses between turns (registry.coalesce): turns
+    each handle a batch, every heartbeat is still answered OK, and once the rate falls the
+    loop handles each message as it arrives again."""
+    import time
+
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1,
+                                             heartbeat_interval_s=1.0, lease_s=6.0,
+                                             coalesce_s=COALESCE_S)).start()
+    ctx = zmq.Context()
+    try:
+        fleet = _ChurnFleet(ctx, registry.control_address)
+        fleet.register_all()
+        assert not registry.stats.coalescing
+        turns_before = sum(registry.stats.turns.counts)
+        sent_before = fleet.sent
+        start = time.monotonic()
+        beats = 0
+        while time.monotonic() - start < 6.0 and not (
+                registry.stats.coalescing and time.monotonic() - start > 2.0):
+            due = int((time.monotonic() - start) * 5_000)  # 5,000 heartbeats/s
+            while beats < due:
+                fleet.beat(beats % CHURN_MEMBERS)
+                beats += 1
+            fleet.collect()
+            time.sleep(0.005)
+        assert registry.stats.coalescing
+        assert wait_until(lambda: fleet.collect() or fleet.answered == fleet.sent, WAIT_S)
+        assert fleet.refused == 0
+        turns = sum(registry.stats.turns.counts) - turns_before
+        assert turns < (fleet.sent - sent_before) / 3  # batches, not a turn per message
+        # The rate fell to nothing: the next window ends the pauses.
+        fleet.beat(0)
+        assert wait_until(lambda: fleet.collect() or not registry.stats.coalescing, WAIT_S)
     finally:
         ctx.destroy(linger=0)
         registry.close()
