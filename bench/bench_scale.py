@@ -42,7 +42,9 @@ import multiprocessing as mp
 import os
 import random
 import resource
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -115,6 +117,116 @@ class _Member:
     kv_e4: int = 0  # the generator's walk: KV use in units of 0.0001 (what a beat carries)
 
 
+# --- the generator's connections: ZMTP 3.1 as libzmq's DEALER speaks it -------------------
+#
+# What a libzmq DEALER costs per message here is not the message: each send from the
+# generator wakes libzmq's I/O thread (an eventfd), checks the socket's mailbox (getpid,
+# poll) and switches threads, ~30 us of the generator's CPU per heartbeat on this
+# machine's 2 cores, which the registry under test then lacks. So the generator speaks
+# the wire protocol itself over plain non-blocking TCP sockets: the same bytes on each
+# connection as a libzmq DEALER sends (greeting, READY, one frame per message; checked
+# against libzmq by the registry's own handshake), one send() per message, as each agent
+# of a real fleet sends its heartbeat in its own segment (TCP_NODELAY, as libzmq).
+
+# A libzmq 4.3 DEALER's greeting (ZMTP 3.1, NULL mechanism, as client) and READY command.
+_GREETING = b"\xff" + bytes(7) + b"\x01\x7f\x03\x01NULL" + bytes(16) + b"\x00" + bytes(31)
+_READY = (b"\x04\x29\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
+          b"\x08Identity\x00\x00\x00\x00")
+_SHORT = [bytes((0, n)) for n in range(256)]
+_READ_BYTES = 1 << 16  # a last frame's flags and size up to 255 B
+
+
+def _frame(payload: bytes) -> bytes:
+    n = len(payload)
+    return _SHORT[n] + payload if n < 256 else b"\x02" + n.to_bytes(8, "big") + payload
+
+
+class _Wire:
+    """One DEALER-speaking connection to the registry's ROUTER (NULL security, as the
+    bench's registry runs): whole messages out, whole single-frame messages in."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(_GREETING + _READY)
+        self._buf = bytearray()
+        while len(self._buf) < 64:  # the registry's greeting, then its READY
+            self._fill()
+        del self._buf[:64]
+        while not self._frames(handshake=True):
+            self._fill()
+        self.sock.setblocking(False)
+        self.backlog = bytearray()  # what the kernel would not take yet (kept in order)
+
+    def _fill(self) -> bool:
+        """What has arrived, up to 64 KiB, into the buffer; whether there may be more."""
+        try:
+            chunk = self.sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            raise ConnectionError("the registry closed a generator connection")
+        self._buf += chunk
+        return len(chunk) == _READ_BYTES
+
+    def send(self, payload: bytes) -> None:
+        frame = _frame(payload)
+        if self.backlog:
+            self.backlog += frame
+            self.flush()
+            return
+        try:
+            sent = self.sock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(frame):
+            self.backlog += frame[sent:]
+
+    def flush(self) -> None:
+        if self.backlog:
+            with contextlib.suppress(BlockingIOError):
+                del self.backlog[:self.sock.send(self.backlog)]
+
+    def read(self) -> list[bytes]:
+        """Every whole message that has arrived, in order (the socket is readable)."""
+        while self._fill():
+            pass
+        return self._frames()
+
+    def _frames(self, handshake: bool = False) -> list[bytes]:
+        """The buffer's whole frames: its messages; with `handshake`, up to the first
+        command (the registry's READY), returned as the one item."""
+        buf, pos, n, out = self._buf, 0, len(self._buf), []
+        while n - pos >= 2:
+            flags = buf[pos]
+            if flags & 0x02:  # a long frame
+                if n - pos < 9:
+                    break
+                size, head = int.from_bytes(buf[pos + 1:pos + 9], "big"), 9
+            else:
+                size, head = buf[pos + 1], 2
+            if n - pos < head + size:
+                break
+            body = bytes(buf[pos + head:pos + head + size])
+            pos += head + size
+            if flags & 0x04:  # a command: the handshake's READY, or ERROR
+                if body[1:1 + body[0]] == b"ERROR":
+                    raise ConnectionError(f"the registry refused a connection: {body!r}")
+                if handshake:
+                    out = [body]
+                    break
+            elif flags & 0x01:
+                raise ConnectionError("a multipart reply (the registry sends one frame)")
+            elif not handshake:
+                out.append(body)
+        del buf[:pos]
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 # --- the load generator ------------------------------------------------------------------
 
 # The generator stands in for 100k hosts on a machine it shares with the registry: every
@@ -126,6 +238,8 @@ TICK_S = 0.001
 WALK_STEPS = 65_521  # a prime, so a member's steps do not repeat with the fleet's order
 KV_E4 = [k / 10_000 for k in range(10_001)]  # KV use as a heartbeat carries it (4 places)
 LATE_OVER_MS = 10.0  # a heartbeat sent later than this after it was due counts as late
+CATCH_UP = 2.0  # after a pause, overdue heartbeats go out at this times the fleet's rate
+BURST_S = 0.01  # ... after a burst of at most this many seconds' worth
 
 
 def walk_steps(rng: random.Random, n: int = WALK_STEPS) -> list[tuple[int, int]]:
@@ -164,15 +278,8 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     os.nice(nice)  # --nice-generator: the registry first when the machine is short of CPU
     rng = random.Random(7)
     steps = walk_steps(rng)
-    ctx = zmq.Context()
-    socks = []
-    for _ in range(SOCKETS):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.connect(f"tcp://{address}")
-        socks.append(s)
-    sends = [s.send for s in socks]
+    wires = [_Wire(address) for _ in range(SOCKETS)]
+    sends = [w.send for w in wires]
     encode = make_encoder().encode
     decode = reply_decoder().decode
     seal = sessions.seal
@@ -193,14 +300,14 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     pauses = _Pauses()
     # Replies come back in order per socket: what each pending one was about (None: a
     # fleet heartbeat, the bulk).
-    pending: list[deque[tuple[str, _Member] | None]] = [deque() for _ in socks]
+    pending: list[deque[tuple[str, _Member] | None]] = [deque() for _ in wires]
     counts = {"sent": 0, "ok": 0, "other": 0, "registered": 0}
     interval = 1.0
     ok_reply = b""  # the encoded plain OK reply, once seen
-    poller = zmq.Poller()
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
-    index = {s: k for k, s in enumerate(socks)}
+    readable = select.epoll()
+    for w in wires:
+        readable.register(w.sock.fileno(), select.EPOLLIN)
+    index = {w.sock.fileno(): k for k, w in enumerate(wires)}
     due: list[tuple[float, int]] = []  # (when, index into everyone): each its own phase
     started = time.monotonic()
     to_register = 0
@@ -249,14 +356,10 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
         compared, not decoded (the generator's CPU is not the registry's)."""
         read = time.monotonic()
         ok = 0
-        for s, _ in poller.poll(0):
-            queue = pending[index[s]]
-            recv = s.recv
-            while True:
-                try:
-                    payload = recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+        for fd, _ in readable.poll(0):
+            k = index[fd]
+            queue = pending[k]
+            for payload in wires[k].read():
                 about = queue.popleft()
                 if about is None and payload == ok_reply:
                     ok += 1
@@ -264,8 +367,12 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                     on_reply(payload, *(about or ("beat", None)), read)
         counts["ok"] += ok
 
+        for w in wires:
+            if w.backlog:
+                w.flush()
+
     def send(k: int, payload: bytes, kind: str, member: _Member) -> None:
-        sends[k](payload, zmq.NOBLOCK)
+        sends[k](payload)
         pending[k].append((kind, member))
 
     def register(member: _Member, k: int) -> None:
@@ -289,6 +396,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
 
     ready = MemberState.READY
     previous = time.monotonic()
+    budget = 0.0
     while True:
         try:
             message = ctl.get_nowait()
@@ -302,8 +410,8 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
         if message == "end":
             break
         now = time.monotonic()
+        gap = now - previous
         if measuring:
-            gap = now - previous
             gap_max = max(gap_max, gap)
             gaps_over += gap > LATE_OVER_MS / 1e3
         previous = now
@@ -321,8 +429,14 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
             next_churn = now + (1.0 / churn_per_s if churn_per_s else math.inf)
         # 2) What is due (the hot path: one heap pop and push, a walk step from the pool,
         # the project's encoder and the member's own session, per heartbeat).
+        # After a pause (no CPU for the generator, or a collection) what fell due goes out
+        # at up to CATCH_UP times the fleet's rate, not in one burst: a real fleet's agents
+        # do not pause together, so the registry would have had them spread out.
+        rate = len(due) / interval
+        budget = min(max(rate * BURST_S, 8.0), budget + gap * CATCH_UP * rate)
         sent = 0
-        while due and due[0][0] <= now:
+        while due and due[0][0] <= now and budget >= 1.0:
+            budget -= 1.0
             when, i = heapq.heappop(due)
             if i == probe_index:
                 continue  # the probe beats on its own schedule
@@ -340,7 +454,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
             k = i % SOCKETS
             sends[k](seal(member.session, encode(Heartbeat(
                 spec.id, spec.incarnation, member.seq, ready,
-                Load(running, 0, KV_E4[kv])))), zmq.NOBLOCK)
+                Load(running, 0, KV_E4[kv])))))
             pending[k].append(None)
             heapq.heappush(due, (when + interval, i))
             sent += 1
@@ -389,7 +503,9 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                                  for s in range(max(late_per_s, default=-1) + 1)],
                **pauses.figures()}
     out.put(("done", marks, probes, probe_replies, figures))
-    ctx.destroy(linger=0)
+    readable.close()
+    for w in wires:
+        w.close()
 
 
 # --- subscribers (raw SUB sockets, as a router's view holds) -------------------------------
