@@ -250,27 +250,27 @@ def walk_steps(rng: random.Random, n: int = WALK_STEPS) -> list[tuple[int, int]]
 
 
 class _Pauses:
-    """The process's garbage collections (gc.callbacks): how many, the longest, in total."""
+    """The process's garbage collections (gc.callbacks): how many, how many were full
+    ones (generation 2, the walks over everything tracked), the longest."""
 
     def __init__(self) -> None:
-        self.count, self.max_s, self.total_s, self._t = 0, 0.0, 0.0, 0.0
+        self.count, self.full, self.max_s, self._t = 0, 0, 0.0, 0.0
         gc.callbacks.append(self._timed)
 
     def _timed(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t = time.perf_counter()
             return
-        took = time.perf_counter() - self._t
         self.count += 1
-        self.total_s += took
-        self.max_s = max(self.max_s, took)
+        self.full += info["generation"] == 2
+        self.max_s = max(self.max_s, time.perf_counter() - self._t)
 
     def reset(self) -> None:
-        self.count, self.max_s, self.total_s = 0, 0.0, 0.0
+        self.count, self.full, self.max_s = 0, 0, 0.0
 
     def figures(self) -> dict[str, float]:
-        return {"gc_count": self.count, "gc_max_ms": round(1e3 * self.max_s, 1),
-                "gc_total_ms": round(1e3 * self.total_s, 1)}
+        return {"gc_count": self.count, "gc_full": self.full,
+                "gc_max_ms": round(1e3 * self.max_s, 1)}
 
 
 def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
@@ -805,10 +805,10 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         generator_late_max_ms=gen_figures["late_max_ms"],
         generator_late_over_10ms=gen_figures["late_over"],
         generator_gap_max_ms=gen_figures["gap_max_ms"],
-        generator_gc=f"{gen_figures['gc_count']}, max {gen_figures['gc_max_ms']} ms",
+        generator_gc=_gc_text(gen_figures),
         generator_late_per_s_ms=gen_figures["late_per_s_ms"],
         subscribers_gc_max_ms=sub_gc_max_ms,
-        view_gc=f"{view_pauses['gc_count']}, max {view_pauses['gc_max_ms']} ms",
+        view_gc=_gc_text(view_pauses),
         subscribers_core_pct=round(100 * others_cpu["sub"] / elapsed, 1),
         probe_reply_p50_ms=round(_pct(replied, 0.5), 1),
         probe_reply_p99_ms=round(_pct(replied, 0.99), 1),
@@ -829,6 +829,11 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         scrape_kb=round(max(scraped[0] for scraped in _SCRAPED) / 1e3, 1) if _SCRAPED else 0.0,
         scrape_ms_max=round(1e3 * max(scraped[1] for scraped in _SCRAPED), 1)
         if _SCRAPED else 0.0)
+
+
+def _gc_text(figures: dict[str, float]) -> str:
+    return (f"{figures['gc_count']} ({figures['gc_full']} full), "
+            f"max {figures['gc_max_ms']} ms")
 
 
 _NO_BASELINE_FIGURES = "--no-baseline-figures" in sys.argv
