@@ -119,14 +119,14 @@ class _Member:
 
 # --- the generator's connections: ZMTP 3.1 as libzmq's DEALER speaks it -------------------
 #
-# What a libzmq DEALER costs per message here is not the message: each send from the
-# generator wakes libzmq's I/O thread (an eventfd), checks the socket's mailbox (getpid,
-# poll) and switches threads, ~30 us of the generator's CPU per heartbeat on this
-# machine's 2 cores, which the registry under test then lacks. So the generator speaks
-# the wire protocol itself over plain non-blocking TCP sockets: the same bytes on each
-# connection as a libzmq DEALER sends (greeting, READY, one frame per message; checked
-# against libzmq by the registry's own handshake), one send() per message, as each agent
-# of a real fleet sends its heartbeat in its own segment (TCP_NODELAY, as libzmq).
+# Through libzmq each heartbeat cost the generator two threads' work: the send checks
+# the socket's mailbox (getpid, poll) and wakes libzmq's I/O thread (an eventfd, a thread
+# switch), which then sends it; 32-45 us of CPU per heartbeat on this machine's 2 cores,
+# taken from the registry under test (18-21 us now, most of it the send() itself). So the
+# generator speaks the wire protocol itself over plain non-blocking TCP sockets: the
+# bytes a libzmq DEALER sends (greeting, READY, one frame per message), one send() per
+# message, as each agent of a real fleet sends its heartbeat in its own segment
+# (TCP_NODELAY, as libzmq).
 
 # A libzmq 4.3 DEALER's greeting (ZMTP 3.1, NULL mechanism, as client) and READY command.
 _GREETING = b"\xff" + bytes(7) + b"\x01\x7f\x03\x01NULL" + bytes(16) + b"\x00" + bytes(31)
@@ -231,9 +231,9 @@ class _Wire:
 
 # The generator stands in for 100k hosts on a machine it shares with the registry: every
 # microsecond it spends per heartbeat is taken from the registry under test. So it sends
-# what is due once a tick (not a loop turn, two polls of 64 sockets and a queue check per
-# beat: ~44 us of its CPU per heartbeat before), draws its random walk from a pool drawn
-# once, and freezes its fleet out of the garbage collector's reach.
+# what is due once a tick and then reads what came back (not two polls of its 64
+# sockets per loop turn), draws its random walk from a pool drawn once, and freezes its
+# fleet out of the garbage collector's reach.
 TICK_S = 0.001
 WALK_STEPS = 65_521  # a prime, so a member's steps do not repeat with the fleet's order
 KV_E4 = [k / 10_000 for k in range(10_001)]  # KV use as a heartbeat carries it (4 places)
@@ -294,8 +294,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     everyone_index = {m.spec.id: i for i, m in enumerate(everyone)}
     probe_index = len(everyone) - 1
     # The fleet lives as long as the process and makes no cycles: out of the collector's
-    # walks (a full collection over 100k members paused the generator, which then sent a
-    # burst of overdue heartbeats).
+    # walks (a full collection over 100k members takes ~35 ms, a pause and then a burst).
     gc.freeze()
     pauses = _Pauses()
     # Replies come back in order per socket: what each pending one was about (None: a
