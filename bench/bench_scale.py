@@ -396,6 +396,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     ready = MemberState.READY
     previous = time.monotonic()
     budget = 0.0
+    typical_gap = TICK_S
     while True:
         try:
             message = ctl.get_nowait()
@@ -431,8 +432,12 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
         # After a pause (no CPU for the generator, or a collection) what fell due goes out
         # at up to CATCH_UP times the fleet's rate, not in one burst: a real fleet's agents
         # do not pause together, so the registry would have had them spread out.
+        # The bucket is as deep as two typical ticks, so a generator that gets the CPU
+        # only every few ms (a busy machine) still offers the fleet's whole rate.
         rate = len(due) / interval
-        budget = min(max(rate * BURST_S, 8.0), budget + gap * CATCH_UP * rate)
+        typical_gap += (gap - typical_gap) * 0.05
+        budget = min(max(rate * max(BURST_S, 2.0 * typical_gap), 8.0),
+                     budget + gap * CATCH_UP * rate)
         sent = 0
         while due and due[0][0] <= now and budget >= 1.0:
             budget -= 1.0
