@@ -13,7 +13,9 @@ Per registry (this tree, and with --baseline a commit of this repository extract
 - the registry runs as `pdreg registry` in its own process (HTTP off), as deployed;
 - a load generator process registers the members and heartbeats each one at the interval
   the registry dictates, from its own phase, with a load that changes (a random walk of
-  running requests and KV use), signed as agents sign; with --churn R, R times a second a
+  running requests and KV use), signed as agents sign, over 64 connections on which it
+  speaks ZMTP as a libzmq DEALER does (its own CPU is taken from the registry's machine:
+  it stands in for hosts); with --churn R, R times a second a
   `churn-*` member says bye or comes back as a new incarnation; a probe member flips its
   state every PROBE_EVERY_S (a membership event);
 - a subscriber process holds --subscribers raw SUB sockets (what a router's view holds):
@@ -28,6 +30,9 @@ every subscriber, PUB bytes per router per second, view CPU, members wrongly sus
 Sync's round trip time and size. Where a probe's delay is: its propagation to the
 first subscriber (no fan-out queueing), its own heartbeat's reply (the control queue),
 the subscriber processes' own delay, and CPU per registry thread (the loop, libzmq's I/O).
+The bench's own part: the generator's CPU per heartbeat and how late it sent heartbeats
+after they fell due (a generator without a CPU sends late, then catches up), and the
+garbage collections of the generator, the subscribers and the view.
 """
 
 from __future__ import annotations
