@@ -137,8 +137,8 @@ class _Member:
 _GREETING = b"\xff" + bytes(7) + b"\x01\x7f\x03\x01NULL" + bytes(16) + b"\x00" + bytes(31)
 _READY = (b"\x04\x29\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
           b"\x08Identity\x00\x00\x00\x00")
-_SHORT = [bytes((0, n)) for n in range(256)]
-_READ_BYTES = 1 << 16  # a last frame's flags and size up to 255 B
+_SHORT = [bytes((0, n)) for n in range(256)]  # a last frame's flags and size, up to 255 B
+_READ_BYTES = 1 << 16
 
 
 def _frame(payload: bytes) -> bytes:
@@ -333,7 +333,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     gap_max = 0.0
     window_t0 = 0.0
 
-    def on_reply(payload: bytes, kind: str, member: _Member, read: float) -> None:
+    def on_reply(payload: bytes, kind: str, member: _Member | None, read: float) -> None:
         nonlocal interval, ok_reply
         if payload == ok_reply and kind != "register":
             counts["ok"] += 1
@@ -342,7 +342,7 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
             return
         reply = decode(payload)
         interval = getattr(reply, "heartbeat_interval_s", interval)
-        if kind == "register":
+        if kind == "register" and member is not None:
             counts["registered"] += 1
             if reply.status is ReplyStatus.OK:
                 member.session = reply.session
@@ -371,7 +371,6 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                 else:
                     on_reply(payload, *(about or ("beat", None)), read)
         counts["ok"] += ok
-
         for w in wires:
             if w.backlog:
                 w.flush()
