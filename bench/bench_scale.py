@@ -13,7 +13,9 @@ Per registry (this tree, and with --baseline a commit of this repository extract
 - the registry runs as `pdreg registry` in its own process (HTTP off), as deployed;
 - a load generator process registers the members and heartbeats each one at the interval
   the registry dictates, from its own phase, with a load that changes (a random walk of
-  running requests and KV use), signed as agents sign; with --churn R, R times a second a
+  running requests and KV use), signed as agents sign, over 64 connections on which it
+  speaks ZMTP as a libzmq DEALER does (its own CPU is taken from the registry's machine:
+  it stands in for hosts); with --churn R, R times a second a
   `churn-*` member says bye or comes back as a new incarnation; a probe member flips its
   state every PROBE_EVERY_S (a membership event);
 - a subscriber process holds --subscribers raw SUB sockets (what a router's view holds):
@@ -28,12 +30,16 @@ every subscriber, PUB bytes per router per second, view CPU, members wrongly sus
 Sync's round trip time and size. Where a probe's delay is: its propagation to the
 first subscriber (no fan-out queueing), its own heartbeat's reply (the control queue),
 the subscriber processes' own delay, and CPU per registry thread (the loop, libzmq's I/O).
+The bench's own part: the generator's CPU per heartbeat and how late it sent heartbeats
+after they fell due (a generator without a CPU sends late, then catches up), and the
+garbage collections of the generator, the subscribers and the view.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import heapq
 import json
 import math
@@ -41,7 +47,9 @@ import multiprocessing as mp
 import os
 import random
 import resource
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -102,110 +110,210 @@ def member_spec(member_id: str, model: str, i: int, incarnation: int = 1) -> Mem
                       labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Member:
     spec: MemberSpec
     nonce: bytes
     session: bytes = b""
     seq: int = 0
     running: int = 0
-    kv: float = 0.0
+    kv: float = 0.0  # (deadband_entries' walk)
     up: bool = True
-    due: float = 0.0
+    kv_e4: int = 0  # the generator's walk: KV use in units of 0.0001 (what a beat carries)
+
+
+# --- the generator's connections: ZMTP 3.1 as libzmq's DEALER speaks it -------------------
+#
+# Through libzmq each heartbeat cost the generator two threads' work: the send checks
+# the socket's mailbox (getpid, poll) and wakes libzmq's I/O thread (an eventfd, a thread
+# switch), which then sends it; 32-45 us of CPU per heartbeat on this machine's 2 cores,
+# taken from the registry under test (~13 us now, most of it the send() itself). So the
+# generator speaks the wire protocol itself over plain non-blocking TCP sockets: the
+# bytes a libzmq DEALER sends (greeting, READY, one frame per message), one send() per
+# message, as each agent of a real fleet sends its heartbeat in its own segment
+# (TCP_NODELAY, as libzmq).
+
+# A libzmq 4.3 DEALER's greeting (ZMTP 3.1, NULL mechanism, as client) and READY command.
+_GREETING = b"\xff" + bytes(7) + b"\x01\x7f\x03\x01NULL" + bytes(16) + b"\x00" + bytes(31)
+_READY = (b"\x04\x29\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
+          b"\x08Identity\x00\x00\x00\x00")
+_SHORT = [bytes((0, n)) for n in range(256)]  # a last frame's flags and size, up to 255 B
+_READ_BYTES = 1 << 16
+
+
+def _frame(payload: bytes) -> bytes:
+    n = len(payload)
+    return _SHORT[n] + payload if n < 256 else b"\x02" + n.to_bytes(8, "big") + payload
+
+
+class _Wire:
+    """One DEALER-speaking connection to the registry's ROUTER (NULL security, as the
+    bench's registry runs): whole messages out, whole single-frame messages in."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(_GREETING + _READY)
+        self._buf = bytearray()
+        while len(self._buf) < 64:  # the registry's greeting, then its READY
+            self._fill()
+        del self._buf[:64]
+        while not self._frames(handshake=True):
+            self._fill()
+        self.sock.setblocking(False)
+        self.backlog = bytearray()  # what the kernel would not take yet (kept in order)
+
+    def _fill(self) -> bool:
+        """What has arrived, up to 64 KiB, into the buffer; whether there may be more."""
+        try:
+            chunk = self.sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            raise ConnectionError("the registry closed a generator connection")
+        self._buf += chunk
+        return len(chunk) == _READ_BYTES
+
+    def send(self, payload: bytes) -> None:
+        frame = _frame(payload)
+        if self.backlog:
+            self.backlog += frame
+            self.flush()
+            return
+        try:
+            sent = self.sock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(frame):
+            self.backlog += frame[sent:]
+
+    def flush(self) -> None:
+        if self.backlog:
+            with contextlib.suppress(BlockingIOError):
+                del self.backlog[:self.sock.send(self.backlog)]
+
+    def read(self) -> list[bytes]:
+        """Every whole message that has arrived, in order (the socket is readable)."""
+        while self._fill():
+            pass
+        return self._frames()
+
+    def _frames(self, handshake: bool = False) -> list[bytes]:
+        """The buffer's whole frames: its messages; with `handshake`, up to the first
+        command (the registry's READY), returned as the one item."""
+        buf, pos, n, out = self._buf, 0, len(self._buf), []
+        while n - pos >= 2:
+            flags = buf[pos]
+            if flags & 0x02:  # a long frame
+                if n - pos < 9:
+                    break
+                size, head = int.from_bytes(buf[pos + 1:pos + 9], "big"), 9
+            else:
+                size, head = buf[pos + 1], 2
+            if n - pos < head + size:
+                break
+            body = bytes(buf[pos + head:pos + head + size])
+            pos += head + size
+            if flags & 0x04:  # a command: the handshake's READY, or ERROR
+                if body[1:1 + body[0]] == b"ERROR":
+                    raise ConnectionError(f"the registry refused a connection: {body!r}")
+                if handshake:
+                    out = [body]
+                    break
+            elif flags & 0x01:
+                raise ConnectionError("a multipart reply (the registry sends one frame)")
+            elif not handshake:
+                out.append(body)
+        del buf[:pos]
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # --- the load generator ------------------------------------------------------------------
+
+# The generator stands in for 100k hosts on a machine it shares with the registry: every
+# microsecond it spends per heartbeat is taken from the registry under test. So it sends
+# what is due once a tick and then reads what came back (not two polls of its 64
+# sockets per loop turn), draws its random walk from a pool drawn once, and freezes its
+# fleet out of the garbage collector's reach.
+TICK_S = 0.001
+CTL_EVERY_S = 0.01  # (a look at the bench's queue is a syscall and an exception)
+WALK_STEPS = 65_521  # a prime, so a member's steps do not repeat with the fleet's order
+KV_E4 = [k / 10_000 for k in range(10_001)]  # KV use as a heartbeat carries it (4 places)
+LATE_OVER_MS = 10.0  # a heartbeat sent later than this after it was due counts as late
+CATCH_UP = 2.0  # after a pause, overdue heartbeats go out at this times the fleet's rate
+BURST_S = 0.01  # ... after a burst of at most this many seconds' worth
+
+
+def walk_steps(rng: random.Random, n: int = WALK_STEPS) -> list[tuple[int, int]]:
+    """The load walk's steps, drawn once: running requests -2..+2 (0 twice as likely) and
+    KV use uniform within +-0.01 (in units of 0.0001), per beat, as agents' loads wobble."""
+    return [(rng.choice((-2, -1, 0, 0, 1, 2)), round(rng.uniform(-100.0, 100.0)))
+            for _ in range(n)]
+
+
+class _Pauses:
+    """The process's garbage collections (gc.callbacks): how many, how many were full
+    ones (generation 2, the walks over everything tracked), the longest."""
+
+    def __init__(self) -> None:
+        self.count, self.full, self.max_s, self._t = 0, 0, 0.0, 0.0
+        gc.callbacks.append(self._timed)
+
+    def _timed(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+            return
+        self.count += 1
+        self.full += info["generation"] == 2
+        self.max_s = max(self.max_s, time.perf_counter() - self._t)
+
+    def reset(self) -> None:
+        self.count, self.full, self.max_s = 0, 0, 0.0
+
+    def figures(self) -> dict[str, float]:
+        return {"gc_count": self.count, "gc_full": self.full,
+                "gc_max_ms": round(1e3 * self.max_s, 1)}
 
 
 def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
               out: mp.Queue, nice: int = 0) -> None:
     os.nice(nice)  # --nice-generator: the registry first when the machine is short of CPU
     rng = random.Random(7)
-    ctx = zmq.Context()
-    socks = []
-    for _ in range(SOCKETS):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.connect(f"tcp://{address}")
-        socks.append(s)
+    steps = walk_steps(rng)
+    wires = [_Wire(address) for _ in range(SOCKETS)]
+    sends = [w.send for w in wires]
     encode = make_encoder().encode
     decode = reply_decoder().decode
+    seal = sessions.seal
     fleet = [_Member(member_spec(f"decode-{i}", f"m{i % MODELS}", i), sessions.new_nonce(),
-                     running=rng.randrange(64), kv=rng.random())
+                     running=rng.randrange(64), kv_e4=rng.randrange(10_001))
              for i in range(members)]
     churners = [_Member(member_spec(f"churn-{j}", f"m{j % MODELS}", members + j),
                         sessions.new_nonce()) for j in range(CHURN_MEMBERS if churn_per_s else 0)]
     probe = _Member(member_spec("probe-0", PROBE_MODEL, members + CHURN_MEMBERS + 1),
                     sessions.new_nonce())
     everyone = [*fleet, *churners, probe]
-    # Replies come back in order per socket: what each pending one was about.
-    pending: list[deque[tuple[str, _Member | None]]] = [deque() for _ in socks]
+    everyone_index = {m.spec.id: i for i, m in enumerate(everyone)}
+    probe_index = len(everyone) - 1
+    # The fleet lives as long as the process and makes no cycles: out of the collector's
+    # walks (a full collection over 100k members takes ~35 ms, a pause and then a burst).
+    gc.freeze()
+    pauses = _Pauses()
+    # Replies come back in order per socket: what each pending one was about (None: a
+    # fleet heartbeat, the bulk).
+    pending: list[deque[tuple[str, _Member] | None]] = [deque() for _ in wires]
     counts = {"sent": 0, "ok": 0, "other": 0, "registered": 0}
-    interval = [1.0]
-    ok_reply = [b""]  # the encoded plain OK reply, once seen
-    registered_hook: list = [lambda member: None]
-
-    def send(k: int, payload: bytes, kind: str, member: _Member | None) -> None:
-        socks[k].send(payload, zmq.NOBLOCK)
-        pending[k].append((kind, member))
-
-    poller = zmq.Poller()
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
-    index = {s: k for k, s in enumerate(socks)}
-
-    def drain(timeout_ms: int) -> None:
-        for s, _ in poller.poll(timeout_ms):
-            k = index[s]
-            while True:
-                try:
-                    payload = s.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                kind, member = pending[k].popleft()
-                if payload == ok_reply[0] and kind != "register":
-                    # The registry sends the same bytes for every plain OK: no decode (the
-                    # generator stands in for 100k hosts; its CPU is not the registry's).
-                    counts["ok"] += 1
-                    if kind == "probe":
-                        probe_replies.append(time.monotonic())
-                    continue
-                reply = decode(payload)
-                interval[0] = getattr(reply, "heartbeat_interval_s", interval[0])
-                if kind == "register" and member is not None:
-                    counts["registered"] += 1
-                    if reply.status is ReplyStatus.OK:
-                        member.session = reply.session
-                        registered_hook[0](member)
-                elif kind in ("beat", "probe"):
-                    counts["ok" if reply.status is ReplyStatus.OK else "other"] += 1
-                    if reply.status is ReplyStatus.OK and not reply.reason:
-                        ok_reply[0] = payload
-                    if kind == "probe":
-                        probe_replies.append(time.monotonic())
-
-    def register(member: _Member, k: int) -> None:
-        send(k, encode(Register(spec=member.spec, nonce=member.nonce,
-                                state=MemberState.READY, load=Load(member.running))),
-             "register", member)
-
-    def beat(member: _Member, k: int, extra: dict[str, float] | None = None,
-             state: MemberState = MemberState.READY, kind: str = "beat") -> None:
-        member.seq += 1
-        member.running = max(0, member.running + rng.choice((-2, -1, 0, 0, 1, 2)))
-        member.kv = min(1.0, max(0.0, member.kv + rng.uniform(-0.01, 0.01)))
-        load = Load(member.running, 0, round(member.kv, 4), extra or {})
-        send(k, sessions.seal(member.session, encode(Heartbeat(
-            member.spec.id, member.spec.incarnation, member.seq, state, load))),
-             kind, member)
-        counts["sent"] += 1
-
-    # Members heartbeat from the moment they are registered, as agents do, each in its
-    # own phase: a heap of (due, index). Registrations go out WINDOW in flight per socket.
-    due: list[tuple[float, int]] = []
-    for i in range(len(everyone)):
-        everyone[i].due = -1.0  # not registered yet
+    interval = 1.0
+    ok_reply = b""  # the encoded plain OK reply, once seen
+    readable = select.epoll()
+    for w in wires:
+        readable.register(w.sock.fileno(), select.EPOLLIN)
+    index = {w.sock.fileno(): k for k, w in enumerate(wires)}
+    due: list[tuple[float, int]] = []  # (when, index into everyone): each its own phase
     started = time.monotonic()
     to_register = 0
     registered_reported = False
@@ -215,24 +323,108 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
     next_churn = math.inf
     marks: dict[str, dict[str, float]] = {}
     down: list[_Member] = []
+    step = 0
+    # In the window: how late each heartbeat went out after it was due, the longest gap
+    # between two ticks (the process paused or waiting for a CPU), the worst per second.
+    measuring = False
+    late: list[float] = []
+    late_per_s: dict[int, float] = {}
+    gaps_over = 0
+    gap_max = 0.0
+    window_t0 = 0.0
 
-    def on_registered(member: _Member) -> None:
-        heapq.heappush(due, (time.monotonic() + rng.random() * interval[0],
-                             everyone_index[member.spec.id]))
+    def on_reply(payload: bytes, kind: str, member: _Member | None, read: float) -> None:
+        nonlocal interval, ok_reply
+        if payload == ok_reply and kind != "register":
+            counts["ok"] += 1
+            if kind == "probe":
+                probe_replies.append(read)
+            return
+        reply = decode(payload)
+        interval = getattr(reply, "heartbeat_interval_s", interval)
+        if kind == "register" and member is not None:
+            counts["registered"] += 1
+            if reply.status is ReplyStatus.OK:
+                member.session = reply.session
+                # Heartbeats from the moment it is registered, as agents do.
+                heapq.heappush(due, (read + rng.random() * interval,
+                                     everyone_index[member.spec.id]))
+        elif kind in ("beat", "probe"):
+            counts["ok" if reply.status is ReplyStatus.OK else "other"] += 1
+            if reply.status is ReplyStatus.OK and not reply.reason:
+                ok_reply = payload
+            if kind == "probe":
+                probe_replies.append(read)
 
-    everyone_index = {m.spec.id: i for i, m in enumerate(everyone)}
-    registered_hook[0] = on_registered
+    def drain() -> None:
+        """Every reply that has arrived. The plain OK reply is the same bytes every time:
+        compared, not decoded (the generator's CPU is not the registry's)."""
+        read = time.monotonic()
+        ok = 0
+        for fd, _ in readable.poll(0):
+            k = index[fd]
+            queue = pending[k]
+            for payload in wires[k].read():
+                about = queue.popleft()
+                if about is None and payload == ok_reply:
+                    ok += 1
+                else:
+                    on_reply(payload, *(about or ("beat", None)), read)
+        counts["ok"] += ok
+        for w in wires:
+            if w.backlog:
+                w.flush()
+
+    def send(k: int, payload: bytes, kind: str, member: _Member) -> None:
+        sends[k](payload)
+        pending[k].append((kind, member))
+
+    def register(member: _Member, k: int) -> None:
+        send(k, encode(Register(spec=member.spec, nonce=member.nonce,
+                                state=MemberState.READY, load=Load(member.running))),
+             "register", member)
+
+    def beat(member: _Member, k: int, extra: dict[str, float], state: MemberState,
+             kind: str) -> None:
+        """A heartbeat outside the fleet's hot path (the probe)."""
+        nonlocal step
+        member.seq += 1
+        d_running, d_kv = steps[step]
+        step = (step + 1) % WALK_STEPS
+        member.running = max(0, member.running + d_running)
+        member.kv_e4 = min(10_000, max(0, member.kv_e4 + d_kv))
+        send(k, seal(member.session, encode(Heartbeat(
+            member.spec.id, member.spec.incarnation, member.seq, state,
+            Load(member.running, 0, KV_E4[member.kv_e4], extra)))), kind, member)
+        counts["sent"] += 1
+
+    ready = MemberState.READY
+    previous = time.monotonic()
+    budget = 0.0
+    typical_gap = TICK_S
+    next_ctl = 0.0
     while True:
-        try:
-            message = ctl.get_nowait()
-        except Exception:
-            message = None
+        message = None
+        if previous >= next_ctl:  # the bench's start/end, looked for every CTL_EVERY_S
+            next_ctl = previous + CTL_EVERY_S
+            try:
+                message = ctl.get_nowait()
+            except Exception:
+                message = None
         if message in ("start", "end"):
             marks[message] = {**counts, "t": time.monotonic(), "probes": len(probes)}
+        if message == "start":
+            measuring, window_t0 = True, time.monotonic()
+            pauses.reset()
         if message == "end":
             break
         now = time.monotonic()
-        # 1) Registrations, while the registered heartbeat.
+        gap = now - previous
+        if measuring:
+            gap_max = max(gap_max, gap)
+            gaps_over += gap > LATE_OVER_MS / 1e3
+        previous = now
+        # 1) Registrations, WINDOW in flight per socket, while the registered heartbeat.
         while to_register < len(everyone) and len(pending[to_register % SOCKETS]) < WINDOW:
             register(everyone[to_register], to_register % SOCKETS)
             to_register += 1
@@ -240,18 +432,51 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                 and counts["registered"] >= len(everyone)):
             registered_reported = True
             missing = sum(1 for m in everyone if not m.session)
-            out.put(("registered", now - started, missing, interval[0]))
+            gc.freeze()  # the sessions and the schedule, too
+            out.put(("registered", now - started, missing, interval))
             next_probe = now + 1.0
             next_churn = now + (1.0 / churn_per_s if churn_per_s else math.inf)
-        # 2) Due heartbeats.
-        while due and due[0][0] <= now:
+        # 2) What is due (the hot path: one heap pop and push, a walk step from the pool,
+        # the project's encoder and the member's own session, per heartbeat).
+        # After a pause (no CPU for the generator, or a collection) what fell due goes out
+        # at up to CATCH_UP times the fleet's rate, not in one burst: a real fleet's agents
+        # do not pause together, so the registry would have had them spread out.
+        # The bucket is as deep as two typical ticks, so a generator that gets the CPU
+        # only every few ms (a busy machine) still offers the fleet's whole rate.
+        rate = len(due) / interval
+        typical_gap += (gap - typical_gap) * 0.05
+        budget = min(max(rate * max(BURST_S, 2.0 * typical_gap), 8.0),
+                     budget + gap * CATCH_UP * rate)
+        sent = 0
+        while due and due[0][0] <= now and budget >= 1.0:
+            budget -= 1.0
             when, i = heapq.heappop(due)
-            member = everyone[i]
-            if member is probe:
+            if i == probe_index:
                 continue  # the probe beats on its own schedule
-            if member.up and member.session:
-                beat(member, i % SOCKETS)
-                heapq.heappush(due, (when + interval[0], i))
+            member = everyone[i]
+            if not (member.up and member.session):
+                continue  # said bye: registers again as a new incarnation
+            member.seq += 1
+            d_running, d_kv = steps[step]
+            step = (step + 1) % WALK_STEPS
+            running = member.running + d_running
+            member.running = running = running if running > 0 else 0
+            kv = member.kv_e4 + d_kv
+            member.kv_e4 = kv = 0 if kv < 0 else 10_000 if kv > 10_000 else kv
+            spec = member.spec
+            k = i % SOCKETS
+            sends[k](seal(member.session, encode(Heartbeat(
+                spec.id, spec.incarnation, member.seq, ready,
+                Load(running, 0, KV_E4[kv])))))
+            pending[k].append(None)
+            heapq.heappush(due, (when + interval, i))
+            sent += 1
+            if measuring:
+                late.append(now - when)
+        counts["sent"] += sent
+        if measuring and late and sent:
+            second = int(now - window_t0)
+            late_per_s[second] = max(late_per_s.get(second, 0.0), max(late[-sent:]))
         if now >= next_probe:
             next_probe += PROBE_EVERY_S
             state = MemberState.JOINING if len(probes) % 2 == 0 else MemberState.READY
@@ -269,18 +494,32 @@ def generator(address: str, members: int, churn_per_s: float, ctl: mp.Queue,
                 member = rng.choice(churners)
                 if member.up and member.session:
                     member.seq += 1
-                    send(1, sessions.seal(member.session, encode(Bye(
+                    send(1, seal(member.session, encode(Bye(
                         member.spec.id, member.spec.incarnation, member.seq,
                         ByeReason.SHUTDOWN))), "bye", member)
                     member.up = False
                     member.session = b""
                     down.append(member)
-        drain(0)
-        wait = min(due[0][0] if due else math.inf, next_probe, next_churn) - time.monotonic()
-        if wait > 0 or to_register < len(everyone):
-            drain(int(min(max(wait, 0.0), 0.005) * 1e3) + 1)
-    out.put(("done", marks, probes, probe_replies))
-    ctx.destroy(linger=0)
+        drain()
+        # 3) Sleep to the next tick (heartbeats due meanwhile wait for it: up to a tick
+        # late, rather than a wake-up per heartbeat), or to the probe's or a churn's time.
+        wake = min(now + TICK_S, next_probe, next_churn)
+        wait = wake - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+    late.sort()
+    figures = {"late_p50_ms": round(1e3 * _pct(late, 0.5), 1),
+               "late_p99_ms": round(1e3 * _pct(late, 0.99), 1),
+               "late_max_ms": round(1e3 * late[-1], 1) if late else math.nan,
+               "late_over": sum(1 for t in late if t > LATE_OVER_MS / 1e3),
+               "gap_max_ms": round(1e3 * gap_max, 1), "gaps_over": gaps_over,
+               "late_per_s_ms": [round(1e3 * late_per_s.get(s, 0.0), 1)
+                                 for s in range(max(late_per_s, default=-1) + 1)],
+               **pauses.figures()}
+    out.put(("done", marks, probes, probe_replies, figures))
+    readable.close()
+    for w in wires:
+        w.close()
 
 
 # --- subscribers (raw SUB sockets, as a router's view holds) -------------------------------
@@ -316,6 +555,7 @@ def subscribers(events_address: str, indices: range, per_model: bool, ready: mp.
     own: dict[int, list[float]] = {}
     wrongly_suspect: set[str] = set()
     all_topics = socks[0] if indices.start == 0 else None
+    pauses = _Pauses()
     ready.put("subscribed")
     while True:
         try:
@@ -324,6 +564,7 @@ def subscribers(events_address: str, indices: range, per_model: bool, ready: mp.
             message = None
         if message == "start":
             measuring, nbytes, messages = True, 0, 0
+            pauses.reset()
         elif message == "end":
             break
         for s, _ in poller.poll(20):
@@ -349,22 +590,25 @@ def subscribers(events_address: str, indices: range, per_model: bool, ready: mp.
                     if (isinstance(event, MemberUpdated) and event.member.suspect
                             and not event.member.spec.id.startswith("churn-")):
                         wrongly_suspect.add(event.member.spec.id)
-    out.put((nbytes, messages, arrivals, own, sorted(wrongly_suspect)))
+    out.put((nbytes, messages, arrivals, own, sorted(wrongly_suspect), pauses.figures()))
     ctx.destroy(linger=0)
 
 
 def view_process(address: str, ctl: mp.Queue, out: mp.Queue) -> None:
     view = MembershipView(address).start()
+    view.wait_for(bool, 120)
+    pauses = _Pauses()
     cpu0 = time.process_time()
     while True:
         message = ctl.get()
         if message == "start":
             cpu0 = time.process_time()
             t0 = time.monotonic()
+            pauses.reset()
         elif message == "end":
             break
     cpu = time.process_time() - cpu0
-    out.put((cpu / max(1e-9, time.monotonic() - t0), len(view.members())))
+    out.put((cpu / max(1e-9, time.monotonic() - t0), len(view.members()), pauses.figures()))
     view.close()
 
 
@@ -426,6 +670,21 @@ class Result:
     registry_threads_pct: dict[str, float] = field(default_factory=dict)
     generator_core_pct: float = 0.0  # the bench's own share of the machine
     subscribers_core_pct: float = 0.0
+    generator_us_per_heartbeat: float = 0.0  # its CPU over the heartbeats it sent
+    # How late the generator sent each heartbeat after it was due (the machine or a pause
+    # holding it back, and then a burst of overdue heartbeats): p50/p99/max, how many over
+    # 10 ms, its longest gap between two ticks, its garbage collections (count, longest),
+    # and per second of the window the latest one (JSON only).
+    generator_late_p50_ms: float = 0.0
+    generator_late_p99_ms: float = 0.0
+    generator_late_max_ms: float = 0.0
+    generator_late_over_10ms: int = 0
+    generator_gap_max_ms: float = 0.0
+    generator_gc: str = ""
+    generator_late_per_s_ms: list[float] = field(default_factory=list)
+    # The longest garbage collection in the window: the subscriber processes, the view's
+    subscribers_gc_max_ms: float = 0.0
+    view_gc: str = ""
 
 
 def run_one(tree: str, src: str, members: int, subs: int, churn: float,
@@ -492,12 +751,15 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             queues[name][0].put("end")
         for q in sub_queues[1:]:
             q[0].put("end")
-        _, marks, probes, probe_replies = queues["gen"][1].get(timeout=120)
+        _, marks, probes, probe_replies, gen_figures = queues["gen"][1].get(timeout=120)
         arrivals: dict[int, list[float]] = {}
         own: dict[int, list[float]] = {}
         suspects: list[str] = []
+        sub_gc_max_ms = 0.0
         for j, q in enumerate(sub_queues):
-            got_bytes, got_messages, got_arrivals, got_own, got_suspects = q[1].get(timeout=120)
+            (got_bytes, got_messages, got_arrivals, got_own, got_suspects,
+             got_pauses) = q[1].get(timeout=120)
+            sub_gc_max_ms = max(sub_gc_max_ms, got_pauses["gc_max_ms"])
             if j == 0:
                 nbytes, messages = got_bytes, got_messages
             for k, times in got_arrivals.items():
@@ -505,7 +767,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
             for k, times in got_own.items():
                 own.setdefault(k, []).extend(times)
             suspects.extend(got_suspects)
-        view_core, view_members = queues["view"][1].get(timeout=120)
+        view_core, view_members, view_pauses = queues["view"][1].get(timeout=120)
         for p in (gen, *subs_p, view):
             p.join(timeout=30)
         # Scraped after the window (a registry before the cap: ~10 MB, ~1.5 s at 100k).
@@ -550,6 +812,17 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         sub_own_p99_ms=round(_pct(own_ms, 0.99), 1), sub_procs=procs,
         probe_series_ms=series, registry_threads_pct=threads,
         generator_core_pct=round(100 * others_cpu["gen"] / elapsed, 1),
+        generator_us_per_heartbeat=round(1e6 * others_cpu["gen"]
+                                         / max(1, end["sent"] - start["sent"]), 1),
+        generator_late_p50_ms=gen_figures["late_p50_ms"],
+        generator_late_p99_ms=gen_figures["late_p99_ms"],
+        generator_late_max_ms=gen_figures["late_max_ms"],
+        generator_late_over_10ms=gen_figures["late_over"],
+        generator_gap_max_ms=gen_figures["gap_max_ms"],
+        generator_gc=_gc_text(gen_figures),
+        generator_late_per_s_ms=gen_figures["late_per_s_ms"],
+        subscribers_gc_max_ms=sub_gc_max_ms,
+        view_gc=_gc_text(view_pauses),
         subscribers_core_pct=round(100 * others_cpu["sub"] / elapsed, 1),
         probe_reply_p50_ms=round(_pct(replied, 0.5), 1),
         probe_reply_p99_ms=round(_pct(replied, 0.99), 1),
@@ -570,6 +843,11 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         scrape_kb=round(max(scraped[0] for scraped in _SCRAPED) / 1e3, 1) if _SCRAPED else 0.0,
         scrape_ms_max=round(1e3 * max(scraped[1] for scraped in _SCRAPED), 1)
         if _SCRAPED else 0.0)
+
+
+def _gc_text(figures: dict[str, float]) -> str:
+    return (f"{figures['gc_count']} ({figures['gc_full']} full), "
+            f"max {figures['gc_max_ms']} ms")
 
 
 _NO_BASELINE_FIGURES = "--no-baseline-figures" in sys.argv
@@ -972,7 +1250,10 @@ def _table(results: list[Result]) -> None:
             "registry_core_pct", "registry_us_per_heartbeat", "registry_us_per_delivered_msg",
             "propagation_p50_ms", "propagation_p99_ms", "first_p50_ms", "first_p99_ms",
             "sub_own_p99_ms", "sub_procs", "probe_reply_p50_ms", "probe_reply_p99_ms",
-            "probes_lost", "generator_core_pct", "subscribers_core_pct",
+            "probes_lost", "generator_core_pct", "generator_us_per_heartbeat",
+            "generator_late_p99_ms", "generator_late_max_ms", "generator_late_over_10ms",
+            "generator_gap_max_ms", "generator_gc", "subscribers_gc_max_ms", "view_gc",
+            "subscribers_core_pct",
             "pub_bytes_per_router_per_s", "view_core_pct", "wrongly_suspect",
             "registry_runq_wait_pct", "subscribers_runq_wait_pct", "turns_per_s", "turns_over_25ms",
             "turns_over_100ms", "snapshot_builds", "snapshot_build_ms_mean",
