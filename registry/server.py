@@ -3,6 +3,7 @@
     loop thread   ROUTER (control) ─► decode ─► Membership transition ─► reply
                   timer ─► Membership.tick ─► PUB events, load digests
                   a reader's request ─► snapshot build and swap
+                  above 2,000 messages/s: a 1 ms pause between turns (registry.coalesce)
                   inproc PULL (wake) ◄─ admin actions from HTTP, shutdown
     HTTP thread   uvicorn: reads `published` (an immutable snapshot swapped by reference)
     ZAP thread    with CURVE: pyzmq's authenticator admits only allowed client keys
