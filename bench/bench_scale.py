@@ -97,6 +97,7 @@ PROBE_EVERY_S = 0.25
 PROBE_MODEL = "probe"
 MODELS = 8  # members spread over this many models (topics)
 CHURN_MEMBERS = 200
+SCRAPE_SETTLE_S = 1.0  # after the scrape before the window: its backlog drains
 SUB_RCVHWM = 20_000  # per subscriber: one that falls behind loses messages (counted)
 
 
@@ -721,14 +722,20 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         view.start()
         # Every member heartbeats once, the view syncs, the registration backlog drains.
         time.sleep(max(2.0, 1.5 * interval, warmup_s))
+        # The loop's figures are scraped around the window, not in it: a /metrics scrape
+        # at 100k members is a walk over every member in the registry's HTTP thread, which
+        # holds back the loop (and so the probes) for a moment; --scrape-every measures
+        # that on purpose. (A registry before the per-member series were capped, before
+        # bde53e6, takes ~1.5 s per scrape at 100k: with such a baseline,
+        # --no-baseline-figures.)
+        figures = tree.startswith("this") or not _NO_BASELINE_FIGURES
+        loop0 = _loop_figures(metrics_url) if figures else {}
+        loop_t0 = time.monotonic()
+        if figures:
+            time.sleep(SCRAPE_SETTLE_S)
         for name in queues:
             queues[name][0].put("start")
         spy = _py_spy(pid, measure_s, os.path.join(profile, f"{label}.txt")) if profile else None
-        # Scraped around the window (a registry before the per-member series were capped,
-        # before bde53e6, takes ~1.5 s per scrape at 100k, stalling its loop: with such a
-        # baseline, --no-baseline-figures).
-        figures = tree.startswith("this") or not _NO_BASELINE_FIGURES
-        loop0 = _loop_figures(metrics_url) if figures else {}
         watched = (("registry", [pid]), ("sub", [p.pid for p in subs_p]))
         waited0 = {name: sum(map(_runq_s, pids)) for name, pids in watched}
         others = {"gen": [gen.pid], "sub": [p.pid for p in subs_p]}
@@ -743,14 +750,15 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         others_cpu = {name: sum(map(_cpu_s, pids)) - others0[name]
                       for name, pids in others.items()}
         waited = {name: sum(map(_runq_s, pids)) - waited0[name] for name, pids in watched}
-        loop = {k: v - loop0.get(k, 0.0)
-                for k, v in (_loop_figures(metrics_url) if figures else {}).items()}
         if spy is not None:
             spy.wait(timeout=60)
         for name in queues:
             queues[name][0].put("end")
         for q in sub_queues[1:]:
             q[0].put("end")
+        loop = {k: v - loop0.get(k, 0.0)
+                for k, v in (_loop_figures(metrics_url) if figures else {}).items()}
+        loop_span_s = time.monotonic() - loop_t0  # the window and a little on either side
         _, marks, probes, probe_replies, gen_figures = queues["gen"][1].get(timeout=120)
         arrivals: dict[int, list[float]] = {}
         own: dict[int, list[float]] = {}
@@ -833,7 +841,7 @@ def run_one(tree: str, src: str, members: int, subs: int, churn: float,
         snapshot_mb=round(len(raw) / 1e6, 2),
         registry_runq_wait_pct=round(100 * waited["registry"] / elapsed, 1),
         subscribers_runq_wait_pct=round(100 * waited["sub"] / elapsed, 1),
-        turns_per_s=round(loop.get("turns", 0.0) / elapsed),
+        turns_per_s=round(loop.get("turns", 0.0) / loop_span_s),
         turns_over_25ms=int(loop.get("turns_over_25ms", 0)),
         turns_over_100ms=int(loop.get("turns_over_100ms", 0)),
         snapshot_builds=int(loop.get("snapshot_builds", 0)),
