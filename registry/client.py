@@ -386,6 +386,10 @@ class MembershipView:
         for link in self._links:
             changed |= link.replica.take_changed()
         if not changed:
+            # Nothing to hand readers, but waiters still look again: a first snapshot of an
+            # empty registry changes no member and makes the view `synced`.
+            with self._changed:
+                self._changed.notify_all()
             return
         updates: dict[str, LiveMember | None] = {}
         if len(self._links) == 1:
