@@ -386,12 +386,19 @@ class _Connection(asyncio.Protocol):
 
     def _arm(self, seconds: float, *, once: bool = False) -> None:
         """The current phase must end within `seconds`. One timer per connection, moved
-        lazily: re-arming only writes the deadline. `once`: keep a deadline already set."""
+        lazily: re-arming to a later deadline only writes it (the timer, when it fires,
+        waits again). `once`: keep a deadline already set."""
         if once and self._deadline:
             return
-        self._deadline = self.loop.time() + seconds
-        if self._timer is None:
-            self._timer = self.loop.call_at(self._deadline, self._on_timer)
+        deadline = self._deadline = self.loop.time() + seconds
+        timer = self._timer
+        if timer is not None and timer.when() > deadline:
+            # An earlier deadline than the pending timer (a body timeout shorter than the
+            # header timeout armed at connect): the timer must fire at the new one.
+            timer.cancel()
+            timer = None
+        if timer is None:
+            self._timer = self.loop.call_at(deadline, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
