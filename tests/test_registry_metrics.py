@@ -122,3 +122,37 @@ def test_a_flood_of_readers_costs_the_loop_a_build_per_change_not_per_read():
     finally:
         member.close()
         registry.close()
+
+
+def _samples(registry: RegistryServer) -> dict[str, list]:
+    text = httpx.get(f"{registry.http_url}/metrics", timeout=30).text
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def _counted(families: dict[str, list], state: str) -> float:
+    return sum(s.value for s in families["pdreg_members"] if s.labels["state"] == state)
+
+
+def test_a_scrape_shows_every_change_acknowledged_before_it_without_a_snapshot():
+    """The counts a scrape shows are the loop's, copied for it: every registration and
+    departure acknowledged before the scrape is in it, and no scrape builds the HTTP
+    snapshot (an O(members) build at fleet size)."""
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start()
+    members = [RawMember(registry.control_address, member_id=f"decode-127.0.0.1-{9200 + i}")
+               for i in range(4)]
+    try:
+        builds = _snapshot_builds(registry)
+        for count, member in enumerate(members, 1):
+            assert member.register().status is ReplyStatus.OK
+            assert _counted(_samples(registry), "ready") == count  # no wait in between
+        assert members[0].bye().status is ReplyStatus.OK
+        families = _samples(registry)
+        assert _counted(families, "ready") == 3
+        ages = [s for s in families["pdreg_heartbeat_age_seconds"]
+                if s.name == "pdreg_heartbeat_age_seconds_count"]
+        assert sum(s.value for s in ages) == 3
+        assert _snapshot_builds(registry) == builds
+    finally:
+        for member in members:
+            member.close()
+        registry.close()
