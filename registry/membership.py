@@ -101,9 +101,10 @@ class _Entry(msgspec.Struct, gc=False):
     heartbeat_at: float  # monotonic, never moved: what clients see as heartbeat age
     session: bytes  # the secret every later message of this incarnation is proved with
     nonce: bytes  # the registrant's own secret: a retried Register must repeat it
-    # Where Membership.fleet_stats counts it: its group, heartbeat slot and state key.
+    # Where Membership.fleet_stats counts it: its group, heartbeat_at in microseconds
+    # (which gives its slot) and state key.
     group: Group
-    slot: int
+    beat_us: int
     counted: int
     last_seq: int = 0  # the highest seq accepted; anything at or below it is a replay
     suspect: bool = False
@@ -270,11 +271,11 @@ class Membership:
                 return cap
         seen = now - self._lag_s
         counted = state_key(state, False)
-        group, slot = self.fleet_stats.join(spec.role, spec.model, counted, now)
+        group, beat_us = self.fleet_stats.join(spec.role, spec.model, counted, now)
         entry = _Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=seen,
                        seen_before=seen, sent_load=load,
                        heartbeat_at=now, session=self._new_session(), nonce=nonce,
-                       group=group, slot=slot, counted=counted)
+                       group=group, beat_us=beat_us, counted=counted)
         self._members[spec.id] = entry
         self._unsuspected[spec.id] = entry
         self._unsilent[spec.id] = entry
@@ -657,7 +658,7 @@ class Membership:
     def _seen(self, entry: _Entry, load: Load, now: float) -> None:
         member_id = entry.spec.id
         entry.seen_before, entry.last_seen = entry.last_seen, now - self._lag_s
-        entry.slot = self.fleet_stats.beat(entry.group, entry.slot, entry.heartbeat_at, now)
+        entry.beat_us = self.fleet_stats.beat(entry.group, entry.beat_us, now)
         entry.heartbeat_at = now
         self._stale.add(member_id)
         # To the end of every order: it is now the freshest.
@@ -712,7 +713,7 @@ class Membership:
             del self._records[entry.spec.model]
         self._stale.discard(member_id)
         self._held.pop(member_id, None)
-        self.fleet_stats.leave(entry.group, entry.counted, entry.slot, entry.heartbeat_at)
+        self.fleet_stats.leave(entry.group, entry.counted, entry.beat_us)
         self.admission.left(entry.spec.model)
         self._retime()
         self._publish(MemberLeft(self.epoch, self._next_version(), member_id,

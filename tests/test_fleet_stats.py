@@ -75,8 +75,8 @@ def counted_problems(m: Membership) -> list[str]:
         else:
             slots[(*key, slot)] += 1
         sums[key] += micros(e.heartbeat_at)
-        if (e.slot, e.counted) != (slot, state_key(e.state, e.suspect)):
-            problems.append(f"{e.spec.id} remembers slot {e.slot} key {e.counted}")
+        if (e.beat_us, e.counted) != (micros(e.heartbeat_at), state_key(e.state, e.suspect)):
+            problems.append(f"{e.spec.id} remembers {e.beat_us} us, key {e.counted}")
         if stats.groups.get(key) is not e.group:
             problems.append(f"{e.spec.id} counted in another group")
     if set(stats.groups) != set(members):
