@@ -1,6 +1,7 @@
 """The registry's HTTP side: members, health, metrics, admin actions, OpenAPI.
 
-Reads only `published` (an immutable snapshot the loop swaps); admin actions are
+Reads only `published` (an immutable snapshot the loop swaps) and, for /metrics,
+`figures` (the membership's counts, copied by the loop); admin actions are
 submitted to the loop, which stays the only writer. Depends on what `RegistryHandle`
 names, not on the server module: arrows run server -> http, never back.
 """
