@@ -54,7 +54,7 @@ DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
 # The HTTP side's snapshot is built on demand: a reader that finds it older than the
 # membership (or than SNAPSHOT_PERIOD_S, for load changes) asks the loop for a new one.
 # Building costs O(members) (~5-90 ms at 100k), so with nobody reading (the usual case for
-# a big fleet between scrapes and dashboard visits) the loop builds none; with readers,
+# a big fleet between dashboard visits and API reads) the loop builds none; with readers,
 # builds are at least SNAPSHOT_COST_FACTOR times their own duration apart (and
 # SNAPSHOT_MIN_PERIOD_S), so they take at most about a tenth of the loop. A reader waits
 # for the new one (at most SNAPSHOT_WAIT_S), so it sees every change acknowledged before
