@@ -8,10 +8,10 @@ which owns one `FleetStats` and calls it at every transition:
     beat                 it heartbeat: O(1), two dict updates when its slot changed
 Heartbeat times are kept per group in slots SLOT_S wide (absolute slot numbers, a dict
 slot -> members whose last heartbeat fell in it); each member remembers its heartbeat
-time in integer microseconds (which gives its slot). Slots
-older than the largest age bucket are folded into one `older` count when figures are
-taken, so a group holds at most ~AGE_BUCKETS_S[-1] / SLOT_S slots plus what members
-heartbeat since. The sum of heartbeat times is kept exactly (integer microseconds), so
+time in integer microseconds (which gives its slot). Slots older than the largest age
+bucket are folded into one `older` count when figures are taken, so a group holds at
+most ~AGE_BUCKETS_S[-1] / SLOT_S slots plus what members heartbeat since (and never more
+slots than members). The sum of heartbeat times is kept exactly (integer microseconds), so
 the histogram's sum is exact and its buckets exact to a slot.
 
 `figures()` hands the HTTP thread an immutable copy: O(groups x occupied slots), never
