@@ -1,6 +1,7 @@
 """The registry's HTTP side: members, health, metrics, admin actions, OpenAPI.
 
-Reads only `published` (an immutable snapshot the loop swaps); admin actions are
+Reads only `published` (an immutable snapshot the loop swaps) and, for /metrics,
+`figures` (the membership's counts, copied by the loop); admin actions are
 submitted to the loop, which stays the only writer. Depends on what `RegistryHandle`
 names, not on the server module: arrows run server -> http, never back.
 """
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from registry.admission import MAX_BAN_S
 from registry.dashboard import dashboard_router
+from registry.fleet_stats import FleetFigures
 from registry.http_guard import BodyLimit
 from registry.kv_reports import KvSummary, kv_index_json
 from registry.metrics import LoopStats, make_metrics_registry
@@ -44,6 +46,8 @@ class RegistryHandle(Protocol):
 
     @property
     def published(self) -> Published: ...
+    @property
+    def figures(self) -> FleetFigures: ...
     @property
     def kv_index(self) -> Mapping[str, KvSummary]: ...
     def submit(self, action: Callable[[Membership, float], Outcome]) -> Future[Outcome]: ...
@@ -67,7 +71,7 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
     """
     app = FastAPI(title="pdreg registry", version="2",
                   description="Live membership of a prefill/decode serving fleet.")
-    metrics_registry = make_metrics_registry(server.stats, lambda: server.published)
+    metrics_registry = make_metrics_registry(server.stats, lambda: server.figures)
     readers = [t.encode() for t in (read_token, admin_token) if t] if exposed else []
 
     def require_admin(request: Request) -> None:

@@ -41,6 +41,7 @@ from registry import sessions
 from registry.admission import Admission, Limits
 from registry.deadband import Deadband, is_news
 from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
+from registry.fleet_stats import FleetFigures, FleetStats, Group, state_key
 from registry.outcome import BAD_PROOF, DRAIN, OK, UNKNOWN, Outcome, Refusal, refused
 from registry.preservation import Change, SelfPreservation
 from registry.protocol import (
@@ -86,7 +87,8 @@ class _Entry(msgspec.Struct, gc=False):
     """A member as the registry holds it (mutable; never sent).
 
     Not tracked by the cyclic GC (`gc=False`): it holds only leaf data (specs, loads,
-    bytes, numbers, a dict of floats) and nothing that can refer back to it, so it can
+    bytes, numbers, a dict of floats, its `fleet_stats.Group`, which holds no entry) and
+    nothing that can refer back to it, so it can
     never be in a reference cycle. At 100k members this takes 100k objects out of every
     full collection, which otherwise paused the loop for 0.1-0.2 s now and then.
     """
@@ -99,6 +101,11 @@ class _Entry(msgspec.Struct, gc=False):
     heartbeat_at: float  # monotonic, never moved: what clients see as heartbeat age
     session: bytes  # the secret every later message of this incarnation is proved with
     nonce: bytes  # the registrant's own secret: a retried Register must repeat it
+    # Where Membership.fleet_stats counts it: its group, heartbeat_at in microseconds
+    # (which gives its slot) and state key.
+    group: Group
+    beat_us: int
+    counted: int
     last_seq: int = 0  # the highest seq accepted; anything at or below it is a replay
     suspect: bool = False
     # last_seen before the latest heartbeat: whether the member was silent at a moment
@@ -164,6 +171,8 @@ class Membership:
         self._preservation = SelfPreservation(self.config)
         self.last_lag_s = 0.0
         self.timing: Timing = timing_for(self.config, 0)
+        # Members by role, model and state, and their heartbeat times, for /metrics.
+        self.fleet_stats = FleetStats()
 
     # --- reads -------------------------------------------------------------------------
 
@@ -206,6 +215,17 @@ class Membership:
 
     def models(self) -> set[str]:
         return set(self.admission.per_model)
+
+    def figures(self, now: float, per_member_max: int) -> FleetFigures:
+        """What /metrics shows of the membership: O(groups x heartbeat slots), plus
+        O(members) only for a fleet of at most `per_member_max` (a series per member)."""
+        per_member = None
+        if len(self._members) <= per_member_max:
+            per_member = tuple((e.spec.id, e.spec.role, e.spec.model, e.heartbeat_at)
+                               for e in self._members.values())
+        return FleetFigures(self.version, len(self._members), self.fleet_stats.figures(now),
+                            per_member, self.timing.heartbeat_interval_s,
+                            self.self_preserving, now)
 
     def next_deadline(self, now: float) -> float:
         """When `tick` next has something to do (at the latest one tick period away)."""
@@ -250,9 +270,12 @@ class Membership:
             if cap is not None:
                 return cap
         seen = now - self._lag_s
+        counted = state_key(state, False)
+        group, beat_us = self.fleet_stats.join(spec.role, spec.model, counted, now)
         entry = _Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=seen,
                        seen_before=seen, sent_load=load,
-                       heartbeat_at=now, session=self._new_session(), nonce=nonce)
+                       heartbeat_at=now, session=self._new_session(), nonce=nonce,
+                       group=group, beat_us=beat_us, counted=counted)
         self._members[spec.id] = entry
         self._unsuspected[spec.id] = entry
         self._unsilent[spec.id] = entry
@@ -635,6 +658,7 @@ class Membership:
     def _seen(self, entry: _Entry, load: Load, now: float) -> None:
         member_id = entry.spec.id
         entry.seen_before, entry.last_seen = entry.last_seen, now - self._lag_s
+        entry.beat_us = self.fleet_stats.beat(entry.group, entry.beat_us, now)
         entry.heartbeat_at = now
         self._stale.add(member_id)
         # To the end of every order: it is now the freshest.
@@ -689,6 +713,7 @@ class Membership:
             del self._records[entry.spec.model]
         self._stale.discard(member_id)
         self._held.pop(member_id, None)
+        self.fleet_stats.leave(entry.group, entry.counted, entry.beat_us)
         self.admission.left(entry.spec.model)
         self._retime()
         self._publish(MemberLeft(self.epoch, self._next_version(), member_id,
@@ -697,6 +722,11 @@ class Membership:
             logger.info("[registry] leave id=%s reason=%s", member_id, reason.name.lower())
 
     def _publish_update(self, entry: _Entry) -> None:
+        # Every change of state or suspicion comes through here: recount it.
+        counted = state_key(entry.state, entry.suspect)
+        if counted != entry.counted:
+            self.fleet_stats.restate(entry.group, entry.counted, counted)
+            entry.counted = counted
         record = entry.record(self.wall_offset)
         entry.sent_load = entry.load  # the event carries it to every view
         self._records[entry.spec.model][entry.spec.id] = record

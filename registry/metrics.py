@@ -1,8 +1,9 @@
 """Prometheus metrics for the registry.
 
 The loop counts into plain integers (`LoopStats`), with no locks on the hot path; a
-custom collector turns them, and the published snapshot, into metric families at
-scrape time.
+custom collector turns them, and the membership's figures (`registry.fleet_stats`: counts
+the loop keeps as members change, copied for the scrape), into metric families at scrape
+time. A scrape costs O(roles x models), whatever the fleet's size.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from registry.fleet_stats import AGE_BUCKETS_S, SUSPECT, FleetFigures
 from registry.outcome import Refusal
 from registry.protocol import (
     LeaveReason,
@@ -37,7 +39,6 @@ from registry.protocol import (
 if TYPE_CHECKING:
     from registry.kv_reports import Applied
     from registry.outcome import Outcome
-    from registry.published import Published
 
 
 # Every reason a control message can be refused (pdreg_rejected_messages_total{reason}).
@@ -133,26 +134,26 @@ class LoopStats:
 # grow with the fleet (~100 bytes a member: 10 MB at 100k), and rendering it holds the GIL
 # the loop needs. The histogram below carries the same news at any size.
 PER_MEMBER_SERIES_MAX = 1_000
-# Heartbeat-age buckets (seconds): the interval is 1-5 s and the lease three intervals, so
-# a healthy member sits in the first buckets and a late one walks up them.
-AGE_BUCKETS_S = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0)
-# The HTTP thread walks the members in chunks this long and yields between them, so the
-# loop thread waits for the GIL at most about one chunk (well under 1 ms), not the whole walk.
-_CHUNK = 256
-_YIELD_S = 0.0002
+__all__ = ["AGE_BUCKETS_S", "PER_MEMBER_SERIES_MAX", "LoopStats", "RegistryCollector",
+           "make_metrics_registry"]
 
 
 class RegistryCollector(Collector):
-    def __init__(self, stats: LoopStats, published: Callable[[], Published],
-                 per_member_max: int = PER_MEMBER_SERIES_MAX) -> None:
+    """`figures` gives the membership as of the scrape (the loop copies it on demand);
+    `clock` is the clock its heartbeat times run on (the loop's monotonic one)."""
+
+    def __init__(self, stats: LoopStats, figures: Callable[[], FleetFigures],
+                 per_member_max: int = PER_MEMBER_SERIES_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._stats = stats
-        self._published = published
+        self._figures = figures
         self._per_member_max = per_member_max
+        self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats
-        published = self._published()
-        yield from self._membership_families(published, time.time())
+        figures = self._figures()
+        yield from self._membership_families(figures, self._clock())
 
         yield _counter("pdreg_heartbeats", "Heartbeats received.", stats.heartbeats)
         yield _labelled_counter("pdreg_heartbeat_results",
@@ -198,10 +199,10 @@ class RegistryCollector(Collector):
                        stats.replies_dropped)
         yield _counter("pdreg_loop_errors", "Loop steps that raised (bugs).", stats.loop_errors)
         yield _gauge("pdreg_membership_version", "Current membership version.",
-                     published.version)
+                     figures.version)
         yield _gauge("pdreg_self_preservation",
                      "1 while expiry is paused because many members went silent at once.",
-                     float(published.self_preserving))
+                     float(figures.self_preserving))
         yield _gauge("pdreg_loop_lag_seconds",
                      "How late the loop woke for its last deadline.", stats.loop_lateness_s)
         yield _gauge("pdreg_loop_lag_compensated_seconds",
@@ -218,63 +219,42 @@ class RegistryCollector(Collector):
             "pdreg_snapshot_build_seconds",
             "Time the loop spent building each HTTP snapshot (O(members), rate-limited).")
         yield _gauge("pdreg_heartbeat_interval_seconds",
-                     "Heartbeat interval the registry dictates.", published.heartbeat_interval_s)
+                     "Heartbeat interval the registry dictates.", figures.heartbeat_interval_s)
 
-    def _membership_families(self, published: Published, now: float) -> Iterator[Metric]:
-        """Members by role/model/state and heartbeat ages: O(roles x models) series.
-
-        The walk over the members is O(members) but cheap per member and done in chunks
-        that hand the GIL back to the loop thread; the per-member age gauge is emitted
-        only for fleets up to `per_member_max`.
-        """
-        members = published.members
-        counts: Counter[tuple[str, str, str]] = Counter()
-        # (role, model) -> count per bucket (the last one is +Inf) and the sum of ages
-        buckets: dict[tuple[str, str], list[int]] = {}
-        sums: Counter[tuple[str, str]] = Counter()
-        per_member = len(members) <= self._per_member_max
-        age = GaugeMetricFamily(
-            "pdreg_member_heartbeat_age_seconds",
-            "Seconds since each member's last heartbeat (only while the registry has at "
-            f"most {self._per_member_max} members; see pdreg_heartbeat_age_seconds).",
-            labels=["id", "role", "model"])
-        bounds = AGE_BUCKETS_S
-        for start in range(0, len(members), _CHUNK):
-            if start:
-                time.sleep(_YIELD_S)  # let the loop thread take the GIL
-            for record in members[start:start + _CHUNK]:
-                spec = record.spec
-                role = role_name(spec.role)
-                state = "suspect" if record.suspect else record.state.name.lower()
-                counts[(role, spec.model, state)] += 1
-                seconds = max(0.0, now - record.heartbeat_at)
-                key = (role, spec.model)
-                found = buckets.get(key)
-                if found is None:
-                    found = buckets[key] = [0] * (len(bounds) + 1)
-                found[bisect_left(bounds, seconds)] += 1
-                sums[key] += seconds
-                if per_member:
-                    age.add_metric([spec.id, role, spec.model], seconds)
-        models = {model for _, model in buckets} or {""}
-        states = [s.name.lower() for s in MemberState] + ["suspect"]
+    def _membership_families(self, figures: FleetFigures, now: float) -> Iterator[Metric]:
+        """Members by role/model/state and heartbeat ages: O(roles x models x heartbeat
+        slots), from counts the loop keeps; a series per member only for fleets up to
+        `per_member_max`."""
+        groups = {(g.role, g.model): g for g in figures.groups}
+        models = sorted({model for _, model in groups} or {""})
+        states = [(s.name.lower(), int(s)) for s in MemberState] + [("suspect", SUSPECT)]
         family = GaugeMetricFamily("pdreg_members", "Members by role, model and state.",
                                    labels=["role", "model", "state"])
         histogram = HistogramMetricFamily(
             "pdreg_heartbeat_age_seconds",
             "Seconds since each member's last heartbeat, by role and model.",
             labels=["role", "model"])
-        for role in sorted(role_name(r) for r in Role):
-            for model in sorted(models):
-                for state in states:
-                    family.add_metric([role, model, state], counts.get((role, model, state), 0))
-                per_bucket = buckets.get((role, model), [0] * (len(bounds) + 1))
+        bounds = [*map(_le, AGE_BUCKETS_S), "+Inf"]
+        for role in sorted(Role, key=role_name):
+            name = role_name(role)
+            for model in models:
+                group = groups.get((role, model))
+                for state, key in states:
+                    family.add_metric([name, model, state], group.states[key] if group else 0)
+                per_bucket, total_s = group.ages(now) if group else ([0] * len(bounds), 0.0)
                 cumulative, total = [], 0
-                for bound, count in zip([*map(_le, bounds), "+Inf"], per_bucket, strict=True):
+                for bound, count in zip(bounds, per_bucket, strict=True):
                     total += count
                     cumulative.append((bound, total))
-                histogram.add_metric([role, model], cumulative,
-                                     sums.get((role, model), 0.0))
+                histogram.add_metric([name, model], cumulative, total_s)
+        age = GaugeMetricFamily(
+            "pdreg_member_heartbeat_age_seconds",
+            "Seconds since each member's last heartbeat (only while the registry has at "
+            f"most {self._per_member_max} members; see pdreg_heartbeat_age_seconds).",
+            labels=["id", "role", "model"])
+        if figures.per_member is not None and figures.members <= self._per_member_max:
+            for member_id, role, model, heartbeat_at in figures.per_member:
+                age.add_metric([member_id, role_name(role), model], max(0.0, now - heartbeat_at))
         yield family
         yield histogram
         yield age
@@ -300,8 +280,8 @@ def _labelled_counter(name: str, documentation: str, label: str, values: Counter
     return family
 
 
-def make_metrics_registry(stats: LoopStats,
-                          published: Callable[[], Published]) -> CollectorRegistry:
+def make_metrics_registry(stats: LoopStats, figures: Callable[[], FleetFigures],
+                          clock: Callable[[], float] = time.monotonic) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RegistryCollector(stats, published))
+    registry.register(RegistryCollector(stats, figures, clock=clock))
     return registry

@@ -5,7 +5,8 @@
                   a reader's request ─► snapshot build and swap
                   above 2,000 messages/s: a 1 ms pause between turns (registry.coalesce)
                   inproc PULL (wake) ◄─ admin actions from HTTP, shutdown
-    HTTP thread   uvicorn: reads `published` (an immutable snapshot swapped by reference)
+    HTTP thread   uvicorn: reads `published` (an immutable snapshot swapped by reference),
+                  and for /metrics `figures` (counts, copied on demand: no member walk)
     ZAP thread    with CURVE: pyzmq's authenticator admits only allowed client keys
 
 Nothing but the loop writes membership, so there are no locks on the hot path. A bad
@@ -37,10 +38,11 @@ from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
 from registry.deadband import Deadband
 from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
+from registry.fleet_stats import FleetFigures
 from registry.kv_reports import KvSummary
 from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
-from registry.metrics import LoopStats
+from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats
 from registry.protocol import MAX_MESSAGE_BYTES, MemberRecord, ReplyStatus, control_decoder
 from registry.published import Published
 from registry.publisher import Publisher
@@ -52,7 +54,7 @@ DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
 # The HTTP side's snapshot is built on demand: a reader that finds it older than the
 # membership (or than SNAPSHOT_PERIOD_S, for load changes) asks the loop for a new one.
 # Building costs O(members) (~5-90 ms at 100k), so with nobody reading (the usual case for
-# a big fleet between scrapes and dashboard visits) the loop builds none; with readers,
+# a big fleet between dashboard visits and API reads) the loop builds none; with readers,
 # builds are at least SNAPSHOT_COST_FACTOR times their own duration apart (and
 # SNAPSHOT_MIN_PERIOD_S), so they take at most about a tenth of the loop. A reader waits
 # for the new one (at most SNAPSHOT_WAIT_S), so it sees every change acknowledged before
@@ -62,6 +64,9 @@ SNAPSHOT_MIN_PERIOD_S = 0.02
 SNAPSHOT_COST_FACTOR = 10.0
 SNAPSHOT_WAIT_S = 1.0
 SNAPSHOT_REFRESH_SLICE = 2048  # stale records rebuilt per loop turn before a build (~2 ms)
+# /metrics reads `figures` instead: counts the membership keeps as members change, copied
+# on demand by the same rules (a reader sees every change acknowledged before its read),
+# at O(roles x models x heartbeat slots), not O(members), and without a snapshot.
 DEFAULT_MAX_MEMBERS = MAX_MEMBERS  # --max-members (registry.admission says why)
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 # /healthz answers 503 once the loop has not turned for this many heartbeat intervals
@@ -148,6 +153,9 @@ class RegistryServer:
         self._built_at = time.monotonic()  # when _published was built
         self._snapshot_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a build costs
         self._snapshot_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        self._figures = self._membership.figures(time.monotonic(), PER_MEMBER_SERIES_MAX)
+        self._figures_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a copy costs
+        self._figures_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._monitors: list[zmq.Socket] = []
         for sock in (self._control, self._events, self._wake_rx, self._wake_tx):
             sock.setsockopt(zmq.LINGER, 0)
@@ -257,6 +265,25 @@ class RegistryServer:
         return self._published
 
     @property
+    def figures(self) -> FleetFigures:
+        """The membership's counts for /metrics, as `published` (the same freshness and
+        waits) but O(roles x models) to copy: a scrape never makes the loop build a
+        snapshot or walk the members."""
+        figures = self._figures
+        if (self._state is not ShutdownState.RUNNING or self._loop_thread is None
+                or threading.current_thread() is self._loop_thread
+                or (figures.version == self._membership.version
+                    and time.monotonic() - figures.taken_at <= SNAPSHOT_PERIOD_S)):
+            return figures
+        copied = threading.Event()
+        first = self._figures_requests.empty()  # later readers ride on the first's wake
+        self._figures_requests.put(copied)
+        if first:
+            self._wake()
+        copied.wait(SNAPSHOT_WAIT_S)
+        return self._figures
+
+    @property
     def kv_index(self) -> Mapping[str, KvSummary]:
         """Per member, what routers report of their KV indexes (registry.kv_reports)."""
         return self._channel.kv_reports.view
@@ -295,15 +322,17 @@ class RegistryServer:
         decoder = control_decoder()  # one typed decoder, owned by this thread
         now = time.monotonic()
         next_digest = next_pulse = now
-        requests = self._snapshot_requests
+        requests, figure_requests = self._snapshot_requests, self._figures_requests
         coalescer = Coalescer(self.config.coalesce_s)
         while self._state is ShutdownState.RUNNING:
             handled = 0
             # 1) Poll until the next deadline (never forever).
             next_snapshot = (math.inf if requests.empty()
                              else self._built_at + self._snapshot_gap_s)
+            next_figures = (math.inf if figure_requests.empty()
+                            else self._figures.taken_at + self._figures_gap_s)
             deadline = min(membership.next_deadline(now), next_digest, next_pulse,
-                           next_snapshot)
+                           next_snapshot, next_figures)
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
             timeout_ms = math.ceil(max(0.0, (deadline - time.monotonic()) * 1e3))
             ready = dict(poller.poll(timeout_ms))
@@ -331,6 +360,9 @@ class RegistryServer:
                 if (not requests.empty() and now >= self._built_at + self._snapshot_gap_s
                         and membership.refresh_some_records(SNAPSHOT_REFRESH_SLICE) == 0):
                     self._build_snapshot(now)
+                if (not figure_requests.empty()
+                        and now >= self._figures.taken_at + self._figures_gap_s):
+                    self._copy_figures(now)
             except Exception:
                 # A bug in one step must not take membership down with it.
                 self.stats.loop_errors += 1
@@ -358,6 +390,18 @@ class RegistryServer:
         while True:
             try:
                 self._snapshot_requests.get_nowait().set()
+            except queue.Empty:
+                return
+
+    def _copy_figures(self, now: float) -> None:
+        """Copy the membership's counts for /metrics and answer every reader that asked."""
+        copying = time.monotonic()
+        self._figures = self._membership.figures(now, PER_MEMBER_SERIES_MAX)
+        cost_s = time.monotonic() - copying
+        self._figures_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
+        while True:
+            try:
+                self._figures_requests.get_nowait().set()
             except queue.Empty:
                 return
 

@@ -7,48 +7,41 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from membership_ops import Fleet, spec
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from raw_member import RawMember
 
+from registry.membership import Membership
 from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats, make_metrics_registry
-from registry.protocol import (
-    Endpoints,
-    MemberRecord,
-    MemberSpec,
-    MemberState,
-    ReplyStatus,
-    Role,
-)
-from registry.published import Published
+from registry.protocol import ReplyStatus, Role
 from registry.server import SNAPSHOT_PERIOD_S, RegistryConfig, RegistryServer
 
 MODELS = 4
 
 
-def _published(members: int, now: float, late: int = 0) -> Published:
+def _fleet(members: int, now: float, late: int = 0) -> Fleet:
     """`members` members over MODELS models; the first `late` last heartbeat 40 s ago."""
-    records = tuple(
-        MemberRecord(
-            spec=MemberSpec(id=f"decode-{i}", incarnation=1,
-                            role=Role.PREFILL if i % 2 else Role.DECODE, model=f"m{i % MODELS}",
-                            protocol="reference",
-                            endpoints=Endpoints(http=f"http://10.0.{i // 256}.{i % 256}:8000")),
-            state=MemberState.READY, heartbeat_at=now - (40.0 if i < late else 0.5))
-        for i in range(members))
-    return Published(epoch=1, version=1, members=records, heartbeat_interval_s=1.0,
-                     lease_s=3.0, self_preserving=False, taken_at=now)
+    fleet = Fleet()
+    for i in range(members):
+        role = Role.PREFILL if i % 2 else Role.DECODE
+        fleet.join(spec(f"decode-{i}", 1, model=f"m{i % MODELS}", role=role), now=now - 40.0)
+    for i in range(late, members):
+        fleet.beat(f"decode-{i}", 1, now=now - 0.5)
+    return fleet
 
 
-def _scrape(snapshot: Published) -> dict[str, list]:
-    text = generate_latest(make_metrics_registry(LoopStats(), lambda: snapshot)).decode()
+def _scrape(fleet: Membership, now: float) -> dict[str, list]:
+    figures = fleet.figures(now, PER_MEMBER_SERIES_MAX)
+    text = generate_latest(make_metrics_registry(LoopStats(), lambda: figures,
+                                                 clock=lambda: now)).decode()
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
 
 
 def test_a_scrape_does_not_grow_per_member_past_the_cap():
-    now = time.time()
-    small = _scrape(_published(PER_MEMBER_SERIES_MAX + 1, now))
-    big = _scrape(_published(4 * PER_MEMBER_SERIES_MAX, now))
+    now = 100.0
+    small = _scrape(_fleet(PER_MEMBER_SERIES_MAX + 1, now), now)
+    big = _scrape(_fleet(4 * PER_MEMBER_SERIES_MAX, now), now)
     assert {name: len(samples) for name, samples in small.items()} == {
         name: len(samples) for name, samples in big.items()}
     assert sum(len(samples) for samples in big.values()) < 1_000
@@ -56,9 +49,9 @@ def test_a_scrape_does_not_grow_per_member_past_the_cap():
 
 
 def test_members_and_heartbeat_ages_are_counted_at_any_size():
-    now = time.time()
+    now = 100.0
     members = 4 * PER_MEMBER_SERIES_MAX
-    families = _scrape(_published(members, now, late=10))
+    families = _scrape(_fleet(members, now, late=10), now)
     counted = {(s.labels["role"], s.labels["model"]): s.value
                for s in families["pdreg_members"] if s.labels["state"] == "ready"}
     # even ids decode (models m0, m2), odd ones prefill (m1, m3)
@@ -73,8 +66,8 @@ def test_members_and_heartbeat_ages_are_counted_at_any_size():
 
 
 def test_small_fleets_keep_a_series_per_member():
-    now = time.time()
-    families = _scrape(_published(3, now, late=1))
+    now = 100.0
+    families = _scrape(_fleet(3, now, late=1), now)
     ages = {s.labels["id"]: s.value for s in families["pdreg_member_heartbeat_age_seconds"]}
     assert set(ages) == {"decode-0", "decode-1", "decode-2"}
     assert ages["decode-0"] >= 40.0 > ages["decode-1"]
@@ -128,4 +121,38 @@ def test_a_flood_of_readers_costs_the_loop_a_build_per_change_not_per_read():
         assert _snapshot_builds(registry) - before <= 2 + elapsed / SNAPSHOT_PERIOD_S
     finally:
         member.close()
+        registry.close()
+
+
+def _samples(registry: RegistryServer) -> dict[str, list]:
+    text = httpx.get(f"{registry.http_url}/metrics", timeout=30).text
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def _counted(families: dict[str, list], state: str) -> float:
+    return sum(s.value for s in families["pdreg_members"] if s.labels["state"] == state)
+
+
+def test_a_scrape_shows_every_change_acknowledged_before_it_without_a_snapshot():
+    """The counts a scrape shows are the loop's, copied for it: every registration and
+    departure acknowledged before the scrape is in it, and no scrape builds the HTTP
+    snapshot (an O(members) build at fleet size)."""
+    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start()
+    members = [RawMember(registry.control_address, member_id=f"decode-127.0.0.1-{9200 + i}")
+               for i in range(4)]
+    try:
+        builds = _snapshot_builds(registry)
+        for count, member in enumerate(members, 1):
+            assert member.register().status is ReplyStatus.OK
+            assert _counted(_samples(registry), "ready") == count  # no wait in between
+        assert members[0].bye().status is ReplyStatus.OK
+        families = _samples(registry)
+        assert _counted(families, "ready") == 3
+        ages = [s for s in families["pdreg_heartbeat_age_seconds"]
+                if s.name == "pdreg_heartbeat_age_seconds_count"]
+        assert sum(s.value for s in ages) == 3
+        assert _snapshot_builds(registry) == builds
+    finally:
+        for member in members:
+            member.close()
         registry.close()
