@@ -100,8 +100,10 @@ class GroupFigures:
 
 @dataclass(frozen=True, slots=True)
 class FleetFigures:
-    """What a `/metrics` scrape shows of the membership, taken by the loop at `taken_at`."""
+    """What a `/metrics` scrape (and `/healthz`) shows of the membership, taken by the
+    loop at `taken_at`."""
 
+    epoch: int
     version: int
     members: int
     groups: tuple[GroupFigures, ...]

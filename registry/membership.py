@@ -223,7 +223,8 @@ class Membership:
         if len(self._members) <= per_member_max:
             per_member = tuple((e.spec.id, e.spec.role, e.spec.model, e.heartbeat_at)
                                for e in self._members.values())
-        return FleetFigures(self.version, len(self._members), self.fleet_stats.figures(now),
+        return FleetFigures(self.epoch, self.version, len(self._members),
+                            self.fleet_stats.figures(now),
                             per_member, self.timing.heartbeat_interval_s,
                             self.self_preserving, now)
 

@@ -134,9 +134,9 @@ def _counted(families: dict[str, list], state: str) -> float:
 
 
 def test_a_scrape_shows_every_change_acknowledged_before_it_without_a_snapshot():
-    """The counts a scrape shows are the loop's, copied for it: every registration and
-    departure acknowledged before the scrape is in it, and no scrape builds the HTTP
-    snapshot (an O(members) build at fleet size)."""
+    """The counts a scrape (or /healthz) shows are the loop's, copied for it: every
+    registration and departure acknowledged before the scrape is in it, and neither builds
+    the HTTP snapshot (an O(members) build at fleet size)."""
     registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start()
     members = [RawMember(registry.control_address, member_id=f"decode-127.0.0.1-{9200 + i}")
                for i in range(4)]
@@ -151,6 +151,10 @@ def test_a_scrape_shows_every_change_acknowledged_before_it_without_a_snapshot()
         ages = [s for s in families["pdreg_heartbeat_age_seconds"]
                 if s.name == "pdreg_heartbeat_age_seconds_count"]
         assert sum(s.value for s in ages) == 3
+        # A liveness probe reads the same counts: as fresh, and no snapshot either.
+        health = httpx.get(f"{registry.http_url}/healthz", timeout=30).json()
+        assert (health["status"], health["members"]) == ("ok", 3)
+        assert health["epoch"] == registry.epoch
         assert _snapshot_builds(registry) == builds
     finally:
         for member in members:
