@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -43,6 +44,7 @@ from registry.kv_reports import KvSummary
 from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
 from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats
+from registry.on_demand import OnDemand
 from registry.protocol import MAX_MESSAGE_BYTES, MemberRecord, ReplyStatus, control_decoder
 from registry.published import Published
 from registry.publisher import Publisher
@@ -64,6 +66,14 @@ SNAPSHOT_MIN_PERIOD_S = 0.02
 SNAPSHOT_COST_FACTOR = 10.0
 SNAPSHOT_WAIT_S = 1.0
 SNAPSHOT_REFRESH_SLICE = 2048  # stale records rebuilt per loop turn before a build (~2 ms)
+class _HasVersion(Protocol):
+    @property
+    def version(self) -> int: ...
+
+
+_Versioned = TypeVar("_Versioned", bound=_HasVersion)
+_ON_DEMAND = {"max_age_s": SNAPSHOT_PERIOD_S, "min_gap_s": SNAPSHOT_MIN_PERIOD_S,
+              "cost_factor": SNAPSHOT_COST_FACTOR, "wait_s": SNAPSHOT_WAIT_S}
 # /metrics reads `figures` instead: counts the membership keeps as members change, copied
 # on demand by the same rules (a reader sees every change acknowledged before its read),
 # at O(roles x models x heartbeat slots), not O(members), and without a snapshot.
@@ -147,15 +157,13 @@ class RegistryServer:
         self._state = ShutdownState.RUNNING
         self._loop_thread: threading.Thread | None = None
         self._http: ServingThread | None = None
-        self._published = Published(self.epoch, 0, (), self.config.heartbeat_interval_s,
-                                    self.config.lease_s, False, time.time())
         self._turned_at = time.monotonic()  # the loop's last turn, for /healthz
-        self._built_at = time.monotonic()  # when _published was built
-        self._snapshot_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a build costs
-        self._snapshot_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
-        self._figures = self._membership.figures(time.monotonic(), PER_MEMBER_SERIES_MAX)
-        self._figures_gap_s = SNAPSHOT_MIN_PERIOD_S  # grows with what a copy costs
-        self._figures_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        # What the HTTP side reads, built by the loop when a reader finds it stale.
+        self._snapshot: OnDemand[Published] = OnDemand(
+            Published(self.epoch, 0, (), self.config.heartbeat_interval_s,
+                      self.config.lease_s, False, time.time()), **_ON_DEMAND)
+        self._figures: OnDemand[FleetFigures] = OnDemand(
+            self._membership.figures(time.monotonic(), PER_MEMBER_SERIES_MAX), **_ON_DEMAND)
         self._monitors: list[zmq.Socket] = []
         for sock in (self._control, self._events, self._wake_rx, self._wake_tx):
             sock.setsockopt(zmq.LINGER, 0)
@@ -199,8 +207,9 @@ class RegistryServer:
                                        ).start()
             self.http_port = self._http.port
         self._channel.events_port, self._channel.http_port = self.events_port, self.http_port
-        self._published = self._publisher.snapshot(self._membership, time.monotonic())
-        self._turned_at = self._built_at = time.monotonic()
+        self._snapshot.built(self._publisher.snapshot(self._membership, time.monotonic()),
+                             time.monotonic())
+        self._turned_at = time.monotonic()
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="pdreg-registry",
                                              daemon=True)
         self._loop_thread.start()
@@ -249,39 +258,21 @@ class RegistryServer:
     def published(self) -> Published:
         """The loop's latest snapshot; when it is behind the membership or older than
         SNAPSHOT_PERIOD_S, a new one (waiting at most SNAPSHOT_WAIT_S for the loop)."""
-        snapshot = self._published
-        age_s = time.monotonic() - self._built_at
-        if (self._state is not ShutdownState.RUNNING or self._loop_thread is None
-                or threading.current_thread() is self._loop_thread
-                or (snapshot.version == self._membership.version
-                    and age_s <= SNAPSHOT_PERIOD_S)):
-            return snapshot
-        built = threading.Event()
-        first = self._snapshot_requests.empty()  # later readers ride on the first's wake
-        self._snapshot_requests.put(built)
-        if first:
-            self._wake()
-        built.wait(SNAPSHOT_WAIT_S)
-        return self._published
+        return self._read(self._snapshot)
 
     @property
     def figures(self) -> FleetFigures:
-        """The membership's counts for /metrics, as `published` (the same freshness and
-        waits) but O(roles x models) to copy: a scrape never makes the loop build a
-        snapshot or walk the members."""
-        figures = self._figures
+        """The membership's counts for /metrics and /healthz, as `published` (the same
+        freshness and waits) but O(roles x models) to copy: reading them never makes the
+        loop build a snapshot or walk the members."""
+        return self._read(self._figures)
+
+    def _read(self, held: OnDemand[_Versioned]) -> _Versioned:
         if (self._state is not ShutdownState.RUNNING or self._loop_thread is None
-                or threading.current_thread() is self._loop_thread
-                or (figures.version == self._membership.version
-                    and time.monotonic() - figures.taken_at <= SNAPSHOT_PERIOD_S)):
-            return figures
-        copied = threading.Event()
-        first = self._figures_requests.empty()  # later readers ride on the first's wake
-        self._figures_requests.put(copied)
-        if first:
-            self._wake()
-        copied.wait(SNAPSHOT_WAIT_S)
-        return self._figures
+                or threading.current_thread() is self._loop_thread):
+            return held.value  # nobody to build a new one (or the builder asking)
+        version = self._membership.version
+        return held.read(lambda value: value.version == version, self._wake)
 
     @property
     def kv_index(self) -> Mapping[str, KvSummary]:
@@ -298,7 +289,7 @@ class RegistryServer:
     def loop_stall_limit_s(self) -> float:
         """A stall longer than this makes /healthz answer 503."""
         return max(HEALTHZ_MIN_STALL_S,
-                   HEALTHZ_STALL_INTERVALS * self._published.heartbeat_interval_s)
+                   HEALTHZ_STALL_INTERVALS * self._snapshot.value.heartbeat_interval_s)
 
     def submit(self, action: Callable[[Membership, float], Outcome]) -> Future[Outcome]:
         """Run `action(membership, now)` on the loop thread (admin actions)."""
@@ -322,17 +313,13 @@ class RegistryServer:
         decoder = control_decoder()  # one typed decoder, owned by this thread
         now = time.monotonic()
         next_digest = next_pulse = now
-        requests, figure_requests = self._snapshot_requests, self._figures_requests
+        snapshot, figures = self._snapshot, self._figures
         coalescer = Coalescer(self.config.coalesce_s)
         while self._state is ShutdownState.RUNNING:
             handled = 0
             # 1) Poll until the next deadline (never forever).
-            next_snapshot = (math.inf if requests.empty()
-                             else self._built_at + self._snapshot_gap_s)
-            next_figures = (math.inf if figure_requests.empty()
-                            else self._figures.taken_at + self._figures_gap_s)
             deadline = min(membership.next_deadline(now), next_digest, next_pulse,
-                           next_snapshot, next_figures)
+                           snapshot.due_at(), figures.due_at())
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
             timeout_ms = math.ceil(max(0.0, (deadline - time.monotonic()) * 1e3))
             ready = dict(poller.poll(timeout_ms))
@@ -357,12 +344,14 @@ class RegistryServer:
                     next_digest = now + DIGEST_PERIOD_S
                 # A snapshot asked for: first the records heartbeats made stale, a slice
                 # per turn (all of them at once is ~0.1 s at 100k), then the build.
-                if (not requests.empty() and now >= self._built_at + self._snapshot_gap_s
+                if (snapshot.wanted(now)
                         and membership.refresh_some_records(SNAPSHOT_REFRESH_SLICE) == 0):
-                    self._build_snapshot(now)
-                if (not figure_requests.empty()
-                        and now >= self._figures.taken_at + self._figures_gap_s):
-                    self._copy_figures(now)
+                    started = time.monotonic()
+                    self.stats.snapshot_builds.observe(
+                        snapshot.built(self._publisher.snapshot(membership, now), started))
+                if figures.wanted(now):
+                    figures.built(membership.figures(now, PER_MEMBER_SERIES_MAX),
+                                  time.monotonic())
             except Exception:
                 # A bug in one step must not take membership down with it.
                 self.stats.loop_errors += 1
@@ -378,32 +367,6 @@ class RegistryServer:
         """Membership events out on the PUB socket (after each message that made some, and
         after each tick)."""
         self._publisher.events(self._membership.take_events())
-
-    def _build_snapshot(self, now: float) -> None:
-        """Build the HTTP snapshot and answer every reader that asked for it."""
-        building = time.monotonic()
-        self._published = self._publisher.snapshot(self._membership, now)
-        self._built_at = done = time.monotonic()
-        cost_s = done - building
-        self.stats.snapshot_builds.observe(cost_s)
-        self._snapshot_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
-        while True:
-            try:
-                self._snapshot_requests.get_nowait().set()
-            except queue.Empty:
-                return
-
-    def _copy_figures(self, now: float) -> None:
-        """Copy the membership's counts for /metrics and answer every reader that asked."""
-        copying = time.monotonic()
-        self._figures = self._membership.figures(now, PER_MEMBER_SERIES_MAX)
-        cost_s = time.monotonic() - copying
-        self._figures_gap_s = max(SNAPSHOT_MIN_PERIOD_S, SNAPSHOT_COST_FACTOR * cost_s)
-        while True:
-            try:
-                self._figures_requests.get_nowait().set()
-            except queue.Empty:
-                return
 
     def _count_handshake_failures(self, ready: dict[zmq.Socket, int]) -> None:
         for monitor in self._monitors:
