@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -374,23 +374,32 @@ def test_under_a_high_rate_the_loop_batches_messages_and_still_answers_every_one
         fleet = _ChurnFleet(ctx, registry.control_address)
         fleet.register_all()
         assert not registry.stats.coalescing
-        turns_before = sum(registry.stats.turns.counts)
-        sent_before = fleet.sent
         start = time.monotonic()
         beats = 0
-        while time.monotonic() - start < 6.0 and not (
-                registry.stats.coalescing and time.monotonic() - start > 2.0):
-            due = int((time.monotonic() - start) * 5_000)  # 5,000 heartbeats/s
-            while beats < due:
-                fleet.beat(beats % CHURN_MEMBERS)
-                beats += 1
-            fleet.collect()
-            time.sleep(0.005)
-        assert registry.stats.coalescing
+
+        def flood(until: Callable[[], bool], seconds: float) -> None:
+            """8,000 heartbeats/s (four times the threshold) until `until()` or `seconds`."""
+            nonlocal beats
+            began, sent = time.monotonic(), beats
+            while time.monotonic() - began < seconds and not until():
+                due = sent + int((time.monotonic() - began) * 8_000)
+                while beats < due:
+                    fleet.beat(beats % CHURN_MEMBERS)
+                    beats += 1
+                fleet.collect()
+                time.sleep(0.005)
+
+        # The first full second at that rate turns the pauses on...
+        flood(lambda: registry.stats.coalescing, 6.0)
+        assert registry.stats.coalescing, f"{beats} heartbeats in {time.monotonic() - start:.1f}s"
+        # ...and from then on each turn takes a batch, not a message or two.
+        turns_before, sent_before = sum(registry.stats.turns.counts), fleet.sent
+        flood(lambda: not registry.stats.coalescing, 1.5)
+        assert registry.stats.coalescing  # the rate held all along
+        turns = sum(registry.stats.turns.counts) - turns_before
+        assert turns < (fleet.sent - sent_before) / 3, (turns, fleet.sent - sent_before)
         assert wait_until(lambda: fleet.collect() or fleet.answered == fleet.sent, WAIT_S)
         assert fleet.refused == 0
-        turns = sum(registry.stats.turns.counts) - turns_before
-        assert turns < (fleet.sent - sent_before) / 3  # batches, not a turn per message
         # The rate fell to nothing: the next window ends the pauses.
         fleet.beat(0)
         assert wait_until(lambda: fleet.collect() or not registry.stats.coalescing, WAIT_S)
