@@ -318,7 +318,10 @@ class RegistryServer:
         while self._state is ShutdownState.RUNNING:
             handled = 0
             # 1) Poll until the next deadline (never forever).
-            deadline = min(membership.next_deadline(now), next_digest, next_pulse,
+            # (No `next_pulse`: the pulse rides on the first digest at or after it. As a
+            # deadline of its own it came due before the digest and the loop spun, turning
+            # without waiting, until the digest did: up to 0.1 s every interval.)
+            deadline = min(membership.next_deadline(now), next_digest,
                            snapshot.due_at(), figures.due_at())
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
             timeout_ms = math.ceil(max(0.0, (deadline - time.monotonic()) * 1e3))
