@@ -37,6 +37,7 @@ from typing import Final
 
 import httptools
 
+from router.deadline import Deadline
 from router.errors import INVALID_REQUEST, openai_error
 from router.http_messages import Request, Response, StreamResponse
 
@@ -190,8 +191,7 @@ class _Connection(asyncio.Protocol):
         self._head_size = 0
         self._refusal: tuple[int, str, str] | None = None  # set by a callback, then raised
         self._queue: deque[Request] = deque()  # pipelined requests, answered in order
-        self._deadline = 0.0  # loop time the current phase must end by; 0 = none
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = Deadline(self.loop, self._timed_out)  # of the current phase
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
 
@@ -231,10 +231,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self._deadline = 0.0
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.cancel()
         if self.task is not None:
             self.task.cancel()  # the client left: its legs stop (engines see the close)
         waiter = self._drain_waiter
@@ -270,7 +267,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._reading = _Reading.BODY
         self._head_size = 0
-        self._deadline = 0.0  # the header deadline is met; a body's is armed if it waits
+        self._deadline.disarm()  # the header deadline is met; a body's is armed if it waits
         length = self._headers.get(b"content-length")
         if length is not None and length.isdigit() and \
                 int(length) > self.limits.max_body_bytes:
@@ -291,7 +288,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._reading = _Reading.DONE
-        self._deadline = 0.0
+        self._deadline.disarm()
         parser = self._parser
         url = self._url
         cut = url.find(b"?")
@@ -385,30 +382,15 @@ class _Connection(asyncio.Protocol):
     # --- deadlines ----------------------------------------------------------------------
 
     def _arm(self, seconds: float, *, once: bool = False) -> None:
-        """The current phase must end within `seconds`. One timer per connection, moved
-        lazily: re-arming to a later deadline only writes it (the timer, when it fires,
-        waits again). `once`: keep a deadline already set."""
-        if once and self._deadline:
+        """The current phase must end within `seconds` (router.deadline). `once`: keep a
+        deadline already set."""
+        if once and self._deadline.at:
             return
-        deadline = self._deadline = self.loop.time() + seconds
-        timer = self._timer
-        if timer is not None and timer.when() > deadline:
-            # An earlier deadline than the pending timer (a body timeout shorter than the
-            # header timeout armed at connect): the timer must fire at the new one.
-            timer.cancel()
-            timer = None
-        if timer is None:
-            self._timer = self.loop.call_at(deadline, self._on_timer)
+        self._deadline.arm(seconds)
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        deadline = self._deadline
-        if not deadline or self.transport is None:
+    def _timed_out(self) -> None:
+        if self.transport is None:
             return
-        if self.loop.time() < deadline:  # moved since: wait for the new one
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-            return
-        self._deadline = 0.0
         if self._reading is _Reading.BODY and not self.busy:
             self._refuse(408, "body_timeout", "the request body did not arrive within "
                          f"{self.limits.body_timeout_s:g} s")

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.deadline import Deadline
 from router.guard import HOP_HEADER, UpstreamPolicy, kv_address_problem
 from router.upstream_bounds import MAX_BODY_BYTES, FailureKind, Timeouts, UpstreamError
 
@@ -84,19 +85,15 @@ class _Connection(asyncio.Protocol):
     The httptools callbacks (`on_*`) fill the current `UpstreamResponse`.
     """
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.response: UpstreamResponse | None = None
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._content_type = b""
-        # One timer for every wait on this connection, moved lazily: a wait only writes
-        # `_deadline` (loop time; 0 = none), the timer re-checks it when it fires. A
-        # timer per wait cost a call_later and a cancel per leg, and per read of a stream.
-        self._deadline = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        # One timer for every wait on this connection (router.deadline).
+        self._deadline = Deadline(loop, self._timed_out)
 
     @property
     def usable(self) -> bool:
@@ -125,10 +122,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self._deadline = 0.0
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.cancel()
         if exc is not None:
             self._fail(UpstreamError(f"connection lost: {exc}", FailureKind.RESET))
         else:
@@ -163,30 +157,14 @@ class _Connection(asyncio.Protocol):
 
     # --- used by the pool and the response ----------------------------------------------
 
-    def arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    def arm(self, timeout_s: float) -> None:
         """The response's wait must end within `timeout_s`."""
-        deadline = self._deadline = loop.time() + timeout_s
-        timer = self._timer
-        if timer is not None and deadline < self._timer_at:  # sooner than it would fire
-            timer.cancel()
-            timer = None
-        if timer is None:
-            self._timer_at = deadline
-            self._timer = loop.call_at(deadline, self._on_deadline, loop)
+        self._deadline.arm(timeout_s)
 
     def disarm(self) -> None:
-        self._deadline = 0.0
+        self._deadline.disarm()
 
-    def _on_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._timer = None
-        deadline = self._deadline
-        if not deadline:
-            return
-        if loop.time() < deadline:  # moved since: wait for the new one
-            self._timer_at = deadline
-            self._timer = loop.call_at(deadline, self._on_deadline, loop)
-            return
-        self._deadline = 0.0
+    def _timed_out(self) -> None:
         if self.response is not None:
             self.response._time_out()
 
@@ -280,7 +258,7 @@ class UpstreamResponse:
         timed = timeout_s > 0 and connection is not None
         if timed:
             self._wait_for = (timeout_s, kind)
-            connection.arm(loop, timeout_s)  # type: ignore[union-attr]
+            connection.arm(timeout_s)  # type: ignore[union-attr]
         try:
             await waiter
         finally:
@@ -472,7 +450,8 @@ class UpstreamPool:
         error: OSError | None = None
         for address in allowed:
             try:
-                return await loop.create_connection(lambda: _Connection(key), address, port)
+                return await loop.create_connection(lambda: _Connection(key, loop), address,
+                                                    port)
             except OSError as exc:
                 error = exc
         assert error is not None

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -222,45 +222,52 @@ def test_page_updates_live_in_chromium(registry: RegistryServer, members: Member
                  Load(running=5, waiting=2, kv_usage=0.4))
     members.join("decode-127.0.0.1-21021", Role.DECODE, 21021, Load(running=3, kv_usage=0.7))
     assert wait_until(lambda: len(registry.members()) == 2, TIMEOUT_S)
+    _in_chromium(registry, lambda page: _drive(page, members))
+
+
+def _in_chromium(registry: RegistryServer, drive: Callable[[Page], Awaitable[None]]) -> None:
+    """Open the dashboard in Chromium and run `drive` on its page."""
     browser = Browser(registry.http_url + "/")
+
+    async def connected() -> None:
+        async with aiohttp.ClientSession() as session, session.ws_connect(
+                browser.page_ws(), max_msg_size=0) as ws:
+            await drive(Page(ws))
     try:
-        asyncio.run(_drive(browser, registry, members))
+        asyncio.run(connected())
     finally:
         browser.close()
 
 
-async def _drive(browser: Browser, registry: RegistryServer, members: Members) -> None:
-    async with aiohttp.ClientSession() as session, session.ws_connect(
-            browser.page_ws(), max_msg_size=0) as ws:
-        page = Page(ws)
-        ids = await page.wait_for(f"document.querySelectorAll('.member').length == 2 && "
-                                  f"{CARD_IDS}")
-        assert ids == "prefill-127.0.0.1-21011,decode-127.0.0.1-21021"
-        assert await page.evaluate("document.getElementById('conn').textContent") == "live"
-        version = int(await page.evaluate("document.body.dataset.version"))
+async def _drive(page: Page, members: Members) -> None:
+    ids = await page.wait_for(f"document.querySelectorAll('.member').length == 2 && "
+                              f"{CARD_IDS}")
+    assert ids == "prefill-127.0.0.1-21011,decode-127.0.0.1-21021"
+    assert await page.evaluate("document.getElementById('conn').textContent") == "live"
+    version = int(await page.evaluate("document.body.dataset.version"))
 
-        # A member joins: the page shows it without a reload.
-        await asyncio.to_thread(members.join, "decode-127.0.0.1-21022", Role.DECODE, 21022,
-                                Load(running=1, kv_usage=0.1))
-        assert await page.wait_for(f"({CARD_IDS}).includes('decode-127.0.0.1-21022')")
-        assert await page.wait_for(
-            "document.querySelector('[data-role=decode] h2').textContent"
-            ".includes('2 routable / 2')")
-        assert int(await page.evaluate("document.body.dataset.version")) > version
-        assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
+    # A member joins: the page shows it without a reload.
+    await asyncio.to_thread(members.join, "decode-127.0.0.1-21022", Role.DECODE, 21022,
+                            Load(running=1, kv_usage=0.1))
+    assert await page.wait_for(f"({CARD_IDS}).includes('decode-127.0.0.1-21022')")
+    assert await page.wait_for(
+        "document.querySelector('[data-role=decode] h2').textContent"
+        ".includes('2 routable / 2')")
+    assert int(await page.evaluate("document.body.dataset.version")) > version
+    assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
 
-        # The load bars reflect what the members report.
-        width = await page.evaluate(
-            "document.querySelector('[data-id=\"prefill-127.0.0.1-21011\"] .bar.kv .fill')"
-            ".style.width")
-        assert width == "40%"
-        await _screenshot(page)
+    # The load bars reflect what the members report.
+    width = await page.evaluate(
+        "document.querySelector('[data-id=\"prefill-127.0.0.1-21011\"] .bar.kv .fill')"
+        ".style.width")
+    assert width == "40%"
+    await _screenshot(page)
 
-        # A member leaves: its card goes, and the event list says so.
-        await asyncio.to_thread(members.leave, "prefill-127.0.0.1-21011")
-        assert await page.wait_for(f"!({CARD_IDS}).includes('prefill-127.0.0.1-21011')")
-        events = await page.evaluate("document.getElementById('events').innerText")
-        assert "left" in events and "prefill-127.0.0.1-21011" in events
+    # A member leaves: its card goes, and the event list says so.
+    await asyncio.to_thread(members.leave, "prefill-127.0.0.1-21011")
+    assert await page.wait_for(f"!({CARD_IDS}).includes('prefill-127.0.0.1-21011')")
+    events = await page.evaluate("document.getElementById('events').innerText")
+    assert "left" in events and "prefill-127.0.0.1-21011" in events
 
 
 async def _screenshot(page: Page) -> None:
@@ -306,24 +313,17 @@ def test_page_shows_the_kv_index_routers_report(registry: RegistryServer,
                    registries=registry.control_address, state=MemberState.READY)
     members.agents.update({spec.id: prefill.start(), router.spec.id: router.start()})
     assert wait_until(lambda: len(registry.members()) == 2 and router.registered, TIMEOUT_S)
-    browser = Browser(registry.http_url + "/")
-    try:
-        asyncio.run(_drive_kv(browser, spec, router))
-    finally:
-        browser.close()
+    _in_chromium(registry, lambda page: _drive_kv(page, spec, router))
 
 
-async def _drive_kv(browser: Browser, spec: MemberSpec, router: Agent) -> None:
+async def _drive_kv(page: Page, spec: MemberSpec, router: Agent) -> None:
     line = f"document.querySelector('[data-id=\"{spec.id}\"] .kvindex')"
-    async with aiohttp.ClientSession() as session, session.ws_connect(
-            browser.page_ws(), max_msg_size=0) as ws:
-        page = Page(ws)
-        assert await page.wait_for(f"{line} && {line}.innerText.includes('not reported')")
-        router.report_kv([KvIndexEntry(spec.id, spec.incarnation, KvIndexState.LIVE, 120, 40)])
-        assert await page.wait_for(f"{line}.innerText.includes('120 blocks')")
-        assert await page.evaluate(f"{line}.className") == "kvindex live"
-        router.report_kv([KvIndexEntry(spec.id, spec.incarnation, KvIndexState.UNKNOWN, 3,
-                                       2500)])
-        assert await page.wait_for(f"{line}.className == 'kvindex unknown'")
-        text = await page.evaluate(f"{line}.innerText")
-        assert "3 blocks" in text and "lag 2.5s" in text and "1 unknown" in text
+    assert await page.wait_for(f"{line} && {line}.innerText.includes('not reported')")
+    router.report_kv([KvIndexEntry(spec.id, spec.incarnation, KvIndexState.LIVE, 120, 40)])
+    assert await page.wait_for(f"{line}.innerText.includes('120 blocks')")
+    assert await page.evaluate(f"{line}.className") == "kvindex live"
+    router.report_kv([KvIndexEntry(spec.id, spec.incarnation, KvIndexState.UNKNOWN, 3,
+                                   2500)])
+    assert await page.wait_for(f"{line}.className == 'kvindex unknown'")
+    text = await page.evaluate(f"{line}.innerText")
+    assert "3 blocks" in text and "lag 2.5s" in text and "1 unknown" in text
