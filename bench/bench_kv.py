@@ -420,8 +420,8 @@ def scale(members: int = 1000, batches: int = 50, blocks_per_batch: int = 20) ->
     included, as the feed thread does it), and memory per million blocks indexed."""
     import tracemalloc
 
-    from registry.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
-    from router.kv_index import KvIndex
+    from router.kv.index import KvIndex
+    from wire.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
     index = KvIndex()
     payloads: list[tuple[str, int, bytes]] = []
@@ -442,7 +442,7 @@ def scale(members: int = 1000, batches: int = 50, blocks_per_batch: int = 20) ->
             else:
                 parent = hashes[-1]
             payloads.append((f"p{m}", seq, encode_batch(KVEventBatch(0.0, events, 0))))
-    from registry.kv_events import decode_batch
+    from wire.kv_events import decode_batch
 
     def feed(index: KvIndex) -> tuple[int, float]:
         started = time.process_time()

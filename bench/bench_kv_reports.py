@@ -24,7 +24,8 @@ import tracemalloc
 from registry import sessions
 from registry.kv_reports import VIEW_CHUNK, KvReports
 from registry.membership import Membership
-from registry.protocol import (
+from router.kv.reporter import REFRESH_MAX_PER_TICK, REFRESH_TICKS
+from wire.protocol import (
     Endpoints,
     Heartbeat,
     KvIndexEntry,
@@ -37,7 +38,6 @@ from registry.protocol import (
     control_decoder,
     make_encoder,
 )
-from router.kv_reporter import REFRESH_MAX_PER_TICK, REFRESH_TICKS
 
 ENTRIES_PER_MESSAGE = 300  # ~16 KiB at 30-character ids (engine_agent.link budget)
 
@@ -140,7 +140,7 @@ def main() -> None:
     beat_us = heartbeat_us()
     per_refresh_us = 1e6 * refresh_s / sampled
     per_change_us = 1e6 * change_s / sampled
-    # entries/s at a 1 s interval (router/kv_reporter.py's rolling refresh)
+    # entries/s at a 1 s interval (router/kv/reporter.py's rolling refresh)
     refresh_rate = args.routers * min(REFRESH_MAX_PER_TICK, args.members / REFRESH_TICKS)
     print(f"{args.routers} routers x {args.members} members = {entries:,} entries")
     print(f"  memory held: {held / 2**20:.1f} MiB ({held / entries:.0f} B per entry)")

@@ -10,7 +10,7 @@ the offered load is steady): a batch stores one new prompt's blocks (--blocks bl
 oldest prompt's blocks in the same batch (LRU-like churn), so the index grows to
 members x capacity blocks and stays there.
 
-The router side is this process: the router's own `KvFeed` (router/kv_feed.py: one IO
+The router side is this process: the router's own `KvFeed` (router/kv/feed.py: one IO
 thread, one SUB and one replay DEALER per member) and `KvIndex`, subscribed to every
 member; nothing else runs in it. Measured over the publishing window, after every
 member's index is LIVE:
@@ -48,7 +48,9 @@ sys.path.insert(0, str(REPO))
 import zmq  # noqa: E402
 
 from pdreg.testing import die_with_parent  # noqa: E402
-from registry.kv_events import (  # noqa: E402
+from router.kv.feed import FeedMember, KvFeed  # noqa: E402
+from router.kv.index import IndexState, KvIndex  # noqa: E402
+from wire.kv_events import (  # noqa: E402
     REPLAY_END,
     BlockRemoved,
     BlockStored,
@@ -56,9 +58,7 @@ from registry.kv_events import (  # noqa: E402
     encode_batch,
     encode_seq,
 )
-from registry.protocol import KvEventsSpec  # noqa: E402
-from router.kv_feed import FeedMember, KvFeed  # noqa: E402
-from router.kv_index import IndexState, KvIndex  # noqa: E402
+from wire.protocol import KvEventsSpec  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "kv-scale.json"
 BLOCK = 16

@@ -47,8 +47,8 @@ from registry import sessions  # noqa: E402
 from registry.admission import Limits  # noqa: E402
 from registry.membership import Membership  # noqa: E402
 from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats  # noqa: E402
-from registry.protocol import Heartbeat, Load, MemberState, make_encoder  # noqa: E402
 from registry.published import Published  # noqa: E402
+from wire.protocol import Heartbeat, Load, MemberState, make_encoder  # noqa: E402
 
 MODELS = 8
 SPREAD_S = 5.0  # heartbeat times spread over one interval, as in a healthy fleet

@@ -44,7 +44,8 @@ sys.path.insert(0, ROOT)
 from pdreg.testing import die_with_parent  # noqa: E402
 from registry import sessions  # noqa: E402
 from registry.client import MembershipView, request_snapshot  # noqa: E402
-from registry.protocol import (  # noqa: E402
+from registry.security import ClientCurve, generate_keys  # noqa: E402
+from wire.protocol import (  # noqa: E402
     Endpoints,
     Heartbeat,
     Load,
@@ -56,7 +57,6 @@ from registry.protocol import (  # noqa: E402
     make_encoder,
     reply_decoder,
 )
-from registry.security import ClientCurve, generate_keys  # noqa: E402
 
 INGEST_MEMBERS = 1000
 _PROOF_FIELD_BYTES = 2 + sessions.PROOF_BYTES  # msgpack bin8 header + the proof

@@ -71,7 +71,7 @@ from bench_registry import _cpu_s, registry_process  # noqa: E402
 
 from registry import sessions  # noqa: E402
 from registry.client import MembershipView, request_snapshot  # noqa: E402
-from registry.protocol import (  # noqa: E402
+from wire.protocol import (  # noqa: E402
     Bye,
     ByeReason,
     Endpoints,
@@ -1041,7 +1041,7 @@ def deadband_entries(members: int, interval_s: float, seconds: float) -> list[di
     from registry.deadband import MAX_AGE_INTERVALS, MAX_AGE_S, Deadband
     from registry.detector import DetectorConfig
     from registry.membership import Membership
-    from registry.protocol import Heartbeat
+    from wire.protocol import Heartbeat
 
     settings = [("every change (--load-max-age 0)", Deadband(max_age_s=0.0)),
                 (f"band, max age {MAX_AGE_S:g} s", Deadband(max_age_s=MAX_AGE_S)),

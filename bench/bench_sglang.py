@@ -46,8 +46,8 @@ import harness  # noqa: E402  (tests/sglang: real SGLang servers under pdreg age
 import peers  # noqa: E402
 
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until  # noqa: E402
-from registry.protocol import MemberState  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
+from wire.protocol import MemberState  # noqa: E402
 
 STARTUP_TIMEOUT_S = 300.0
 SERVE_TIMEOUT_S = 60.0

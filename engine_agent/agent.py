@@ -37,9 +37,10 @@ from engine_agent.link import (
     Request,
 )
 from registry.client import parse_registries
-from registry.lifecycle import ShutdownState
-from registry.protocol import (
-    MAX_PROBLEM_CHARS,
+from registry.security import ClientCurve
+from serving.lifecycle import ShutdownState
+from wire.limits import MAX_PROBLEM_CHARS
+from wire.protocol import (
     ByeReason,
     Endpoints,
     KvIndexEntry,
@@ -51,9 +52,8 @@ from registry.protocol import (
     make_encoder,
     reply_decoder,
     role_name,
-    validate_spec,
 )
-from registry.security import ClientCurve
+from wire.validation import validate_spec
 
 __all__ = [
     "BACKOFF_MAX_S", "Agent", "api_server_spec", "backoff_delay_s", "default_member_id",

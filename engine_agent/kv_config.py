@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Final
 from urllib.parse import urlsplit
 
-from registry.protocol import KvEventsSpec
+from wire.protocol import KvEventsSpec
 
 __all__ = ["kv_events_from_command"]
 

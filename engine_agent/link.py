@@ -26,9 +26,10 @@ import zmq
 from engine_agent.backoff import backoff_delay_s
 from registry import sessions
 from registry.detector import HEARTBEAT_INTERVAL_S
-from registry.protocol import (
+from registry.security import ClientCurve
+from wire.limits import MAX_MESSAGE_BYTES
+from wire.protocol import (
     MAX_KV_ENTRIES,
-    MAX_MESSAGE_BYTES,
     BannedBye,
     Bye,
     ByeReason,
@@ -43,7 +44,6 @@ from registry.protocol import (
     ReplyStatus,
     Report,
 )
-from registry.security import ClientCurve
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ MAX_REPLY_TIMEOUT_S: Final = 5.0
 REPLY_TIMEOUT_INTERVALS: Final = 2.0  # ... or later than this many heartbeat intervals
 MAX_PENDING_REPORTS: Final = 64  # per registry; the oldest go first when more pile up
 
-# KV index reports (a router's; see router/kv_reporter.py): a message's entries are cut
+# KV index reports (a router's; see router/kv/reporter.py): a message's entries are cut
 # at this size (~300 entries of 22-character ids, well inside MAX_MESSAGE_BYTES), which
 # with one report per interval bounds what a router costs the registry's loop even when
 # it restates every member (it started, or the registry did). At most

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from registry.protocol import Load
+from wire.protocol import Load
 
 __all__ = [
     "SGLANG_GAUGES",

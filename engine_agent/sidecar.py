@@ -40,7 +40,8 @@ from engine_agent.agent import Agent, default_member_id, new_incarnation, wait_f
 from engine_agent.kv_config import kv_events_from_command
 from engine_agent.lifeline import Lifeline, end_group
 from engine_agent.probes import EngineKind, EngineMetadata, EngineProbe, Health
-from registry.protocol import (
+from registry.security import ClientCurve
+from wire.protocol import (
     ByeReason,
     Endpoints,
     Handshake,
@@ -50,7 +51,6 @@ from registry.protocol import (
     Parallel,
     Role,
 )
-from registry.security import ClientCurve
 
 __all__ = ["Sidecar", "SidecarConfig", "default_protocol"]
 

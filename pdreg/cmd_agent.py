@@ -23,7 +23,7 @@ from pdreg.args import (
     labels_of,
     secret_of,
 )
-from registry.protocol import parse_role
+from wire.protocol import parse_role
 
 logger = logging.getLogger(__name__)
 

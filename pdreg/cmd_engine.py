@@ -14,7 +14,7 @@ from pdreg.args import (
     labels_of,
     secret_of,
 )
-from registry.protocol import Handshake, parse_role
+from wire.protocol import Handshake, parse_role
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -24,7 +24,7 @@ from planner.rule import Bounds, RuleConfig
 from planner.service import PlannerServer
 from planner.tick import PlannerConfig
 from registry.client import MembershipView, parse_models
-from registry.protocol import MemberState
+from wire.protocol import MemberState
 
 logger = logging.getLogger(__name__)
 

@@ -27,21 +27,21 @@ from pdreg.args import (
     secret_of,
 )
 from registry.client import MembershipView, parse_models
-from registry.protocol import ROUTER_PROTOCOL, MemberState
 from router.app import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_ATTEMPTS, MAX_MIGRATIONS
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, parse_networks
-from router.kv_reporter import KvReporter
-from router.latency import DECAY_S
-from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
-from router.quarantine import QUARANTINE_S
-from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer, settle_heap
-from router.tokenizer import parse_tokenizer_flags
-from router.upstream_bounds import (
+from router.http.bounds import (
     CONNECT_TIMEOUT_S,
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
 )
+from router.kv.reporter import KvReporter
+from router.kv.tokenizer import parse_tokenizer_flags
+from router.latency import DECAY_S
+from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
+from router.quarantine import QUARANTINE_S
+from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer, settle_heap
 from router.warmup import WARM_CONNECTIONS
+from wire.protocol import ROUTER_PROTOCOL, MemberState
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                           state=MemberState.READY, curve=curve).start()
             # Failure reports need a member session: they go out through this agent.
             view.reporter = agent.report
-            # Its KV index per member, to the registries' dashboard (router/kv_reporter.py).
+            # Its KV index per member, to the registries' dashboard (router/kv/reporter.py).
             KvReporter.start_for(server.router.kv, agent)
         settle_heap()  # start-up's objects out of the collector's way (router/service.py)
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from registry.client import LiveMember
-from registry.protocol import ROUTER_PROTOCOL, MemberState, Role
+from wire.protocol import ROUTER_PROTOCOL, MemberState, Role
 
 __all__ = ["MAX_MODELS", "MODEL_NAME", "PLANNED_ROLES", "PLANNER_PROTOCOL", "ROUTER_PROTOCOL",
            "Fleet", "RoleFleet", "fleet_of", "routers_of"]

@@ -33,7 +33,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from registry.protocol import Role, role_name
+from wire.protocol import Role, role_name
 
 __all__ = ["Bounds", "Decision", "Planner", "Reason", "RoleSignals", "RuleConfig"]
 

@@ -22,10 +22,11 @@ from typing import Any
 
 import httpx
 import msgspec
-from aiohttp import web
 
 from planner.tick import MembershipSource, Plan, PlannerConfig, PlanningLoop
-from registry.lifecycle import ServingThread, ShutdownState
+from serving.http_messages import Request, Response
+from serving.http_server import HttpApp
+from serving.lifecycle import ServingThread, ShutdownState
 
 __all__ = ["PlannerServer", "plan_json"]
 
@@ -75,14 +76,13 @@ class PlannerServer:
         self.rounds = PlanningLoop(config, view)
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
-        app = web.Application()
-        app.router.add_get("/v1/plan", self._handle_plan)
-        app.router.add_get("/metrics", self._handle_metrics)
-        app.router.add_get("/health", self._handle_health)
+        app = HttpApp()
+        app.add("GET", "/v1/plan", self._handle_plan)
+        app.add("GET", "/metrics", self._handle_metrics)
+        app.add("GET", "/health", self._handle_health)
         app.on_startup.append(self._start_rounds)
         app.on_cleanup.append(self._stop_rounds)
-        self._serving = ServingThread(app, host, port, name="pdreg-planner",
-                                      runner_options={"access_log": None})
+        self._serving = ServingThread(app, host, port, name="pdreg-planner")
 
     @property
     def port(self) -> int:
@@ -98,7 +98,7 @@ class PlannerServer:
         logger.info("[planner] serving url=%s interval=%.1fs", self.url, self.config.interval_s)
         return self
 
-    async def _start_rounds(self, app: web.Application) -> None:
+    async def _start_rounds(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run_rounds())
 
     async def _run_rounds(self) -> None:
@@ -114,16 +114,15 @@ class PlannerServer:
                 elapsed = self._clock() - started
                 await asyncio.sleep(max(0.0, self.config.interval_s - elapsed))
 
-    async def _handle_plan(self, request: web.Request) -> web.Response:
-        body = msgspec.json.encode(plan_json(self.rounds.plan, self.config))
-        return web.Response(body=body, content_type="application/json")
+    async def _handle_plan(self, request: Request) -> Response:
+        return Response(200, msgspec.json.encode(plan_json(self.rounds.plan, self.config)))
 
-    async def _handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.rounds.metrics.render(),
-                            headers={"Content-Type": "text/plain; version=0.0.4"})
+    async def _handle_metrics(self, request: Request) -> Response:
+        return Response(200, self.rounds.metrics.render(),
+                        content_type="text/plain; version=0.0.4")
 
-    async def _handle_health(self, request: web.Request) -> web.Response:
-        return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+    async def _handle_health(self, request: Request) -> Response:
+        return Response(200, b'{"status":"ok"}')
 
     def close(self) -> None:
         """Stop planning (a running hook is killed), stop serving. Safe twice."""
@@ -132,7 +131,7 @@ class PlannerServer:
         self._serving.close()
         logger.info("[planner] stopped")
 
-    async def _stop_rounds(self, app: web.Application) -> None:
+    async def _stop_rounds(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

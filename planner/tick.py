@@ -30,7 +30,7 @@ from planner.rule import Decision, Planner, RoleSignals, RuleConfig
 from planner.scrape import ScrapeError, fetch_metrics, metrics_url, parse_router_metrics
 from planner.smoothing import LoadMeans, MeanLoad
 from registry.client import LinkState, LinkStatus, LiveMember
-from registry.protocol import Role, role_name
+from wire.protocol import Role, role_name
 
 __all__ = ["MembershipSource", "Plan", "PlanEntry", "PlannerConfig", "PlanningLoop"]
 

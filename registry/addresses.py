@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import zmq
 
 from registry import sessions
-from registry.protocol import Snapshot, Sync, make_encoder, reply_decoder
 from registry.security import ClientCurve
+from wire.protocol import Snapshot, Sync, make_encoder, reply_decoder
 
 __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "http_base", "parse_registries",
            "request_snapshot"]

@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from registry.outcome import Outcome, Refusal, refused
-from registry.protocol import MemberSpec, ReplyStatus
+from wire.protocol import MemberSpec, ReplyStatus
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,10 @@ from registry.addresses import (
     request_snapshot,
 )
 from registry.frozen_map import FrozenMap
-from registry.protocol import (
-    MAX_NAME_CHARS,
+from registry.replica import Applied, LiveMember, Replica
+from registry.security import ClientCurve
+from wire.limits import MAX_NAME_CHARS
+from wire.protocol import (
     Event,
     Reply,
     Snapshot,
@@ -54,8 +56,6 @@ from registry.protocol import (
     reply_decoder,
     topic_for,
 )
-from registry.replica import Applied, LiveMember, Replica
-from registry.security import ClientCurve
 
 __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "LinkState", "LinkStatus", "LiveMember",
            "MembershipView", "http_base", "parse_models", "parse_registries",

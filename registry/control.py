@@ -28,9 +28,9 @@ from registry.kv_reports import KvReports
 from registry.membership import OK, Membership, Outcome
 from registry.metrics import LoopStats
 from registry.outcome import Refusal, refused
-from registry.protocol import (
-    MAX_MESSAGE_BYTES,
-    NO_PROOF,
+from registry.ratelimit import SyncLimiter
+from wire.limits import MAX_MESSAGE_BYTES, NO_PROOF
+from wire.protocol import (
     PROTOCOL_VERSION,
     BannedBye,
     Bye,
@@ -44,9 +44,8 @@ from registry.protocol import (
     Snapshot,
     Sync,
     make_encoder,
-    validate_spec,
 )
-from registry.ratelimit import SyncLimiter
+from wire.validation import validate_spec
 
 logger = logging.getLogger(__name__)
 

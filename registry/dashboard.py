@@ -25,9 +25,9 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from registry.kv_reports import KvSummary, kv_index_json
-from registry.protocol import LeaveReason, MemberJoined, MemberLeft, MembershipEvent, role_name
 from registry.published import Published
 from registry.views import member_json
+from wire.protocol import LeaveReason, MemberJoined, MemberLeft, MembershipEvent, role_name
 
 logger = logging.getLogger(__name__)
 

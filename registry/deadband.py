@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from registry.protocol import Load
+from wire.protocol import Load
 
 RELATIVE = 0.1  # a tenth of the value last sent
 KV_USAGE_ABS = 0.02  # two points of KV cache use

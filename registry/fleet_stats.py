@@ -25,7 +25,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Final
 
-from registry.protocol import MemberState, Role
+from wire.protocol import MemberState, Role
 
 __all__ = ["AGE_BUCKETS_S", "SLOT_S", "SUSPECT", "FleetFigures", "FleetStats", "GroupFigures",
            "state_key"]

@@ -28,9 +28,9 @@ from registry.fleet_stats import FleetFigures
 from registry.http_guard import BodyLimit
 from registry.kv_reports import KvSummary, kv_index_json
 from registry.metrics import LoopStats, make_metrics_registry
-from registry.protocol import ReplyStatus, parse_role
 from registry.published import Published
 from registry.views import matches, member_json
+from wire.protocol import ReplyStatus, parse_role
 
 if TYPE_CHECKING:
     from registry.membership import Membership

@@ -3,8 +3,8 @@
 Pure and single-writer (the registry loop), clock passed in; readers on other threads use
 `view`, an immutable `FrozenMap` swapped by reference, never the tables behind it.
 
-Each router indexes the KV events of the members it follows (router/kv_index.py) and
-reports, per member, its index state, blocks and event lag (router/kv_reporter.py). The
+Each router indexes the KV events of the members it follows (router/kv/index.py) and
+reports, per member, its index state, blocks and event lag (router/kv/reporter.py). The
 registry only shows them (`/v1/members` `kv_index`, the dashboard, `pdreg status`); a
 report never changes membership, versions or events. The rules, each a guard below:
 
@@ -40,7 +40,7 @@ from typing import Final
 import msgspec
 
 from registry.frozen_map import FrozenMap
-from registry.protocol import (
+from wire.protocol import (
     MAX_KV_BLOCKS,
     MAX_KV_LAG_MS,
     KvIndexEntry,

@@ -44,7 +44,7 @@ from registry.detector import DetectorConfig, Timing, loop_lag, timing_for
 from registry.fleet_stats import FleetFigures, FleetStats, Group, state_key
 from registry.outcome import BAD_PROOF, DRAIN, OK, UNKNOWN, Outcome, Refusal, refused
 from registry.preservation import Change, SelfPreservation
-from registry.protocol import (
+from wire.protocol import (
     BannedBye,
     Bye,
     ByeReason,

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from registry.fleet_stats import AGE_BUCKETS_S, SUSPECT, FleetFigures
 from registry.outcome import Refusal
-from registry.protocol import (
+from wire.protocol import (
     LeaveReason,
     MemberLeft,
     MembershipEvent,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from registry.protocol import ReplyStatus
+from wire.protocol import ReplyStatus
 
 __all__ = ["BAD_PROOF", "DRAIN", "OK", "UNKNOWN", "Outcome", "Refusal", "refused"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from registry.protocol import MemberRecord, MembershipEvent
+from wire.protocol import MemberRecord, MembershipEvent
 
 __all__ = ["Published"]
 

@@ -16,8 +16,8 @@ import zmq
 
 from registry.membership import Membership
 from registry.metrics import LoopStats
-from registry.protocol import LoadDigest, MemberLeft, MembershipEvent, make_encoder, topic_for
 from registry.published import Published
+from wire.protocol import LoadDigest, MemberLeft, MembershipEvent, make_encoder, topic_for
 
 DIGEST_MAX_ENTRIES: Final = 256  # per message (~12 KB)
 RECENT_EVENTS: Final = 100  # membership events the HTTP side can show

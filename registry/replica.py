@@ -20,15 +20,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from registry.protocol import (
-    Event,
-    Load,
-    LoadDigest,
-    MemberLeft,
-    MemberRecord,
-    Role,
-    Snapshot,
-)
+from wire.protocol import Event, Load, LoadDigest, MemberLeft, MemberRecord, Role, Snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -41,14 +41,15 @@ from registry.deadband import Deadband
 from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
 from registry.fleet_stats import FleetFigures
 from registry.kv_reports import KvSummary
-from registry.lifecycle import ServingThread, ShutdownState
 from registry.membership import Membership, Outcome
 from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats
 from registry.on_demand import OnDemand
-from registry.protocol import MAX_MESSAGE_BYTES, MemberRecord, ReplyStatus, control_decoder
 from registry.published import Published
 from registry.publisher import Publisher
 from registry.security import CurveServer, ServerCurve, is_loopback
+from serving.lifecycle import ServingThread, ShutdownState
+from wire.limits import MAX_MESSAGE_BYTES
+from wire.protocol import MemberRecord, ReplyStatus, control_decoder
 
 logger = logging.getLogger(__name__)
 

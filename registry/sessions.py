@@ -21,7 +21,8 @@ from typing import Final
 
 import msgspec
 
-from registry.protocol import NO_PROOF, PROOF_BYTES, Sync
+from wire.limits import NO_PROOF, PROOF_BYTES
+from wire.protocol import Sync
 
 __all__ = ["NONCE_BYTES", "PROOF_BYTES", "SESSION_BYTES", "new_nonce", "new_session",
            "open_session", "prove_sync", "register_proof", "seal", "seal_session",

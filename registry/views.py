@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from registry.protocol import MemberRecord, Role, role_name
+from wire.protocol import MemberRecord, Role, role_name
 
 
 def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:

@@ -36,10 +36,10 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from registry.protocol import Handshake
+from router.http.bounds import UpstreamError
+from router.http.upstream import UpstreamPool, UpstreamResponse
 from router.policies import Candidate, Pair
-from router.upstream import UpstreamPool, UpstreamResponse
-from router.upstream_bounds import UpstreamError
+from wire.protocol import Handshake
 
 __all__ = [
     "Adapter",

@@ -31,10 +31,10 @@ from router.adapters import Adapters, UpstreamRejected, default_adapters
 from router.continuation import why_not_migratable
 from router.errors import INVALID_REQUEST, openai_error, unauthorized
 from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
-from router.http_messages import Request, Response, StreamResponse
-from router.http_server import HttpApp, Limits
+from router.http.bounds import Timeouts
+from router.http.upstream import UpstreamPool
 from router.inflight import InFlight
-from router.kv_routing import KvRouting
+from router.kv.routing import KvRouting
 from router.latency import DECAY_S, LatencyTracker
 from router.metrics import RequestRecorder, RouterMetrics
 from router.outcomes import Outcomes
@@ -43,9 +43,9 @@ from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, Affinity, Pair
 from router.ports import ProxyPorts
 from router.proxy import Call, Proxy
 from router.quarantine import QUARANTINE_S, Quarantine
-from router.upstream import UpstreamPool
-from router.upstream_bounds import Timeouts
 from router.warmup import WARM_CONNECTIONS, Warmer
+from serving.http_messages import Request, Response, StreamResponse
+from serving.http_server import HttpApp, Limits
 
 __all__ = ["MAX_ATTEMPTS", "MAX_MIGRATIONS", "MembershipSource", "Router"]
 

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import msgspec
 
-from registry.protocol import Handshake
+from wire.protocol import Handshake
 
 __all__ = [
     "CHAT_PATH",

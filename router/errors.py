@@ -6,23 +6,10 @@ message never carries an engine's text or address (see `LegFailure.public`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Final
+from serving.http_messages import INVALID_REQUEST, Response, openai_error
 
-import msgspec
-
-from router.http_messages import Response
-
-__all__ = ["no_capacity", "openai_error", "unauthorized", "upstream_failed"]
-
-INVALID_REQUEST: Final = "invalid_request_error"
-_encode = msgspec.json.encode
-
-
-def openai_error(status: int, message: str, kind: str, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return Response(status, _encode(body), headers=headers)
+__all__ = ["INVALID_REQUEST", "no_capacity", "openai_error", "unauthorized",
+           "upstream_failed"]
 
 
 def unauthorized() -> Response:

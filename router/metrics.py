@@ -193,7 +193,7 @@ class RouterMetrics:
             "(not_json, too_deep, no_model, loop, unauthorized; from the HTTP server: "
             "malformed_http, head_too_large, body_too_large, body_timeout, header_timeout)",
             "reason")
-        # KV-aware pairing (`--policy kv`, the default; router/kv_routing.py): updated on
+        # KV-aware pairing (`--policy kv`, the default; router/kv/routing.py): updated on
         # the loop (tokenizing runs off it, its timing is observed back on it).
         self.prompt_tokens = counter(
             "pdreg_router_prompt_tokens", "Prompt tokens routed with exact token ids "

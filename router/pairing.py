@@ -12,13 +12,13 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Final, Protocol
 
 from registry.client import LiveMember
-from registry.protocol import Role
 from router.inflight import Hold, InFlight
 from router.latency import LatencyTracker
 from router.metrics import SeriesOf
 from router.policies import Affinity, Pairer
 from router.quarantine import Quarantine
 from router.table import Pair, PairingTable
+from wire.protocol import Role
 
 __all__ = ["MAX_KNOWN_MODELS", "MembershipSource", "Pairing"]
 

@@ -21,7 +21,6 @@ from typing import Any, Final
 import msgspec
 
 from registry.detector import HEARTBEAT_INTERVAL_S
-from registry.protocol import Role
 from router.choosers import (
     SATURATED_SCORE,
     Chooser,
@@ -35,6 +34,7 @@ from router.choosers import (
 )
 from router.latency import LatencyTracker
 from router.table import Candidate, Pair, PairingTable, ProtocolPool, eligible
+from wire.protocol import Role
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -262,7 +262,7 @@ def _without(candidates: Sequence[Candidate], exclude: Collection[str]) -> Seque
 
 POLICY_NAMES: Final = ("peak_ewma", "power_of_two", "round_robin", "random", "least_loaded",
                        "prefix", "session", "kv")
-# `kv` (router/kv_policy.py) is built by the router with its KV index; made here it is
+# `kv` (router/kv/policy.py) is built by the router with its KV index; made here it is
 # its own fallback: `peak_ewma`, for models it cannot match exactly.
 # peak_ewma won bench/bench_router.py against power_of_two: one prefill 10x slower got
 # 0-2% of prefills instead of 13-14%, one decode 5x slower 4-10% instead of 24-25%, at
@@ -282,7 +282,7 @@ def make_chooser(name: str, rng: random.Random) -> Chooser:
         return PowerOfTwo(rng)
     if name == "least_loaded":
         return LeastLoaded(rng)
-    if name == "kv":  # without its index (router/kv_policy.py): its fallback
+    if name == "kv":  # without its index (router/kv/policy.py): its fallback
         return PowerOfTwo(rng)
     if name in ("prefix", "session"):
         return PrefixAffinity()  # the same bounded-load ring, keyed differently

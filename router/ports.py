@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.adapters import Adapters, LegFailure
+from router.http.upstream import UpstreamPool
 from router.inflight import Hold
 from router.metrics import RequestRecorder
 from router.policies import Affinity
 from router.table import Candidate, Pair
-from router.upstream import UpstreamPool
 
 __all__ = ["OutcomesPort", "PairingPort", "ProxyPorts"]
 

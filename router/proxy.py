@@ -34,12 +34,12 @@ from router.continuation import (
     streams_token_ids,
 )
 from router.errors import no_capacity, upstream_failed
-from router.http_messages import Request, Response, StreamResponse
 from router.inflight import Hold
 from router.policies import Affinity
 from router.ports import ProxyPorts
 from router.relay import ClientStream, LegEnd, relay_leg
 from router.table import Pair
+from serving.http_messages import Request, Response, StreamResponse
 
 __all__ = ["Call", "LegOutcome", "Proxy"]
 

@@ -19,9 +19,9 @@ import msgspec
 
 from router.adapters import Exchange, LegFailure, leg_failure
 from router.continuation import DONE_EVENT, EVENT_END, Reshaper, TokenTap
-from router.http_messages import Request, StreamResponse
+from router.http.upstream import UpstreamResponse
 from router.table import Candidate
-from router.upstream import UpstreamResponse
+from serving.http_messages import Request, StreamResponse
 
 __all__ = ["ClientStream", "EventBuffer", "LegEnd", "relay_leg"]
 

@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from typing import Final
 
-from registry.lifecycle import ServingThread, ShutdownState
 from router.adapters import Adapters
 from router.app import (
     BODY_TIMEOUT_S,
@@ -26,17 +25,18 @@ from router.app import (
     Router,
 )
 from router.guard import UpstreamPolicy
-from router.latency import DECAY_S
-from router.pairing import MembershipSource
-from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S
-from router.quarantine import QUARANTINE_S
-from router.upstream_bounds import (
+from router.http.bounds import (
     CONNECT_TIMEOUT_S,
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
     Timeouts,
 )
+from router.latency import DECAY_S
+from router.pairing import MembershipSource
+from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S
+from router.quarantine import QUARANTINE_S
 from router.warmup import WARM_CONNECTIONS
+from serving.lifecycle import ServingThread, ShutdownState
 
 __all__ = ["RouterConfig", "RouterServer", "settle_heap"]
 
@@ -109,7 +109,7 @@ class RouterServer:
             warm_connections=config.warm_connections, adapters=adapters,
             tokenizers=dict(config.tokenizers),
             disagg_min_uncached_tokens=config.disagg_min_uncached_tokens)
-        # The app (router/http_server.py) holds the header and body deadlines and the
+        # The app (serving/http_server.py) holds the header and body deadlines and the
         # bound on in-flight requests at close.
         self._serving = ServingThread(
             self.router.build_app(serve_metrics=config.metrics_port is None), config.host,

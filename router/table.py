@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from registry.client import LiveMember
-from registry.protocol import MemberState, Role
+from wire.protocol import MemberState, Role
 
 __all__ = ["Candidate", "Pair", "PairingTable", "ProtocolPool", "eligible"]
 

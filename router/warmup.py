@@ -3,7 +3,7 @@
 A new engine's first requests would otherwise each pay a TCP connect (and a burst of
 them, one connect per concurrent request). The warmer watches the pairing table and,
 for each member that appears in it, fills the pool with a few idle connections.
-Pooled connections live KEEPALIVE_S (router/upstream.py): the warm-up helps the
+Pooled connections live KEEPALIVE_S (router/http/upstream.py): the warm-up helps the
 requests that follow a member's arrival, as intended, not one that comes much later.
 """
 
@@ -14,8 +14,8 @@ import contextlib
 import logging
 from typing import Final
 
+from router.http.upstream import UpstreamPool
 from router.pairing import Pairing
-from router.upstream import UpstreamPool
 
 __all__ = ["WARM_CONNECTIONS", "Warmer"]
 

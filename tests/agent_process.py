@@ -23,7 +23,7 @@ from pdreg.args import (
     secret_of,
 )
 from pdreg.testing import wait_until
-from registry.protocol import Endpoints, MemberSpec, MemberState, Role
+from wire.protocol import Endpoints, MemberSpec, MemberState, Role
 
 
 def main() -> int:

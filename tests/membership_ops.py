@@ -19,7 +19,7 @@ from registry import sessions
 from registry.admission import Limits
 from registry.detector import DetectorConfig
 from registry.membership import Membership, Outcome
-from registry.protocol import (
+from wire.protocol import (
     Bye,
     ByeReason,
     Endpoints,

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from registry.client import LinkState, LinkStatus, LiveMember
-from registry.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
 from router.metrics import RouterMetrics
+from wire.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
 
 
 def member(member_id: str, role: Role, *, model: str = "tiny", protocol: str = "vllm-nixl",

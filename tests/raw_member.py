@@ -16,7 +16,8 @@ import msgspec
 import zmq
 
 from registry import sessions
-from registry.protocol import (
+from registry.security import ClientCurve
+from wire.protocol import (
     Bye,
     ByeReason,
     Endpoints,
@@ -33,7 +34,6 @@ from registry.protocol import (
     make_encoder,
     reply_decoder,
 )
-from registry.security import ClientCurve
 
 WAIT_S = 10.0  # generous: other test processes share two cores
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from registry.protocol import Role
+from wire.protocol import Role
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from standins_engines import KvHub, StandinEngine
 
 from registry.client import LiveMember
-from registry.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
+from wire.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
 
 T = TypeVar("T")
 

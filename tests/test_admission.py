@@ -11,7 +11,8 @@ from membership_ops import JOINING, READY, ROUTER, fresh, nonce_for, signed, spe
 
 from registry import sessions
 from registry.admission import MAX_BAN_S, MAX_BANS, Limits
-from registry.protocol import (
+from registry.ratelimit import SyncLimiter
+from wire.protocol import (
     BannedBye,
     Bye,
     ByeReason,
@@ -25,7 +26,6 @@ from registry.protocol import (
     Role,
     make_encoder,
 )
-from registry.ratelimit import SyncLimiter
 
 FORGED = b"\x07" * sessions.PROOF_BYTES
 _encode = make_encoder().encode

@@ -45,8 +45,10 @@ from pdreg.cmd_status import fetch_members, render
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
 from registry import dashboard, http_guard, security, sessions
 from registry.client import MembershipView, request_snapshot
-from registry.protocol import (
-    NO_PROOF,
+from registry.security import ClientCurve, ServerCurve, generate_keys
+from registry.server import RegistryConfig, RegistryServer
+from wire.limits import NO_PROOF
+from wire.protocol import (
     BannedBye,
     Bye,
     ByeReason,
@@ -61,8 +63,6 @@ from registry.protocol import (
     Sync,
     make_encoder,
 )
-from registry.security import ClientCurve, ServerCurve, generate_keys
-from registry.server import RegistryConfig, RegistryServer
 
 TOKEN = "fleet-s3cret"
 ADMIN = "admin-s3cret"
@@ -338,7 +338,7 @@ def test_sync_floods_are_rate_limited_and_members_stay_served(registry, victim):
     flood.setsockopt(zmq.LINGER, 0)
     try:
         flood.connect(f"tcp://{registry.control_address}")
-        from registry.protocol import Sync
+        from wire.protocol import Sync
 
         for _ in range(200):
             flood.send(_encode(Sync()))

@@ -21,16 +21,8 @@ from engine_agent.agent import (
 )
 from pdreg.testing import free_low_port, wait_until
 from registry.client import parse_registries
-from registry.protocol import (
-    ByeReason,
-    Endpoints,
-    Load,
-    MemberSpec,
-    MemberState,
-    ReplyStatus,
-    Role,
-)
 from registry.server import RegistryConfig, RegistryServer
+from wire.protocol import ByeReason, Endpoints, Load, MemberSpec, MemberState, ReplyStatus, Role
 
 INTERVAL_S = 0.2
 LEASE_S = 1.5

@@ -16,7 +16,7 @@ from engine_agent.probes import (
 )
 from engine_agent.standins import StandinServer
 from pdreg.testing import free_low_port
-from registry.protocol import Load
+from wire.protocol import Load
 
 VLLM_TWO_ENGINES = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -24,7 +24,8 @@ import pytest
 
 from engine_agent.agent import Agent, api_server_spec, new_incarnation
 from pdreg.testing import die_with_parent, stop_process, wait_until
-from registry.protocol import (
+from registry.server import RegistryServer
+from wire.protocol import (
     ROUTER_PROTOCOL,
     Endpoints,
     KvEventsSpec,
@@ -35,7 +36,6 @@ from registry.protocol import (
     MemberState,
     Role,
 )
-from registry.server import RegistryServer
 
 TIMEOUT_S = 20.0
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -303,7 +303,7 @@ def test_state_is_computed_once_per_snapshot_for_every_viewer() -> None:
 def test_page_shows_the_kv_index_routers_report(registry: RegistryServer,
                                                 members: Members) -> None:
     """A member that publishes KV events gets a KV index line: what a registered router
-    reports of it (`Agent.report_kv`, as router/kv_reporter.py sends), updated live."""
+    reports of it (`Agent.report_kv`, as router/kv/reporter.py sends), updated live."""
     kv = KvEventsSpec(endpoint="tcp://127.0.0.1:21557", block_size=16)
     spec = MemberSpec(id="prefill-127.0.0.1-21031", incarnation=new_incarnation(),
                       role=Role.PREFILL, model="tiny", protocol="vllm-nixl", kv_events=kv,

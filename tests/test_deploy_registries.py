@@ -203,7 +203,7 @@ def test_an_admin_drain_sticks_whatever_the_owner_sets_later(fleet: Fleet) -> No
     """A sidecar flips its agent to READY whenever its engine's health passes: after an
     operator's drain at one registry, the agent stays DRAINING at every registry."""
     from engine_agent.agent import Agent, default_member_id, new_incarnation
-    from registry.protocol import Endpoints, MemberSpec, MemberState, Role
+    from wire.protocol import Endpoints, MemberSpec, MemberState, Role
 
     for name in ("A", "B"):
         fleet.start_registry(name)

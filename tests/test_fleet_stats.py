@@ -25,7 +25,7 @@ from registry.fleet_stats import (
     state_key,
 )
 from registry.membership import Membership
-from registry.protocol import MemberState, Role
+from wire.protocol import MemberState, Role
 
 # Beyond membership_ops' histories: members of other roles and models, stalls long enough
 # for heartbeat ages past the largest bucket (time jumps, one tick: members are given the

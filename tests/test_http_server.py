@@ -1,4 +1,4 @@
-"""The router's HTTP/1.1 server (router/http_server.py) at its edges, over real sockets:
+"""The router's HTTP/1.1 server (serving/http_server.py) at its edges, over real sockets:
 malformed and oversized requests, chunked bodies, pipelining, a client leaving
 mid-stream, a client reading slower than the handler writes."""
 
@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from pdreg.testing import wait_until
-from registry.lifecycle import ServingThread
-from router import http_server
-from router.http_messages import Request, Response, StreamResponse
-from router.http_server import HttpApp, Limits
+from serving import http_server
+from serving.http_messages import Request, Response, StreamResponse
+from serving.http_server import HttpApp, Limits
+from serving.lifecycle import ServingThread
 
 CHUNK = 64 * 1024
 

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("registry", "router", "engine_agent", "planner", "pdreg")
+PACKAGES = ("wire", "serving", "registry", "router", "engine_agent", "planner", "pdreg")
 
 
 def _module_of(path: Path) -> str:
@@ -101,7 +101,7 @@ def test_the_finder_sees_a_circle() -> None:
 def test_the_graph_sees_the_house() -> None:
     graph = import_graph()
     assert "router.proxy" in graph["router.app"]
-    assert "registry.protocol" in graph["router.adapters"]
+    assert "wire.protocol" in graph["router.adapters"]
 
 
 def test_no_file_imports_a_file_that_imports_it_back() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine_agent.kv_config import kv_events_from_command
-from registry.protocol import KvEventsSpec
+from wire.protocol import KvEventsSpec
 
 CONFIG = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                      "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",

@@ -2,7 +2,7 @@
 
 Real processes: the registry (in-process, real sockets), reference engines publishing KV
 events, and `pdreg router --policy kv`, which registers and reports its index per member
-(router/kv_reporter.py) over its agent's control link. `/v1/members`, the dashboard's
+(router/kv/reporter.py) over its agent's control link. `/v1/members`, the dashboard's
 state and stream, and plain `pdreg status` show the member live with its blocks; after the
 engine restarts they show the new incarnation's index, never the old one's blocks.
 """

@@ -18,10 +18,10 @@ from reference_helpers import EngineHandle, collect, metrics, start_engine, star
 
 from pdreg.testing import free_low_port, wait_until
 from registry.client import MembershipView
-from registry.protocol import MemberState
 from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
+from wire.protocol import MemberState
 
 WAIT_S = 30.0
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite nothing, and "
@@ -143,7 +143,7 @@ def test_a_fleet_that_publishes_nothing_is_paired_as_peak_ewma(
                           {"role": "decode", "registry": control}])
     handles += [p, d]
     assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
-    caplog.set_level(logging.INFO, logger="router.kv_routing")
+    caplog.set_level(logging.INFO, logger="router.kv.routing")
     with httpx.Client(timeout=60) as http:
         assert wait_until(lambda: http.get(router.url + "/v1/models").json()["data"], WAIT_S)
         for question in ("Name a colour.", "Why is the sky blue?", "Count to three."):

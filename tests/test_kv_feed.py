@@ -10,11 +10,11 @@ import pytest
 import zmq
 
 from pdreg.testing import wait_until
-from registry.kv_events import REPLAY_END, BlockStored, KVEventBatch, encode_batch, encode_seq
-from registry.protocol import KvEventsSpec
-from router.kv_feed import FeedMember, KvFeed
-from router.kv_index import IndexState, KvIndex
-from router.kv_keys import block_keys
+from router.kv.feed import FeedMember, KvFeed
+from router.kv.index import IndexState, KvIndex
+from router.kv.keys import block_keys
+from wire.kv_events import REPLAY_END, BlockStored, KVEventBatch, encode_batch, encode_seq
+from wire.protocol import KvEventsSpec
 
 WAIT_S = 15.0
 BLOCK = 4

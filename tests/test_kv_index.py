@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from registry.kv_events import (
+from router.kv.index import Applied, IndexState, KvIndex, MemberIndex
+from router.kv.keys import ROOT_KEY, block_keys, chain_key
+from wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -17,8 +19,6 @@ from registry.kv_events import (
     decode_batch,
     encode_batch,
 )
-from router.kv_index import Applied, IndexState, KvIndex, MemberIndex
-from router.kv_keys import ROOT_KEY, block_keys, chain_key
 
 BLOCK = 2
 MASK = 2**64 - 1

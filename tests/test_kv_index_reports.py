@@ -21,9 +21,10 @@ from pdreg.cmd_status import fetch_members, render
 from pdreg.testing import wait_until
 from registry import sessions
 from registry.kv_reports import KV_REPORT_BURST
-from registry.protocol import (
+from registry.server import RegistryConfig, RegistryServer
+from wire.limits import NO_PROOF
+from wire.protocol import (
     MAX_KV_ENTRIES,
-    NO_PROOF,
     KvEventsSpec,
     KvIndexEntry,
     KvIndexReport,
@@ -32,7 +33,6 @@ from registry.protocol import (
     Role,
     make_encoder,
 )
-from registry.server import RegistryConfig, RegistryServer
 
 TOKEN = "fleet-s3cret"
 WAIT_S = 10.0

@@ -12,16 +12,16 @@ import pytest
 from test_policies import NOW, member, view
 
 from pdreg.testing import wait_until
-from registry.kv_events import BlockStored, KVEventBatch
-from registry.protocol import KvEventsSpec, Role
-from router.kv_index import KvIndex
-from router.kv_keys import block_keys
-from router.kv_policy import KvAffinity, make_kv_pairer
-from router.kv_routing import KvRouting
+from router.kv.index import KvIndex
+from router.kv.keys import block_keys
+from router.kv.policy import KvAffinity, make_kv_pairer
+from router.kv.routing import KvRouting
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import PREFILL_ROLE, Affinity, make_pairer
 from router.table import PairingTable
+from wire.kv_events import BlockStored, KVEventBatch
+from wire.protocol import KvEventsSpec, Role
 
 BLOCK = 4
 PROMPT = list(range(40))  # 10 blocks

@@ -1,5 +1,5 @@
 """The registry's store of routers' KV index reports (registry/kv_reports.py) and the
-router's report plan (router/kv_reporter.py): pure, clock passed in.
+router's report plan (router/kv/reporter.py): pure, clock passed in.
 
 The Hypothesis machine runs random routers (restarting), members (re-registering with new
 incarnations, leaving) and reports (entries about real and unknown members, GONE), and
@@ -22,7 +22,8 @@ from registry.kv_reports import (
     kv_index_json,
     summary_json,
 )
-from registry.protocol import (
+from router.kv.reporter import REFRESH_TICKS, KvReportPlan, blocks_bucket, entries_of, lag_bucket
+from wire.protocol import (
     Endpoints,
     KvIndexEntry,
     KvIndexState,
@@ -32,7 +33,6 @@ from registry.protocol import (
     MemberState,
     Role,
 )
-from router.kv_reporter import REFRESH_TICKS, KvReportPlan, blocks_bucket, entries_of, lag_bucket
 
 LIVE, UNKNOWN, GONE = KvIndexState.LIVE, KvIndexState.UNKNOWN, KvIndexState.GONE
 INTERVAL_S = 1.0
@@ -284,7 +284,7 @@ def test_the_agent_link_cuts_reports_to_size_and_keeps_the_newest() -> None:
     """What waits for a registry: newest figures per member, sent in messages that fit."""
     from engine_agent.link import KV_REPORT_MAX_BYTES, Link, LinkPhase
     from registry import sessions
-    from registry.protocol import KvIndexReport, make_encoder
+    from wire.protocol import KvIndexReport, make_encoder
 
     link = Link("127.0.0.1:1", "api_server-x")
     link.session, link.interval_s = sessions.new_session(), 1.0

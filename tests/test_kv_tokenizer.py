@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine_agent.reference import tokens
-from router.tokenizer import (
+from router.kv.tokenizer import (
     ByteTokenizer,
     TokenizerSet,
     load_tokenizer,

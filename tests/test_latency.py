@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_policies import member, view
 
-from registry.protocol import Role
 from router.latency import LatencyTracker, PeakEwma
 from router.policies import DECODE_ROLE, PREFILL_ROLE, make_pairer
 from router.table import PairingTable
+from wire.protocol import Role
 
 NOW = 1000.0
 P, D = Role.PREFILL, Role.DECODE

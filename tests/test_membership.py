@@ -20,7 +20,7 @@ from membership_ops import (
 )
 
 from registry.detector import DetectorConfig
-from registry.protocol import (
+from wire.protocol import (
     ByeReason,
     LeaveReason,
     Load,

@@ -20,7 +20,7 @@ from registry.admission import Limits
 from registry.deadband import Deadband, is_news
 from registry.detector import DetectorConfig
 from registry.membership import Membership
-from registry.protocol import LeaveReason, Load, MemberLeft, MemberUpdated
+from wire.protocol import LeaveReason, Load, MemberLeft, MemberUpdated
 
 # A stall: time jumps with no tick in between (a GC pause, a stopped VM), then a tick.
 stalls = st.builds(Op, st.just("stall"), dt=st.floats(0.25, 6.0))

@@ -25,10 +25,10 @@ from reference_helpers import EngineHandle, start_engines, stop_all
 
 from pdreg.testing import wait_until
 from registry.client import MembershipView
-from registry.protocol import MemberState
 from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
+from wire.protocol import MemberState
 
 STREAMS = 32
 MAX_TOKENS = 32

@@ -19,9 +19,9 @@ from planner_helpers import FakeRouterMetrics
 from engine_agent.agent import Agent
 from pdreg import cli
 from pdreg.testing import die_with_parent, stop_process, wait_until
-from registry.protocol import Endpoints, Load, MemberSpec, MemberState, Role
 from registry.security import ServerCurve, generate_keys
 from registry.server import RegistryConfig, RegistryServer
+from wire.protocol import Endpoints, Load, MemberSpec, MemberState, Role
 
 READY_TIMEOUT_S = 60.0
 WAIT_S = 20.0

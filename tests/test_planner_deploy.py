@@ -31,7 +31,7 @@ from pdreg.cli import build_parser
 from pdreg.cmd_planner import config_from
 from planner.metrics import PlannerMetrics
 from planner.rule import Decision, Reason, RoleSignals
-from registry.protocol import Role
+from wire.protocol import Role
 
 QUERY = re.compile(r'^max\((\w+)\{model="([^"]+)",role="(\w+)"\}\)$')
 

@@ -14,8 +14,8 @@ from planner.histogram import Cumulative, Window, quantile
 from planner.inputs import fleet_of, routers_of
 from planner.scrape import ScrapeError, metrics_url, parse_router_metrics
 from planner.smoothing import LoadMeans, MeanLoad
-from registry.protocol import Load, MemberState, Role
 from router.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S, RouterMetrics
+from wire.protocol import Load, MemberState, Role
 
 INF = math.inf
 

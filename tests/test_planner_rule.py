@@ -13,7 +13,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from planner.rule import Bounds, Decision, Planner, Reason, RoleSignals, RuleConfig
-from registry.protocol import Role
+from wire.protocol import Role
 
 P, D = Role.PREFILL, Role.DECODE
 NO_WINDOWS = dict(scale_up_window_s=0.0, scale_down_window_s=0.0, latency_window_s=0.0)

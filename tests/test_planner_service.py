@@ -22,7 +22,7 @@ from planner.rule import Bounds, RuleConfig
 from planner.service import PlannerServer
 from planner.tick import Plan, PlannerConfig, PlanningLoop
 from registry.client import LinkState, LiveMember
-from registry.protocol import Load, Role
+from wire.protocol import Load, Role
 
 WAIT_S = 10.0
 FAST_RULE = RuleConfig(scale_down_window_s=0.0, latency_window_s=1.0,

@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from registry.client import LiveMember
-from registry.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
 from router.choosers import (
     SATURATED_SCORE,
     LeastLoaded,
@@ -22,6 +21,7 @@ from router.choosers import (
 )
 from router.policies import KV_FULL_PENALTY_REQS, POLICY_NAMES, make_pairer, score
 from router.table import Candidate, PairingTable
+from wire.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
 
 NOW = 1000.0
 

@@ -6,9 +6,8 @@ import msgspec
 import pytest
 
 from registry import sessions
-from registry.protocol import (
-    NO_PROOF,
-    PROOF_BYTES,
+from wire.limits import NO_PROOF, PROOF_BYTES
+from wire.protocol import (
     BannedBye,
     Bye,
     ByeReason,
@@ -37,8 +36,8 @@ from registry.protocol import (
     parse_role,
     reply_decoder,
     topic_for,
-    validate_spec,
 )
+from wire.validation import validate_spec
 
 SPEC = MemberSpec(
     id="prefill-10.0.0.5-8100", incarnation=1_700_000_000_000_000_000, role=Role.PREFILL,

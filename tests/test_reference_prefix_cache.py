@@ -14,13 +14,15 @@ from reference_helpers import HTTP_TIMEOUT_S, metrics, start_engine
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+from engine_agent.reference.kv_blocks import block_keys  # noqa: E402
 from engine_agent.reference.kv_publisher import KvEventPublisher  # noqa: E402
 from engine_agent.reference.prefix_cache import PrefixCache  # noqa: E402
 from engine_agent.reference.sim import SimBackend  # noqa: E402
 from engine_agent.reference.tokens import encode  # noqa: E402
 from engine_agent.reference.torch_backend import TorchBackend  # noqa: E402
-from registry.kv_blocks import block_keys  # noqa: E402
-from registry.kv_events import (  # noqa: E402
+from router.kv.index import IndexState, MemberIndex  # noqa: E402
+from router.kv.keys import block_keys as router_keys  # noqa: E402
+from wire.kv_events import (  # noqa: E402
     REPLAY_END,
     BlockRemoved,
     BlockStored,
@@ -28,8 +30,6 @@ from registry.kv_events import (  # noqa: E402
     decode_batch,
     decode_seq,
 )
-from router.kv_index import IndexState, MemberIndex  # noqa: E402
-from router.kv_keys import block_keys as router_keys  # noqa: E402
 
 RECV_TIMEOUT_MS = 10_000
 

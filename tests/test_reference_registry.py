@@ -10,8 +10,8 @@ import httpx
 from reference_helpers import BodyFor, start_engine
 
 from pdreg.testing import wait_until
-from registry.protocol import MemberState, Role
 from registry.server import RegistryServer
+from wire.protocol import MemberState, Role
 
 
 def test_engine_registers_reports_load_and_drains(registry: RegistryServer) -> None:

@@ -14,8 +14,8 @@ from raw_member import RawMember
 
 from registry.membership import Membership
 from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats, make_metrics_registry
-from registry.protocol import ReplyStatus, Role
 from registry.server import SNAPSHOT_PERIOD_S, RegistryConfig, RegistryServer
+from wire.protocol import ReplyStatus, Role
 
 MODELS = 4
 

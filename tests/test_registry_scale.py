@@ -31,7 +31,9 @@ from registry.control import (
 )
 from registry.frozen_map import FrozenMap
 from registry.metrics import LoopStats
-from registry.protocol import (
+from registry.ratelimit import SyncLimiter
+from registry.server import RegistryConfig, RegistryServer
+from wire.protocol import (
     ControlMessage,
     Reply,
     ReplyStatus,
@@ -40,8 +42,6 @@ from registry.protocol import (
     make_encoder,
     reply_decoder,
 )
-from registry.ratelimit import SyncLimiter
-from registry.server import RegistryConfig, RegistryServer
 
 WAIT_S = 10.0  # generous: other test processes share two cores
 
@@ -147,7 +147,7 @@ def test_an_event_leaves_after_its_own_message_not_after_the_rest_of_the_batch(c
     """A state change queued behind a thousand heartbeats: its event is handed to the
     publisher as soon as its message is handled (the heartbeats after it wait), not after
     the whole batch, so routers hear of it without the batch's delay."""
-    from registry.protocol import Heartbeat, Load, MemberState, control_decoder
+    from wire.protocol import Heartbeat, Load, MemberState, control_decoder
 
     control, dealer = channel
     membership = control.membership
@@ -410,7 +410,7 @@ def test_under_a_high_rate_the_loop_batches_messages_and_still_answers_every_one
 
 
 def _expired_ids(sub: zmq.Socket) -> set[str]:
-    from registry.protocol import LeaveReason, MemberLeft, event_decoder
+    from wire.protocol import LeaveReason, MemberLeft, event_decoder
 
     decode = event_decoder().decode
     expired = set()
@@ -448,7 +448,7 @@ class _ChurnFleet:
         self.pending[k].append((kind, i))
 
     def register(self, i: int) -> None:
-        from registry.protocol import MemberState, Register
+        from wire.protocol import MemberState, Register
 
         self._send(i, "register", self.encode(Register(
             spec=self.specs[i], nonce=self.sessions.new_nonce(), state=MemberState.READY)))
@@ -461,7 +461,7 @@ class _ChurnFleet:
         assert wait_until(lambda: self.collect() or len(self.keys) == len(self.specs), WAIT_S)
 
     def beat(self, i: int) -> None:
-        from registry.protocol import Heartbeat, Load, MemberState
+        from wire.protocol import Heartbeat, Load, MemberState
 
         self.seq[i] = self.seq.get(i, 0) + 1
         spec_ = self.specs[i]
@@ -471,7 +471,7 @@ class _ChurnFleet:
         self.sent += 1
 
     def flip(self, j: int) -> None:
-        from registry.protocol import Bye, ByeReason
+        from wire.protocol import Bye, ByeReason
 
         i = CHURN_MEMBERS + j % 50
         if i in self.keys:  # up: leave
@@ -526,7 +526,7 @@ def test_strangers_asking_for_many_model_sets_cannot_make_the_loop_encode_past_i
     What a stranger can change: nothing; what it can cost: encodings. Each distinct model
     set is a fresh encoding, and fresh connections get fresh per-peer bursts, so the byte
     budget is charged before encoding, on an estimate."""
-    from registry.protocol import control_decoder
+    from wire.protocol import control_decoder
 
     ctx = zmq.Context()
     try:

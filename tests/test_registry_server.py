@@ -20,8 +20,9 @@ from raw_member import RawMember
 from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.outcome import Refusal
-from registry.protocol import (
-    MAX_MESSAGE_BYTES,
+from registry.server import HARD_MESSAGE_CAP_BYTES, RegistryConfig, RegistryServer
+from wire.limits import MAX_MESSAGE_BYTES
+from wire.protocol import (
     ByeReason,
     Load,
     MemberState,
@@ -30,7 +31,6 @@ from registry.protocol import (
     make_encoder,
     reply_decoder,
 )
-from registry.server import HARD_MESSAGE_CAP_BYTES, RegistryConfig, RegistryServer
 
 # Members in these tests heartbeat by hand, so the default registry is patient; the
 # detector tests start their own with short timings.

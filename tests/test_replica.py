@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from membership_ops import READY, Fleet, apply, essence, fresh, ops, spec
 
 from registry.membership import Membership
-from registry.protocol import (
+from registry.replica import CARRY_OVER_INTERVALS, Applied, Replica
+from wire.protocol import (
     LeaveReason,
     Load,
     LoadDigest,
@@ -18,7 +19,6 @@ from registry.protocol import (
     MemberState,
     Snapshot,
 )
-from registry.replica import CARRY_OVER_INTERVALS, Applied, Replica
 
 SOURCE = "127.0.0.1:7600"
 

@@ -16,11 +16,11 @@ from standins_engines import tokens_for
 from standins_fleet import Fleet, LoopThread, live_member
 
 from pdreg.testing import wait_until
-from registry.protocol import Handshake, MemberState, Role
-from router import upstream
+from router.http import upstream
 from router.adapters import default_adapters
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
+from wire.protocol import Handshake, MemberState, Role
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
 PROTOCOLS = tuple(Handshake)

@@ -23,10 +23,10 @@ from reference_helpers import EngineHandle, collect, start_engine, start_engines
 
 from pdreg.testing import die_with_parent, stop_process, wait_until
 from registry.client import LiveMember, MembershipView
-from registry.protocol import Handshake, MemberState, Role
 from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
+from wire.protocol import Handshake, MemberState, Role
 
 VIEW_TIMEOUT_S = 15.0
 

@@ -22,11 +22,11 @@ from standins_engines import KV_REPLY, NIXL_REQUEST_PARAMS
 from standins_fleet import Fleet, LoopThread, live_member
 
 from registry.client import LiveMember
-from registry.protocol import Handshake, Role
 from router import relay
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, strip_internal_fields
 from router.relay import EventBuffer
 from router.service import RouterConfig, RouterServer
+from wire.protocol import Handshake, Role
 
 P, D, X = Role.PREFILL, Role.DECODE, Role.MIXED
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}

@@ -16,9 +16,9 @@ import pytest
 from standins_engines import generate_ids, prompt_ids, token_text
 from standins_fleet import Fleet, LoopThread
 
-from registry.protocol import Handshake, Role
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
+from wire.protocol import Handshake, Role
 
 P, D = Role.PREFILL, Role.DECODE
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

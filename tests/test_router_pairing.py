@@ -8,7 +8,6 @@ import time
 import pytest
 from standins_fleet import StaticView, live_member
 
-from registry.protocol import Load, MemberState, Role
 from router.inflight import InFlight
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
@@ -16,6 +15,7 @@ from router.pairing import Pairing
 from router.policies import NO_AFFINITY, make_pairer
 from router.quarantine import Quarantine
 from router.table import PairingTable
+from wire.protocol import Load, MemberState, Role
 
 P, D = Role.PREFILL, Role.DECODE
 

@@ -33,10 +33,10 @@ from pdreg.args import (
 )
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
 from registry import server as server_module
-from registry.protocol import ReplyStatus, Role
 from registry.security import ClientCurve, ServerCurve, generate_keys
 from registry.server import RegistryConfig, RegistryServer
 from router.guard import LOOPBACK_ALLOW
+from wire.protocol import ReplyStatus, Role
 
 WAIT_S = 30.0  # subprocesses start slowly on a busy two-core machine
 

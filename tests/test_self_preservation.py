@@ -27,8 +27,8 @@ from registry.detector import (
     SELF_PRESERVATION_SHARE,
     DetectorConfig,
 )
-from registry.protocol import LeaveReason, MemberLeft
 from registry.server import RegistryServer
+from wire.protocol import LeaveReason, MemberLeft
 
 INTERVAL_S = 0.5
 LEASE_S = 1.5

@@ -26,8 +26,8 @@ from pdreg.testing import (
     stop_process,
     wait_until,
 )
-from registry.protocol import MemberRecord, MemberState
 from registry.server import RegistryServer
+from wire.protocol import MemberRecord, MemberState
 
 INTERVAL_S = 0.2
 TIMEOUT_S = 15.0  # generous: subprocess start on a loaded 2-core machine

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy
-from router.upstream import UpstreamPool
-from router.upstream_bounds import FailureKind, UpstreamError
+from router.http.bounds import FailureKind, UpstreamError
+from router.http.upstream import UpstreamPool
 
 
 def test_a_connection_lost_before_the_request_is_a_leg_failure_not_a_crash() -> None:

@@ -28,7 +28,7 @@ from engine_agent.reference.kv_transfer import KvClient, KvFetchError
 from engine_agent.reference.prefix_cache import PrefixCache
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.tokens import EOS_ID
-from registry.kv_events import KVEvent
+from wire.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 

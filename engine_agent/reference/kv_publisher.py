@@ -1,6 +1,6 @@
 """The reference engine's KV event publisher: vLLM's `ZmqEventPublisher` contract.
 
-One IO thread owns a PUB socket (batches: `[topic, seq, payload]`, registry/kv_events.py)
+One IO thread owns a PUB socket (batches: `[topic, seq, payload]`, wire/kv_events.py)
 and a ROUTER socket (replay: a DEALER sends `[b"", start_seq]`, gets every buffered
 batch with seq >= start as `[b"", topic, seq, payload]`, then `[b"", b"", REPLAY_END, b""]`,
 as vLLM 0.32 answers). The
@@ -24,7 +24,7 @@ from typing import Final
 
 import zmq
 
-from registry.kv_events import (
+from wire.kv_events import (
     REPLAY_END,
     KVEvent,
     KVEventBatch,

@@ -1,7 +1,7 @@
 """The reference engine's prefix cache: full blocks of prompt KV, reused across requests.
 
-Blocks are keyed by the content chain of registry/kv_blocks.py (the same keys a router's
-index uses), and the key doubles as the block hash the engine publishes. Pure: no
+Blocks are keyed by the content chain of kv_blocks.py (the same keys a router's index
+uses), and the key doubles as the block hash the engine publishes. Pure: no
 sockets, no clock; it answers lookups and returns the KV events each change makes, in
 the order they happened, for the publisher.
 
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from registry.kv_blocks import block_keys
-from registry.kv_events import BlockRemoved, BlockStored
+from engine_agent.reference.kv_blocks import block_keys
+from wire.kv_events import BlockRemoved, BlockStored
 
 __all__ = ["Hit", "PrefixCache"]
 

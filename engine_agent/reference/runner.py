@@ -34,7 +34,8 @@ from engine_agent.reference.prefix_cache import PrefixCache
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.server import EngineServer, ServerState
 from engine_agent.reference.tokens import BYTES_TOKENIZER, encode
-from registry.protocol import (
+from registry.security import ClientCurve
+from wire.protocol import (
     Endpoints,
     Handshake,
     KvEventsSpec,
@@ -43,7 +44,6 @@ from registry.protocol import (
     Role,
     role_name,
 )
-from registry.security import ClientCurve
 
 logger = logging.getLogger(__name__)
 

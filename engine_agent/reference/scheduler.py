@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from registry.protocol import Load
+from wire.protocol import Load
 
 
 class Scheduler:

@@ -51,8 +51,8 @@ import sglang_cases as cases
 from harness import Engine, Proc, Steps, say, wait_logged
 
 from pdreg.testing import free_low_port, wait_until
-from registry.protocol import MemberRecord
 from registry.server import RegistryConfig, RegistryServer
+from wire.protocol import MemberRecord
 
 STARTUP_TIMEOUT_S = 300.0  # four SGLang servers start at once on two cores: ~70 s
 STEP_TIMEOUT_S = 60.0

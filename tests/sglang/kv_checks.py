@@ -36,10 +36,10 @@ import sglang_cases as cases
 import zmq
 from harness import Engine, Proc, say, wait_logged
 
-from registry.kv_blocks import ROOT_KEY, block_keys, chain_key
-from registry.kv_events import REPLAY_END, BlockRemoved, BlockStored, decode_batch
-from registry.protocol import KvEventsSpec
-from router.tokenizer import load_tokenizer
+from engine_agent.reference.kv_blocks import ROOT_KEY, block_keys, chain_key
+from router.kv.tokenizer import load_tokenizer
+from wire.kv_events import REPLAY_END, BlockRemoved, BlockStored, decode_batch
+from wire.protocol import KvEventsSpec
 
 TOPIC = "kv"
 SGLANG_CPU_BLOCK = 1  # SGLang's page size on CPU: /server_info kv_events.block_size

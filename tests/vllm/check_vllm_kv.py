@@ -49,10 +49,10 @@ from cluster import (
     wait_logged,
 )
 
+from engine_agent.reference.kv_blocks import ROOT_KEY, block_keys, chain_key
 from pdreg.testing import free_low_port
-from registry.kv_blocks import ROOT_KEY, block_keys, chain_key
-from registry.kv_events import REPLAY_END, BlockStored, decode_batch
-from router.tokenizer import load_tokenizer
+from router.kv.tokenizer import load_tokenizer
+from wire.kv_events import REPLAY_END, BlockStored, decode_batch
 
 STARTUP_TIMEOUT_S = 360.0
 STEP_TIMEOUT_S = 60.0

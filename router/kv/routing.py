@@ -2,13 +2,13 @@
 three seams: membership changed (`on_members`), a request is admitted (`affinity`), a
 pair was chosen (`picked`). Built only with `--policy kv`.
 
-- `on_members`: follow the ready members that publish KV events (router/kv_feed.py) and
+- `on_members`: follow the ready members that publish KV events (router/kv/feed.py) and
   note, per model, its tokenizer (`--tokenizer MODEL=PATH`, else what members register)
   and its block sizes.
 - `affinity`: the prompt's exact token ids (the client's, else tokenized: off the event
   loop when long) and its block keys per block size -> a `KvAffinity`. A model or
   request we cannot match exactly gets a plain `Affinity` instead, and its prefill is
-  chosen as `peak_ewma` chooses (router/kv_policy.py), counted in
+  chosen as `peak_ewma` chooses (router/kv/policy.py), counted in
   `pdreg_router_kv_inexact_requests{model,why}`, shown in `pdreg_router_kv_exact{model}`
   and in `models()` (/v1/kv, `pdreg status --router`), and logged once per model and why.
 - `picked`: count routed and predicted-cached prompt tokens per model; a request matched
@@ -33,17 +33,17 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
-from registry.protocol import MemberState, Role
-from router.kv_feed import FeedMember, KvFeed
-from router.kv_index import KvIndex
-from router.kv_keys import block_keys
-from router.kv_metrics import KvCollector
-from router.kv_policy import KvAffinity, KvPairer, make_kv_pairer
+from router.kv.feed import FeedMember, KvFeed
+from router.kv.index import KvIndex
+from router.kv.keys import block_keys
+from router.kv.metrics import KvCollector
+from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
+from router.kv.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALE_LOAD_S, NO_AFFINITY, Affinity, prompt_key
 from router.table import Pair
-from router.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
+from wire.protocol import MemberState, Role
 
 __all__ = ["KvRouting"]
 
@@ -140,7 +140,7 @@ class KvRouting:
             return self._inexact(model, "no_tokenizer" if tokenizer is None
                                  else "not_tokenized")
         n, keys = keyed
-        # The cached-nowhere ring (router/kv_policy.py) keys on the prompt's first bytes.
+        # The cached-nowhere ring (router/kv/policy.py) keys on the prompt's first bytes.
         return KvAffinity(key=prompt_key("", body), prompt_tokens=n, keys=keys)
 
     def picked(self, model: str, key: KvAffinity, pair: Pair) -> None:

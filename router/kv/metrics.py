@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from router.kv_feed import KvFeed
-from router.kv_index import IndexState, KvIndex
+from router.kv.feed import KvFeed
+from router.kv.index import IndexState, KvIndex
 
 __all__ = ["KvCollector"]
 

@@ -1,6 +1,6 @@
 """The router's KV event subscriptions: one SUB and one replay DEALER per member.
 
-An IO thread owns every socket and is the KV index's only writer (router/kv_index.py is
+An IO thread owns every socket and is the KV index's only writer (router/kv/index.py is
 pure; this module is its I/O). The event loop only reads the index, and tells the
 thread the current membership with `update` (an inproc PUSH: the thread sleeps in
 `poll` until a batch, a replay answer, a membership change or a replay deadline).
@@ -39,9 +39,9 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 
-from registry.kv_events import REPLAY_END, decode_batch, decode_seq, encode_seq
-from registry.protocol import KvEventsSpec
-from router.kv_index import Applied, KvIndex, MemberIndex
+from router.kv.index import Applied, KvIndex, MemberIndex
+from wire.kv_events import REPLAY_END, decode_batch, decode_seq, encode_seq
+from wire.protocol import KvEventsSpec
 
 __all__ = ["FeedMember", "KvFeed"]
 

@@ -1,6 +1,6 @@
 """Block keys by token content, stable across processes: the reference engine's block hashes,
 and what the real-engine checks compare stored blocks with. A router keys its own index the
-same way by content, with a cheaper process-local hash (router/kv_keys.py).
+same way by content, with a cheaper process-local hash (router/kv/keys.py).
 
 A prompt's full blocks (`block_size` tokens each; a partial last block is never cached)
 get chained keys: key_i = H(key_{i-1}, tokens of block i), key_{-1} = ROOT_KEY. Two

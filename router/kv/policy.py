@@ -1,10 +1,10 @@
 """The `kv` policy: pick the prefill that computes least, from what each engine caches.
 
-Pure, like router/policies.py: the KV index (router/kv_index.py) is read, never written;
+Pure, like router/policies.py: the KV index (router/kv/index.py) is read, never written;
 time, loads and in-flight counts come in as arguments.
 
 A request's affinity input is a `KvAffinity`: the prompt's block keys per block size
-(router/kv_keys.py), computed at admission from its exact token ids. Per prefill:
+(router/kv/keys.py), computed at admission from its exact token ids. Per prefill:
 
     cached(c)   = leading prompt blocks c holds x block size (0 unless its index is
                   LIVE or a lower bound: SYNCING/REPLAYING members claim nothing)
@@ -69,7 +69,7 @@ from router.choosers import (
     PowerOfTwo,
     PrefixAffinity,
 )
-from router.kv_index import KvIndex
+from router.kv.index import KvIndex
 from router.latency import LatencyTracker
 from router.policies import DEFAULT_STALE_LOAD_S, PREFILL_ROLE, Affinity, Loads, Options, Pairer
 from router.table import Candidate, Pair, PairingTable

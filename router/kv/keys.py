@@ -1,16 +1,17 @@
 """The router's block keys: a prompt block's identity by content, inside one router.
 
-key_i = hash((key_{i-1}, tokens of block i as little-endian uint32 bytes[, salt])), key_-1
-= ROOT_KEY: two prompts share key_i exactly when they share their first (i+1) x
-block_size tokens (and salt), as with registry/kv_blocks.py's keys, which the reference
-engine hashes its blocks with. The index (router/kv_index.py) keys the blocks of every
-`BlockStored` this way, and the `kv` policy the prompts it routes; both in the same
-process, so the keys never leave it and need not be stable across processes.
+key_i = hash((key_{i-1}, tokens of block i as little-endian uint32 bytes[, salt])),
+key_-1 = ROOT_KEY: two prompts share key_i exactly when they share their first (i+1) x
+block_size tokens (and salt), as with the keys of engine_agent/reference/kv_blocks.py,
+which the reference engine hashes its blocks with. The index (router/kv/index.py) keys
+the blocks of every `BlockStored` this way, and the `kv` policy the prompts it routes;
+both in the same process, so the keys never leave it and need not be stable across
+processes.
 
-Why not registry/kv_blocks.py's BLAKE2b here: keying is the policy's main cost per
-request (a 2,000-token prompt is 125 blocks of 16), and Python's own hash of a (parent,
-bytes) tuple costs about 40% of a BLAKE2b call (bench/RESULTS.md). It is SipHash over
-the bytes, keyed per process (PYTHONHASHSEED), so a client cannot craft prompts whose
+Why not kv_blocks.py's BLAKE2b here: keying is the policy's main cost per request (a
+2,000-token prompt is 125 blocks of 16), and Python's own hash of a (parent, bytes)
+tuple costs about 40% of a BLAKE2b call (bench/RESULTS.md). It is SipHash over the
+bytes, keyed per process (PYTHONHASHSEED), so a client cannot craft prompts whose
 blocks collide with another's; 64 bits, as before. A router run with a fixed
 PYTHONHASHSEED loses the keying, not correctness: a collision can only mislead a choice.
 """

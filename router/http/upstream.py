@@ -36,9 +36,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from router.deadline import Deadline
 from router.guard import HOP_HEADER, UpstreamPolicy, kv_address_problem
-from router.upstream_bounds import MAX_BODY_BYTES, FailureKind, Timeouts, UpstreamError
+from router.http.bounds import MAX_BODY_BYTES, FailureKind, Timeouts, UpstreamError
+from serving.deadline import Deadline
 
 __all__ = ["UpstreamPool", "UpstreamResponse"]
 
@@ -92,7 +92,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._content_type = b""
-        # One timer for every wait on this connection (router.deadline).
+        # One timer for every wait on this connection (serving.deadline).
         self._deadline = Deadline(loop, self._timed_out)
 
     @property

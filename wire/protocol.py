@@ -36,31 +36,36 @@ No pickle anywhere: the encoder refuses unknown types instead of falling back.
 from __future__ import annotations
 
 import enum
-import ipaddress
-import re
 from typing import Annotated, Any, Final
-from urllib.parse import urlsplit
 
 import msgspec
 
+from wire.limits import (
+    MAX_EXTRA_LOAD_FIELDS,
+    MAX_PROBLEM_CHARS,
+    NO_PROOF,
+    Count,
+    Fraction,
+    Host,
+    Incarnation,
+    Interval,
+    Labels,
+    LoadFigure,
+    MemberId,
+    Name,
+    Nonce,
+    Port,
+    Proof,
+    Seconds,
+    Seq,
+    Session,
+    Token,
+    UnixTime,
+    Url,
+)
+
 PROTOCOL_VERSION: Final = 2  # 2: member sessions (proof, seq, nonce)
 
-# Size limits. They bound memory per member and make hostile input cheap to refuse.
-MAX_MESSAGE_BYTES: Final = 64 * 1024  # also set as ZMQ_MAXMSGSIZE on the control socket
-MAX_ID_CHARS: Final = 128
-MAX_NAME_CHARS: Final = 256
-MAX_URL_CHARS: Final = 512
-MAX_LABELS: Final = 32
-MAX_LABEL_CHARS: Final = 128
-MAX_EXTRA_LOAD_FIELDS: Final = 16
-MAX_TOKEN_CHARS: Final = 256
-PROOF_BYTES: Final = 16  # the last bytes of a proved message (registry.sessions)
-NO_PROOF: Final = bytes(PROOF_BYTES)  # what a message carries until it is sealed
-NONCE_MIN_BYTES: Final = 16
-NONCE_MAX_BYTES: Final = 64
-MAX_PROBLEM_CHARS: Final = 256
-MAX_LOAD_FIGURE: Final = 1e15  # load.extra values; also keeps NaN and infinities out
-MAX_UNIX_TIME_S: Final = 1e11  # year 5138: a bound, so a float field cannot be inf or NaN
 
 TOPIC_TERMINATOR: Final = b"\0"
 
@@ -117,30 +122,6 @@ def parse_role(text: str) -> Role:
 # Structs that hold only strings, numbers and flat dicts cannot form reference cycles, so
 # they are `gc=False`: a 10,000-member snapshot then decodes without waking the collector.
 
-# Types bound sizes and ranges, which are cheap to check on every decode. Character
-# patterns cost a regex per field, so they are checked once, at registration
-# (`validate_spec`), not on every heartbeat and snapshot.
-Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
-Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
-Host = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
-Url = Annotated[str, msgspec.Meta(max_length=MAX_URL_CHARS)]
-LabelText = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
-Labels = Annotated[dict[LabelText, LabelText], msgspec.Meta(max_length=MAX_LABELS)]
-Incarnation = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Token = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)]
-Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_MIN_BYTES, max_length=NONCE_MAX_BYTES)]
-Session = Annotated[bytes, msgspec.Meta(max_length=64)]
-Proof = Annotated[bytes, msgspec.Meta(min_length=PROOF_BYTES, max_length=PROOF_BYTES)]
-# Every float carries bounds: msgspec checks them on decode, and NaN fails any bound, so
-# no NaN or infinity gets in (it would break JSON for the dashboard and `pdreg status`).
-Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-LoadFigure = Annotated[float, msgspec.Meta(ge=-MAX_LOAD_FIGURE, le=MAX_LOAD_FIGURE)]
-UnixTime = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UNIX_TIME_S)]
-Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_UNIX_TIME_S)]
-Interval = Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
-Count = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
 class Endpoints(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -167,14 +148,14 @@ class Parallel(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
 
 
 class KvEventsSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
-    """Where a member publishes its KV cache events (registry/kv_events.py): advertised
+    """Where a member publishes its KV cache events (wire/kv_events.py): advertised
     `tcp://host:port` addresses, like `Endpoints`. Routers subscribe to ready members.
 
     `block_size`: tokens per cached block (0 = not known: the router cannot match exactly
     and falls back to approximate affinity). `hash_scheme`: what the engine hashes blocks
     with, as far as it says (`vllm:sha256`, `pdreg:content`...); informational, since
-    routers key their index by token content (registry/kv_blocks.py). `tokenizer`: where
-    the model's tokenizer is, as the engine was told (a local path or a hub name, for a
+    routers key their index by token content (router/kv/keys.py). `tokenizer`: where the
+    model's tokenizer is, as the engine was told (a local path or a hub name, for a
     router that has the same files), or `pdreg:bytes` for the reference engine's.
     """
 
@@ -305,7 +286,7 @@ MAX_KV_LAG_MS: Final = 2**22 - 1  # ~70 minutes: "very late" needs no finer figu
 
 
 class KvIndexState(enum.IntEnum):
-    """What a router's KV index knows of a member (router/kv_index.py `IndexState`).
+    """What a router's KV index knows of a member (router/kv/index.py `IndexState`).
 
     Ordered from best to worst: a summary over several routers shows the worst. GONE is
     not a state: it tells the registry to forget what this router said of the member.
@@ -332,7 +313,7 @@ class KvIndexEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class KvIndexReport(msgspec.Struct, frozen=True, tag=True, array_like=True,
                     omit_defaults=True):
     """A router's KV index, per member: the changes since its last report plus a slice
-    of a rolling refresh (router/kv_reporter.py). Shown by the registry's /v1/members
+    of a rolling refresh (router/kv/reporter.py). Shown by the registry's /v1/members
     and dashboard; it never changes membership (registry/kv_reports.py).
 
     Sent and proved like `Report`: `id`, `incarnation`, `seq` and `proof` are the
@@ -476,101 +457,6 @@ def reply_decoder() -> msgspec.msgpack.Decoder[Reply | Snapshot]:
 
 def event_decoder() -> msgspec.msgpack.Decoder[Event]:
     return msgspec.msgpack.Decoder(Event)
-
-
-# --- Semantic validation (beyond what the types enforce) --------------------------------
-
-# The whole text must match (`\Z`; `$` would let a trailing newline through). Ids: no `/`
-# (they are URL path segments in the HTTP API), nothing a terminal or log would misread.
-_ID_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*\Z")
-_HOST_OK = re.compile(r"[A-Za-z0-9._:\[\]-]+\Z")
-_PROTOCOL_OK = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
-# Link-local addresses include every cloud's instance metadata service (169.254.169.254):
-# no engine lives there, and a router must never be pointed at it.
-_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
-
-
-def validate_member_id(member_id: str) -> str | None:
-    """Why `member_id` is not a valid id, or None."""
-    if not _ID_OK.fullmatch(member_id):
-        return f"id {member_id!r} must be letters, digits and ._:@- (starting alphanumeric)"
-    return None
-
-
-def _is_link_local(host: str) -> bool:
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False  # a name: only the router's --allow-upstream can judge where it points
-    return any(address.version == net.version and address in net for net in _LINK_LOCAL)
-
-
-def _problem_with_text(spec: MemberSpec) -> str | None:
-    if not spec.model.isprintable():
-        return f"model {spec.model!r} must be printable text"
-    for key, value in spec.labels.items():
-        if not key or not key.isprintable() or not value.isprintable():
-            return f"label {key!r}={value!r} must be printable text with a non-empty key"
-    return None
-
-
-def validate_spec(spec: MemberSpec) -> str | None:
-    """Return why `spec` is unacceptable, or None. Types were already checked on decode."""
-    problem = validate_member_id(spec.id) or _problem_with_text(spec)
-    if problem:
-        return problem
-    if not _PROTOCOL_OK.fullmatch(spec.protocol):
-        return f"protocol {spec.protocol!r} must be lower-case letters, digits and ._-"
-    url = spec.endpoints.http
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"endpoints.http {url!r} is not a URL: {exc}"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"endpoints.http {url!r} must be http(s)://host[:port]"
-    if not _HOST_OK.fullmatch(parts.hostname) or not url.isprintable():
-        return f"endpoints.http {url!r} has an invalid host"
-    if port == 0:
-        return f"endpoints.http {url!r} has port 0"
-    if parts.query or parts.fragment or parts.username or parts.password:
-        return f"endpoints.http {url!r} must not carry a query or fragment or credentials"
-    for host in (parts.hostname, spec.endpoints.kv_host):
-        if _is_link_local(host):
-            return f"address {host!r} is link-local (instance metadata lives there)"
-    if spec.role is not Role.API_SERVER and not spec.model:
-        return "model must be set for engine roles"
-    p = spec.parallel
-    if p.tp_rank >= p.tp_size or p.pp_rank >= p.pp_size or p.dp_rank >= p.dp_size:
-        return "parallel: every rank must be below its size"
-    if spec.endpoints.kv_host and not _HOST_OK.match(spec.endpoints.kv_host):
-        return f"endpoints.kv_host {spec.endpoints.kv_host!r} is not a host name"
-    if spec.kv_events is not None:
-        for name in ("endpoint", "replay_endpoint"):
-            problem = _problem_with_zmq_endpoint(name, getattr(spec.kv_events, name))
-            if problem:
-                return problem
-        if not spec.kv_events.topic.isprintable():
-            return "kv_events.topic must be printable text"
-    return None
-
-
-def _problem_with_zmq_endpoint(name: str, address: str) -> str | None:
-    """An advertised ZeroMQ address must be tcp://host:port: routers connect to it."""
-    if not address:
-        return "kv_events.endpoint is required" if name == "endpoint" else None
-    try:
-        parts = urlsplit(address)
-        port = parts.port
-    except ValueError as exc:
-        return f"kv_events.{name} {address!r} is not an address: {exc}"
-    if parts.scheme != "tcp" or not parts.hostname or not port:
-        return f"kv_events.{name} {address!r} must be tcp://host:port (advertised, not *)"
-    if not _HOST_OK.fullmatch(parts.hostname) or _is_link_local(parts.hostname):
-        return f"kv_events.{name} {address!r} has an invalid or link-local host"
-    if parts.path or parts.query or parts.fragment or parts.username:
-        return f"kv_events.{name} {address!r} must be only tcp://host:port"
-    return None
 
 
 # --- P/D handshakes (appended by the router's owner; one definition for every part) ------

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final, Protocol
 
-from registry.protocol import MAX_KV_BLOCKS, MAX_KV_LAG_MS, KvIndexEntry, KvIndexState
+from wire.protocol import MAX_KV_BLOCKS, MAX_KV_LAG_MS, KvIndexEntry, KvIndexState
 
 __all__ = ["REFRESH_MAX_PER_TICK", "REFRESH_TICKS", "KvReportPlan", "KvReporter", "ReportSink",
            "entries_of"]

@@ -6,15 +6,14 @@ or `close()` only moves it to REQUESTED and wakes the loop, which ends the work 
 so with STOPPED.
 
 `ServingThread(app, host, port)` serves an app on its own uvloop event loop in a daemon
-thread, for the router, the planner and the registry's HTTP side alike: an app that
-serves itself (`start_serving(host, port)`, the router's `HttpApp` of
-router/http_server.py), an aiohttp `web.Application` through aiohttp's runner, any other
-app as ASGI through uvicorn, on a socket bound here (port 0 works). `start()` returns
-once the socket accepts connections; `add_app()` serves another app (self-serving or
-aiohttp) on the same loop, on a port of its own (the router's metrics); `close()` lets
-in-flight requests finish (bounded), stops the loop and joins the thread, and is safe
-twice. Work of the app's own (a planning loop, the router's upstream pool) starts and
-stops with it through its `on_startup` / `on_cleanup` hooks.
+thread, for the router, the planner and the registry's HTTP side alike: an `HttpApp`
+(serving/http_server.py, the router's and the planner's), or an ASGI app through uvicorn
+(the registry's FastAPI app), on a socket bound here (port 0 works). `start()` returns
+once the socket accepts connections; `add_app()` serves another `HttpApp` on the same
+loop, on a port of its own (the router's metrics); `close()` lets in-flight requests
+finish (bounded), stops the loop and joins the thread, and is safe twice. Work of the
+app's own (a planning loop, the router's upstream pool) starts and stops with it through
+its `on_startup` / `on_cleanup` hooks.
 """
 
 from __future__ import annotations
@@ -29,13 +28,14 @@ from typing import Any, Final, TypeVar
 
 import uvloop
 
+from serving.http_server import LISTEN_BACKLOG, HttpApp
+
 __all__ = ["ServingThread", "ShutdownState"]
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S: Final = 30.0
 STOP_TIMEOUT_S: Final = 10.0
-LISTEN_BACKLOG: Final = 1024
 ASGI_GRACE_S: Final = 1.0  # uvicorn: how long open connections get once told to exit
 
 T = TypeVar("T")
@@ -51,9 +51,8 @@ class ServingThread:
     def __init__(self, app: Any, host: str, port: int, *, name: str,
                  runner_options: Mapping[str, Any] | None = None,
                  stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """`runner_options`: for an aiohttp app, `web.AppRunner` keywords (its
-        `shutdown_timeout` bounds in-flight requests at close); for an ASGI app,
-        `uvicorn.Config` keywords (a protocol class, TLS files). `stop_timeout_s`: how
+        """`runner_options`: for an ASGI app, `uvicorn.Config` keywords (a protocol class,
+        TLS files); an `HttpApp` carries its own limits. `stop_timeout_s`: how
         long close() waits for the server to stop, on top of that."""
         self.app = app
         self.host = host
@@ -95,45 +94,24 @@ class ServingThread:
         if loop is not None:
             loop.call_soon_threadsafe(callback, *args)
 
-    def add_app(self, app: Any, port: int) -> int:
-        """Serve another app on this loop and host, on `port` (0: the OS picks);
+    def add_app(self, app: HttpApp, port: int) -> int:
+        """Serve another `HttpApp` on this loop and host, on `port` (0: the OS picks);
         its bound port. It stops with the thread."""
         return self.run(self._serve_also(app, port), START_TIMEOUT_S)
 
-    async def _serve_also(self, app: Any, port: int) -> int:
-        from aiohttp import web
-
-        if hasattr(app, "start_serving"):
-            server = await app.start_serving(self.host, port, backlog=LISTEN_BACKLOG)
-            self._also_stop.append(server.close)
-            return int(server.port)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        self._also_stop.append(runner.cleanup)
-        await web.TCPSite(runner, self.host, port, backlog=LISTEN_BACKLOG).start()
-        return int(runner.addresses[0][1])
+    async def _serve_also(self, app: HttpApp, port: int) -> int:
+        server = await app.start_serving(self.host, port, backlog=LISTEN_BACKLOG)
+        self._also_stop.append(server.close)
+        return int(server.port)
 
     async def _serve(self) -> None:
-        if hasattr(self.app, "start_serving"):  # it serves itself (router/http_server.py)
+        if isinstance(self.app, HttpApp):
             server = await self.app.start_serving(self.host, self.requested_port,
                                                   backlog=LISTEN_BACKLOG)
             self._stop = server.close
             self.port = server.port
             return
-        from aiohttp import web
-
-        if isinstance(self.app, web.Application):
-            await self._serve_aiohttp(web)
-        else:
-            await self._serve_asgi()
-
-    async def _serve_aiohttp(self, web: Any) -> None:
-        runner = web.AppRunner(self.app, **self._runner_options)
-        await runner.setup()
-        self._stop = runner.cleanup
-        site = web.TCPSite(runner, self.host, self.requested_port, backlog=LISTEN_BACKLOG)
-        await site.start()
-        self.port = runner.addresses[0][1]
+        await self._serve_asgi()
 
     async def _serve_asgi(self) -> None:
         import uvicorn
@@ -174,9 +152,8 @@ class ServingThread:
         if self._stop is not None:
             stops.append(self._stop)
             self._stop = None
-        limits = getattr(self.app, "limits", None)  # a self-serving app's own bound
-        in_flight_s = limits.shutdown_timeout_s if limits is not None \
-            else self._runner_options.get("shutdown_timeout", 0.0)
+        in_flight_s = self.app.limits.shutdown_timeout_s if isinstance(self.app, HttpApp) \
+            else ASGI_GRACE_S
         timeout_s = in_flight_s + self._stop_timeout_s
         for stop in stops:
             try:

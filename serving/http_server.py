@@ -1,6 +1,7 @@
-"""The router's HTTP/1.1 server: httptools on uvloop, one protocol object per connection.
+"""The HTTP/1.1 server of the router and the planner: httptools on uvloop, one protocol
+object per connection.
 
-Lean on purpose, like router/upstream.py on the client side: a profile of the router
+Lean on purpose, like router/http/upstream.py on the client side: a profile of the router
 under load put about 37 µs of every request in aiohttp's server (its request, response
 and routing objects, multidicts, a task and a stream reader per request). Here a request
 is parsed by httptools straight into a `Request`, routed by exact path in a dict, and
@@ -37,9 +38,14 @@ from typing import Final
 
 import httptools
 
-from router.deadline import Deadline
-from router.errors import INVALID_REQUEST, openai_error
-from router.http_messages import Request, Response, StreamResponse
+from serving.deadline import Deadline
+from serving.http_messages import (
+    INVALID_REQUEST,
+    Request,
+    Response,
+    StreamResponse,
+    openai_error,
+)
 
 __all__ = ["HttpApp", "HttpServer", "Limits"]
 
@@ -382,7 +388,7 @@ class _Connection(asyncio.Protocol):
     # --- deadlines ----------------------------------------------------------------------
 
     def _arm(self, seconds: float, *, once: bool = False) -> None:
-        """The current phase must end within `seconds` (router.deadline). `once`: keep a
+        """The current phase must end within `seconds` (serving.deadline). `once`: keep a
         deadline already set."""
         if once and self._deadline.at:
             return

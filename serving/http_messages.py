@@ -1,7 +1,8 @@
-"""The router's HTTP/1.1 messages: a parsed `Request`, a fixed-length `Response`, and a
-`StreamResponse` written event by event (SSE).
+"""HTTP/1.1 messages for `HttpApp` (the router's and the planner's server): a parsed
+`Request`, a fixed-length `Response`, a `StreamResponse` written event by event (SSE),
+and `openai_error`, the one JSON error shape every answer of ours uses.
 
-The server (router/http_server.py) reads a whole request, body included, before a
+The server (serving/http_server.py) reads a whole request, body included, before a
 handler sees it; a handler returns a `Response`, or a `StreamResponse` it has prepared
 and written itself. An answer's head is built as bytes in one go and goes out with its
 body in one `transport.write`.
@@ -13,7 +14,12 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Final, Protocol
 
-__all__ = ["CHUNKED", "UNTIL_CLOSE", "Request", "Response", "StreamResponse", "encode_head"]
+import msgspec
+
+__all__ = ["CHUNKED", "INVALID_REQUEST", "UNTIL_CLOSE", "Request", "Response",
+           "StreamResponse", "encode_head", "openai_error"]
+
+INVALID_REQUEST: Final = "invalid_request_error"
 
 _STATUS_LINES: Final = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode()
                         for s in HTTPStatus}
@@ -111,6 +117,13 @@ class Response:
         body = self.body
         return encode_head(self.status, self.content_type, self.headers, close,
                            len(body)) + body
+
+
+def openai_error(status: int, message: str, kind: str, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> Response:
+    """`{"error": {"message", "type", "param", "code"}}`: what OpenAI's clients parse."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return Response(status, msgspec.json.encode(body), headers=headers)
 
 
 class StreamResponse:

@@ -1,8 +1,8 @@
 """Which prefix-cache blocks each engine holds, learnt from its own KV events. Pure.
 
-No sockets, no clock of its own: router/kv_feed.py hands it numbered batches
-(registry/kv_events.py) and replay results and acts on what it answers. Blocks are keyed
-by token content (router/kv_keys.py), and each member's engine hashes map to those
+No sockets, no clock of its own: router/kv/feed.py hands it numbered batches
+(wire/kv_events.py) and replay results and acts on what it answers. Blocks are keyed
+by token content (router/kv/keys.py), and each member's engine hashes map to those
 keys, so `BlockRemoved` works whatever the engine hashes with.
 
 Rules, per member (ZeroMQ Guide ch. 5, applied to an engine's event stream):
@@ -44,8 +44,8 @@ from typing import Final
 
 import msgspec
 
-from registry.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from router.kv_keys import ROOT_KEY, block_keys, chain_key
+from router.kv.keys import ROOT_KEY, block_keys, chain_key
+from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["Applied", "IndexState", "KvIndex", "MemberIndex", "MemberStats"]
 
