@@ -23,7 +23,7 @@ member's index is LIVE:
   per million blocks indexed (sockets' buffers included).
 
     .venv/bin/python bench/bench_kv_scale.py                 # 50 members, 10 s
-    .venv/bin/python bench/bench_kv_scale.py --members 1000  # the issue's scale
+    .venv/bin/python bench/bench_kv_scale.py --members 1000  # the scale RESULTS.md reports
     .venv/bin/python bench/bench_kv_scale.py --members 1000 --rate 20   # find the limit
 
 Writes bench/out/kv-scale.json.
