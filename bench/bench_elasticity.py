@@ -44,10 +44,9 @@ import msgspec
 import zmq
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))  # `bench` and pdreg
 
-import peers  # noqa: E402
-
+from bench import peers  # noqa: E402
 from pdreg.demo.cluster import Cluster, ClusterConfig  # noqa: E402
 from pdreg.demo.traffic import TrafficGenerator  # noqa: E402
 from pdreg.testing import free_low_port, wait_until  # noqa: E402

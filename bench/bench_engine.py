@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 import warnings
@@ -24,10 +23,12 @@ import aiohttp
 import zmq.asyncio
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # `bench` and pdreg; the engine helpers
 
 from reference_helpers import start_engines, stop_all  # noqa: E402
 
+from bench.procs import cpu_s  # noqa: E402
 from engine_agent.reference.backend import prompt_digest  # noqa: E402
 from engine_agent.reference.kv_store import HeldKv, KvStore  # noqa: E402
 from engine_agent.reference.kv_transfer import KvClient, KvServer  # noqa: E402
@@ -35,7 +36,6 @@ from engine_agent.reference.scheduler import Scheduler  # noqa: E402
 from engine_agent.reference.torch_backend import TorchBackend  # noqa: E402
 
 DECODE_TOKENS = 32
-CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def _best(samples: list[float]) -> float:
@@ -85,11 +85,6 @@ async def bench_torch(lengths: list[int], repeats: int) -> list[dict[str, Any]]:
         ctx.term()
         backend.close()
     return rows
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S  # utime + stime
 
 
 async def _burst(requests: int, concurrency: int, send: Any) -> float:

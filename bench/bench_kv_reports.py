@@ -20,6 +20,7 @@ import argparse
 import gc
 import time
 import tracemalloc
+from collections.abc import Callable
 
 from registry import sessions
 from registry.kv_reports import VIEW_CHUNK, KvReports
@@ -78,19 +79,11 @@ def heartbeat_us(members: int = 2000, rounds: int = 5) -> float:
     return 1e6 * (time.perf_counter() - started) / (members * rounds)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--routers", type=int, default=100)
-    parser.add_argument("--members", type=int, default=10_000)
-    args = parser.parse_args()
-    ids = member_ids(args.members)
-    current = dict.fromkeys(ids, 1).get
-    routers = [f"api_server-10.1.{r // 256}.{r % 256}-8000" for r in range(args.routers)]
+def memory_held(routers: list[str], first: list[list[bytes]],
+                current: Callable[[str], int | None]) -> int:
+    """Bytes a full load holds, on a store of its own: tracemalloc slows every
+    allocation, so the timed load runs without it."""
     decoder = control_decoder()
-    session = sessions.new_session()
-    first = [messages(r, ids, 100, session) for r in routers]
-    # Memory on a store of its own: tracemalloc slows every allocation, so the timed
-    # load below runs without it.
     kv = KvReports()
     gc.collect()
     tracemalloc.start()
@@ -101,63 +94,97 @@ def main() -> None:
             kv.apply(router, decoder.decode(payload).entries, current, 0.0)
     held = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    kv = KvReports()
-    gc.collect()
+    return held
 
-    def ingest(router: str, payloads: list[bytes]) -> float:
+
+class Loop:
+    """The registry loop's path for KV reports: decode, proof, admit, apply."""
+
+    def __init__(self, session: bytes, current: Callable[[str], int | None]) -> None:
+        self.kv = KvReports()
+        self.session, self.current = session, current
+        self.decoder = control_decoder()
+        gc.collect()
+
+    def ingest(self, router: str, payloads: list[bytes]) -> float:
+        """Seconds of loop time to take `payloads` from `router`."""
         started = time.perf_counter()
         for payload in payloads:
-            message = decoder.decode(payload)
-            sessions.verify(session, payload, message.proof)
-            kv.admit(router, 1, time.monotonic(), 1e-9)  # (the rate is not measured here)
-            kv.apply(router, message.entries, current, time.monotonic())
+            message = self.decoder.decode(payload)
+            sessions.verify(self.session, payload, message.proof)
+            self.kv.admit(router, 1, time.monotonic(), 1e-9)  # (the rate is not measured here)
+            self.kv.apply(router, message.entries, self.current, time.monotonic())
         return time.perf_counter() - started
 
-    loaded_s = sum(ingest(r, p) for r, p in zip(routers, first, strict=True))
-    entries = args.routers * args.members
-    assert kv.held == entries
-    # A refresh that restates unchanged figures, and one where every figure moved.
-    sample = routers[: max(1, args.routers // 10)]
-    refresh_s = sum(ingest(r, first[i]) for i, r in enumerate(sample))
-    moved = [messages(r, ids, 5000, session) for r in sample]
-    change_s = sum(ingest(r, p) for r, p in zip(sample, moved, strict=True))
-    sampled = len(sample) * args.members
-    # A router restarts: everything it said goes (at its first report), and the members'
-    # summaries are republished VIEW_CHUNK a report (the other routers' reports).
-    started = time.perf_counter()
-    kv.admit(routers[-1], 2, 0.0, 1.0)
-    longest_s = depart_s = time.perf_counter() - started
-    for turn in range(args.members // VIEW_CHUNK + 2):
+    def departure(self, routers: list[str], members: int) -> tuple[float, float]:
+        """A router restarts: everything it said goes (at its first report), and the
+        members' summaries are republished VIEW_CHUNK a report (the other routers'
+        reports). (Loop seconds in all, the longest single report.)"""
         started = time.perf_counter()
-        kv.apply(routers[turn % len(routers)], [], current, 10.0 + turn)
-        took = time.perf_counter() - started
-        depart_s += took
-        longest_s = max(longest_s, took)
-    started = time.perf_counter()
-    kv.sweep(1e9, current, dict.fromkeys(routers, 1).get)
-    sweep_s = time.perf_counter() - started
+        self.kv.admit(routers[-1], 2, 0.0, 1.0)
+        longest_s = depart_s = time.perf_counter() - started
+        for turn in range(members // VIEW_CHUNK + 2):
+            started = time.perf_counter()
+            self.kv.apply(routers[turn % len(routers)], [], self.current, 10.0 + turn)
+            took = time.perf_counter() - started
+            depart_s += took
+            longest_s = max(longest_s, took)
+        return depart_s, longest_s
 
+    def sweep(self, routers: list[str]) -> float:
+        started = time.perf_counter()
+        self.kv.sweep(1e9, self.current, dict.fromkeys(routers, 1).get)
+        return time.perf_counter() - started
+
+
+def _print(args: argparse.Namespace, held: int, loaded_s: float, refresh_us: float,
+           change_us: float, departure: tuple[float, float], sweep_s: float) -> None:
+    entries = args.routers * args.members
     beat_us = heartbeat_us()
-    per_refresh_us = 1e6 * refresh_s / sampled
-    per_change_us = 1e6 * change_s / sampled
     # entries/s at a 1 s interval (router/kv/reporter.py's rolling refresh)
     refresh_rate = args.routers * min(REFRESH_MAX_PER_TICK, args.members / REFRESH_TICKS)
     print(f"{args.routers} routers x {args.members} members = {entries:,} entries")
     print(f"  memory held: {held / 2**20:.1f} MiB ({held / entries:.0f} B per entry)")
     print(f"  first load: {1e6 * loaded_s / entries:.2f} us per entry "
           f"(= {1e6 * loaded_s / entries / beat_us:.2f} heartbeats)")
-    print(f"  refresh (unchanged): {per_refresh_us:.2f} us per entry "
+    print(f"  refresh (unchanged): {refresh_us:.2f} us per entry "
           f"(decode, proof, compare)")
-    print(f"  change: {per_change_us:.2f} us per entry (plus summary and view update)")
-    print(f"  a router's departure: {1e3 * depart_s:.0f} ms of loop in all, at most "
-          f"{1e3 * longest_s:.0f} ms in one report; a sweep: {1e3 * sweep_s:.1f} ms")
+    print(f"  change: {change_us:.2f} us per entry (plus summary and view update)")
+    print(f"  a router's departure: {1e3 * departure[0]:.0f} ms of loop in all, at most "
+          f"{1e3 * departure[1]:.0f} ms in one report; a sweep: {1e3 * sweep_s:.1f} ms")
     print(f"  yardstick: a heartbeat costs {beat_us:.2f} us in this run: a refreshed entry "
-          f"= {per_refresh_us / beat_us:.2f} heartbeats, a changed one "
-          f"{per_change_us / beat_us:.2f}")
+          f"= {refresh_us / beat_us:.2f} heartbeats, a changed one "
+          f"{change_us / beat_us:.2f}")
     print(f"  rolling refresh alone: {refresh_rate:,.0f} entries/s -> "
-          f"{refresh_rate * per_refresh_us / 1e4:.1f}% of the loop's core "
-          f"(= {refresh_rate * per_refresh_us / beat_us:,.0f} heartbeats/s)")
+          f"{refresh_rate * refresh_us / 1e4:.1f}% of the loop's core "
+          f"(= {refresh_rate * refresh_us / beat_us:,.0f} heartbeats/s)")
     print(f"  messages: {args.routers} per second at most (one per router and interval)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--routers", type=int, default=100)
+    parser.add_argument("--members", type=int, default=10_000)
+    args = parser.parse_args()
+    ids = member_ids(args.members)
+    current = dict.fromkeys(ids, 1).get
+    routers = [f"api_server-10.1.{r // 256}.{r % 256}-8000" for r in range(args.routers)]
+    session = sessions.new_session()
+    first = [messages(r, ids, 100, session) for r in routers]
+    held = memory_held(routers, first, current)
+    loop = Loop(session, current)
+    loaded_s = sum(loop.ingest(r, p) for r, p in zip(routers, first, strict=True))
+    assert loop.kv.held == args.routers * args.members
+    # A refresh that restates unchanged figures, and one where every figure moved.
+    sample = routers[: max(1, args.routers // 10)]
+    refresh_s = sum(loop.ingest(r, first[i]) for i, r in enumerate(sample))
+    moved = [messages(r, ids, 5000, session) for r in sample]
+    change_s = sum(loop.ingest(r, p) for r, p in zip(sample, moved, strict=True))
+    sampled = len(sample) * args.members
+    departure = loop.departure(routers, args.members)
+    sweep_s = loop.sweep(routers)
+    _print(args, held, loaded_s, 1e6 * refresh_s / sampled, 1e6 * change_s / sampled,
+           departure, sweep_s)
 
 
 if __name__ == "__main__":

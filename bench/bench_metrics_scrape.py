@@ -31,26 +31,24 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import msgspec
+from prometheus_client import generate_latest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` and pdreg
 
-from bench_scale import member_spec  # noqa: E402
-from prometheus_client import generate_latest  # noqa: E402
+from bench.procs import ROOT
+from bench.scale.fleet import MODELS, member_spec
+from registry import sessions
+from registry.admission import Limits
+from registry.membership import Membership
+from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats
+from registry.published import Published
+from wire.protocol import Heartbeat, Load, MemberState, make_encoder
 
-from registry import sessions  # noqa: E402
-from registry.admission import Limits  # noqa: E402
-from registry.membership import Membership  # noqa: E402
-from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats  # noqa: E402
-from registry.published import Published  # noqa: E402
-from wire.protocol import Heartbeat, Load, MemberState, make_encoder  # noqa: E402
-
-MODELS = 8
 SPREAD_S = 5.0  # heartbeat times spread over one interval, as in a healthy fleet
 ROUNDS = 5
 WAKE_S = 0.0001  # the stand-in loop wakes this often
@@ -69,7 +67,7 @@ def fleet(membership_class: Any, members: int, start: float) -> Any:
 
 
 def load_rev(rev: str, path: str) -> ModuleType:
-    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"],
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
                             check=True, capture_output=True, text=True).stdout
     name = os.path.basename(path).removesuffix(".py") + "_rev"
     file = os.path.join(tempfile.mkdtemp(), f"{name}.py")

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # `bench` and pdreg
 
+from bench.procs import wait_for_quiet  # noqa: E402
 from pdreg.demo.cluster import ClusterConfig  # noqa: E402
 from pdreg.demo.open_loop import OpenLoopLoad, Phase, Workload, attainment  # noqa: E402
 from pdreg.demo.scaler import RoleArgsCluster, Scaler, start_planner  # noqa: E402
@@ -61,16 +62,7 @@ PLANNER_ARGS = (
     "--scale-down-window", "15", "--slo-memory", "60", "--ttft-slo", str(TTFT_SLO_S),
     "--itl-slo", str(ITL_SLO_S), "--max-prefill", "6", "--max-decode", "6")
 STATIC = {"1P1D": (1, 1), "2P2D": (2, 2), "1P3D": (1, 3), "3P1D": (3, 1), "3P2D": (3, 2)}
-DEFAULT_OUT = Path("/tmp/pdreg-bench-planner")
-
-
-def wait_for_quiet(max_load: float, timeout_s: float) -> float:
-    """The machine is shared: wait (bounded) until the 1-minute load average is below
-    `max_load`, so a configuration is not measured against someone else's test run."""
-    deadline = time.monotonic() + timeout_s
-    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
-        time.sleep(5.0)
-    return os.getloadavg()[0]
+DEFAULT_OUT = REPO / "bench" / "out" / "planner"  # one JSON file per configuration
 
 
 def run_config(name: str, time_scale: float, seed: int) -> dict[str, Any]:

@@ -26,26 +26,23 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import zmq
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` and pdreg
 
-from pdreg.testing import die_with_parent  # noqa: E402
-from registry import sessions  # noqa: E402
-from registry.client import MembershipView, request_snapshot  # noqa: E402
-from registry.security import ClientCurve, generate_keys  # noqa: E402
-from wire.protocol import (  # noqa: E402
+from bench.procs import ROOT, cpu_s, registry_process, rss_bytes
+from registry import sessions
+from registry.client import MembershipView, request_snapshot
+from registry.security import ClientCurve, generate_keys
+from wire.protocol import (
     Endpoints,
     Heartbeat,
     Load,
@@ -68,27 +65,6 @@ def _without_proof(payload: bytes) -> bytes:
     """A protocol-2 heartbeat as protocol 1 sent it: the same array, one element (the
     trailing proof) shorter. The first byte is the fixarray header, holding the count."""
     return bytes((payload[0] - 1,)) + payload[1:-_PROOF_FIELD_BYTES]
-
-
-@contextmanager
-def registry_process(interval_s: float = 1.0, lease_s: float = 30.0, *,
-                     extra: tuple[str, ...] = (), src: str = ROOT
-                     ) -> Iterator[tuple[str, int]]:
-    """A `pdreg registry` child (from source tree `src`) on OS-chosen ports; yields
-    (control address, pid)."""
-    env = {**os.environ, "PYTHONPATH": src}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "registry", "--port", "0",
-         "--events-port", "0", "--http-port", "-1", "--heartbeat-interval", str(interval_s),
-         "--lease", str(lease_s), *extra],
-        stdout=subprocess.PIPE, text=True, cwd=src, env=env, preexec_fn=die_with_parent)
-    try:
-        line = proc.stdout.readline()
-        address = line.split("control ")[1].split()[0]
-        yield address, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def spec(i: int) -> MemberSpec:
@@ -188,12 +164,6 @@ class Ingest:
     cpu_us_per_heartbeat: float  # the receiving process's CPU (all its threads)
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _drive(address: str, pid: int, seconds: float, *, signed: bool,
            curve: ClientCurve | None = None) -> Ingest:
     out: mp.Queue = mp.Queue()
@@ -201,14 +171,15 @@ def _drive(address: str, pid: int, seconds: float, *, signed: bool,
                                             signed, curve))
     child.start()
     assert out.get(timeout=120) == "flooding"  # messages built, members registered
-    cpu_before = _cpu_s(pid)
+    cpu_before = cpu_s(pid)
     answered, elapsed = out.get(timeout=seconds + 60)
-    cpu = _cpu_s(pid) - cpu_before
+    cpu = cpu_s(pid) - cpu_before
     child.join()
     return Ingest(answered / elapsed, 1e6 * cpu / max(1, answered))
 
 
-def bench_ingest(seconds: float, *, curve_keys: str | None = None, src: str = ROOT) -> Ingest:
+def bench_ingest(seconds: float, *, curve_keys: str | None = None,
+                 src: str | Path = ROOT) -> Ingest:
     """The registry with sessions checked (and CURVE on both sockets, given keys), from
     source tree `src` (this one by default; another of the same protocol version)."""
     extra: tuple[str, ...] = ()
@@ -303,21 +274,13 @@ def bench_propagation(samples: int) -> dict[str, float]:
             "max_ms": 1e3 * latencies[-1]}
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
 def bench_snapshot(members: int, rounds: int) -> dict[str, float]:
     with registry_process() as (address, pid):
         request_snapshot(address)
-        before = _rss_bytes(pid)
+        before = rss_bytes(pid)
         for start in range(0, members, 1000):
             register_members(address, min(1000, members - start), start)
-        after = _rss_bytes(pid)
+        after = rss_bytes(pid)
         times = []
         size = 0
         for _ in range(rounds):

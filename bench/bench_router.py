@@ -33,26 +33,19 @@ Writes bench/out/router.json and the plot bench/plots/router.png (matplotlib fro
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Final
-
-import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # `bench` and pdreg; the engine helpers
 
-import peers  # noqa: E402
 from reference_helpers import (  # noqa: E402
     EngineHandle,
     metrics,
@@ -61,6 +54,10 @@ from reference_helpers import (  # noqa: E402
     stop_all,
 )
 
+from bench import peers  # noqa: E402
+from bench.load import completion, run_closed_loop, serves  # noqa: E402
+from bench.procs import LOCAL_ROUTER_FLAGS, router_process  # noqa: E402
+from bench.tables import p99, print_table  # noqa: E402
 from pdreg.demo.traffic import TrafficGenerator, figures  # noqa: E402
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
@@ -127,71 +124,32 @@ class Target:
     cpu_s: Callable[[], float] | None = field(default=None)
 
 
-# --- load ------------------------------------------------------------------------------
-
-
-async def run_load(url: str, requests: int, concurrency: int
-                   ) -> tuple[list[float], float, int]:
-    """Latencies (s) of the successful POSTs, the wall time, and the failures."""
-    latencies: list[float] = []
-    failed = 0
-    payload = json.dumps(BODY).encode()
-    headers = {"Content-Type": "application/json"}
-    left = requests
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as session:
-        async def worker() -> None:
-            nonlocal left, failed
-            while left > 0:
-                left -= 1
-                started = time.perf_counter()
-                try:
-                    async with session.post(url + "/v1/completions", data=payload,
-                                            headers=headers) as response:
-                        await response.read()
-                        ok = response.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    ok = False
-                if ok:
-                    latencies.append(time.perf_counter() - started)
-                else:
-                    failed += 1
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return latencies, time.perf_counter() - started, failed
-
-
-def serves(url: str) -> bool:
-    _, _, failed = asyncio.run(run_load(url, 1, 1))
-    return failed == 0
-
-
-def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
+# --- measuring ---------------------------------------------------------------------------
 
 
 def measure(target: Target, handshake: str, requests: int) -> Row:
-    if not wait_until(lambda: serves(target.url), READY_TIMEOUT_S, poll_s=0.2):
+    send = completion(target.url, BODY)
+    if not wait_until(lambda: serves(send), READY_TIMEOUT_S, poll_s=0.2):
         raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
     row = Row(router=target.name, handshake=handshake)
     cpu_before = target.cpu_s() if target.cpu_s else 0.0
-    cold, _, failed0 = asyncio.run(run_load(target.url, COLD_REQUESTS, CONCURRENCY))
+    cold = run_closed_loop(send, COLD_REQUESTS, CONCURRENCY)
     if target.cpu_s:
         row.cold_cpu_us_per_req = (target.cpu_s() - cpu_before) / COLD_REQUESTS * 1e6
-    row.cold_p99_ms = p99(cold) * 1e3
+    row.cold_p99_ms = p99(cold.latencies) * 1e3
     # Warm every connection pool at the concurrency measured: a pool warmed at c=4 still
     # opens 28 connections per engine at the start of a c=32 run.
-    asyncio.run(run_load(target.url, WARMUP_REQUESTS, CONCURRENCY))
-    lat1, _, failed1 = asyncio.run(run_load(target.url, max(100, requests // 10), 1))
-    row.p50_ms_c1, row.p99_ms_c1 = statistics.median(lat1) * 1e3, p99(lat1) * 1e3
+    run_closed_loop(send, WARMUP_REQUESTS, CONCURRENCY)
+    c1 = run_closed_loop(send, max(100, requests // 10), 1)
+    row.p50_ms_c1, row.p99_ms_c1 = statistics.median(c1.latencies) * 1e3, p99(c1.latencies) * 1e3
     cpu_before = target.cpu_s() if target.cpu_s else 0.0
-    lat32, wall, failed32 = asyncio.run(run_load(target.url, requests, CONCURRENCY))
+    c32 = run_closed_loop(send, requests, CONCURRENCY)
     if target.cpu_s:
         row.cpu_us_per_req = (target.cpu_s() - cpu_before) / requests * 1e6
-    row.p50_ms_c32, row.p99_ms_c32 = statistics.median(lat32) * 1e3, p99(lat32) * 1e3
-    row.req_per_s_c32 = len(lat32) / wall
-    row.failed = failed0 + failed1 + failed32
+    row.p50_ms_c32 = statistics.median(c32.latencies) * 1e3
+    row.p99_ms_c32 = p99(c32.latencies) * 1e3
+    row.req_per_s_c32 = len(c32.latencies) / c32.wall_s
+    row.failed = cold.failed + c1.failed + c32.failed
     print(f"  {target.name:24s} cpu/req={row.cpu_us_per_req or 0:.0f}us "
           f"cold c32 p99={row.cold_p99_ms:.1f}ms cpu/req={row.cold_cpu_us_per_req or 0:.0f}us "
           f"c1 p50/p99={row.p50_ms_c1:.2f}/{row.p99_ms_c1:.2f}ms "
@@ -204,9 +162,10 @@ def measure_slow(target: Target, handshake: str, slow: str,
                  workers: list[EngineHandle]) -> SlowRow:
     """Streaming clients for STREAM_SECONDS: TTFT, end to end, and where `workers` (the
     slow role's engines, the slow one first; empty for a fast-only run) were used."""
-    if not wait_until(lambda: serves(target.url), READY_TIMEOUT_S, poll_s=0.2):
+    send = completion(target.url, BODY)
+    if not wait_until(lambda: serves(send), READY_TIMEOUT_S, poll_s=0.2):
         raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
-    asyncio.run(run_load(target.url, WARMUP_REQUESTS // 4, STREAM_CLIENTS))
+    run_closed_loop(send, WARMUP_REQUESTS // 4, STREAM_CLIENTS)
     before = [metrics(w.url)[REQUESTS_REQUEST_COUNTER] for w in workers]
     traffic = TrafficGenerator(target.url, clients=STREAM_CLIENTS).start()
     started = time.monotonic()
@@ -303,14 +262,11 @@ def baseline_engines(src: Path, handshake: str) -> Iterator[str]:
         stop_process(proc, ROUTER_STOP_TIMEOUT_S)
 
 
-LOCAL_FLAGS: Final = ("--drain-delay", "0", "--allow-upstream", "127.0.0.0/8,::1/128")
-
-
 def _flags_known(src: Path) -> list[str]:
-    """LOCAL_FLAGS that another version's `pdreg router` has (an older one may lack
+    """LOCAL_ROUTER_FLAGS that another version's `pdreg router` has (an older one may lack
     --allow-upstream, and then sends to loopback anyway)."""
     text = (src / "pdreg" / "cmd_router.py").read_text()
-    pairs = zip(LOCAL_FLAGS[::2], LOCAL_FLAGS[1::2], strict=True)
+    pairs = zip(LOCAL_ROUTER_FLAGS[::2], LOCAL_ROUTER_FLAGS[1::2], strict=True)
     return [part for flag, value in pairs if f'"{flag}"' in text for part in (flag, value)]
 
 
@@ -319,27 +275,14 @@ def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None =
                  ) -> Iterator[Target]:
     """`src`: run the router of another pdreg source tree (e.g. an export of main), with
     only the flags every version has."""
-    port = free_low_port()
-    # its log goes to a file: a client that hangs up after [DONE] makes aiohttp log a
-    # traceback per request, which would drown the bench's own output
-    log = tempfile.NamedTemporaryFile(prefix="pdreg-bench-router-", suffix=".log")  # noqa: SIM115
-    extra = _flags_known(src) if src else [*LOCAL_FLAGS, *ROUTER_ARGS]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "router", "--registry",
-         registry, "--port", str(port), "--policy", policy, "--no-register", *extra],
-        cwd=src or REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent)
-    try:
-        assert proc.stdout is not None
-        url = json.loads(proc.stdout.readline())["url"]
-        yield Target(label or f"pdreg ({policy})", url,
-                     lambda: peers.process_tree_cpu_s(proc.pid))
-    finally:
-        stop_process(proc, ROUTER_STOP_TIMEOUT_S)
-        errors = Path(log.name).read_text(errors="replace").count(" ERROR ")
-        if errors:
-            print(f"  (pdreg router logged {errors} ERROR lines)", flush=True)
-        log.close()
+    flags = _flags_known(src) if src else [*LOCAL_ROUTER_FLAGS, *ROUTER_ARGS]
+    with router_process(registry, policy, flags=flags, src=src or REPO) as router:
+        try:
+            yield Target(label or f"pdreg ({policy})", router.url, router.cpu_s)
+        finally:
+            errors = router.error_lines()
+            if errors:
+                print(f"  (pdreg router logged {errors} ERROR lines)", flush=True)
 
 
 @contextmanager
@@ -406,34 +349,37 @@ def run_all(requests: int, policies: list[str], scenarios: list[str], handshakes
 # --- report ----------------------------------------------------------------------------
 
 
+def _steady_cells(r: Row) -> list[str]:
+    def us(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f} µs"
+    return [r.router, r.handshake, us(r.cpu_us_per_req),
+            f"{r.p50_ms_c1:.2f} / {r.p99_ms_c1:.2f} ms",
+            f"{r.p50_ms_c32:.1f} / {r.p99_ms_c32:.1f} ms", f"{r.req_per_s_c32:,.0f}",
+            f"{r.cold_p99_ms:.1f} ms", us(r.cold_cpu_us_per_req), str(r.failed)]
+
+
+def _slow_cells(s: SlowRow) -> list[str]:
+    share = "-" if s.slow_share is None else f"{s.slow_share:.0%}"
+    return [s.router, s.handshake, f"{s.ttft_p50_ms or 0:.0f} ms",
+            f"{s.ttft_p99_ms or 0:.0f} ms", f"{s.e2e_p50_ms or 0:.0f} ms",
+            f"{s.e2e_p99_ms or 0:.0f} ms", share, str(s.ok), str(s.failed)]
+
+
 def print_tables(rows: list[Row], slow_rows: list[SlowRow], requests: int) -> None:
     print(f"\n{requests} requests at c={CONCURRENCY}, {max(100, requests // 10)} at c=1, "
           f"after a warm-up at c={CONCURRENCY}; cold: {COLD_REQUESTS} requests at "
           f"c={CONCURRENCY} before any warm-up\n")
-    print("| router | handshake | router CPU per request | p50 / p99 at c=1 "
-          "| p50 / p99 at c=32 | req/s at c=32 | cold c=32 p99 | cold CPU per request "
-          "| failed |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        cpu = f"{r.cpu_us_per_req:.0f} µs" if r.cpu_us_per_req is not None else "-"
-        print(f"| {r.router} | {r.handshake} | {cpu} | {r.p50_ms_c1:.2f} / "
-              f"{r.p99_ms_c1:.2f} ms | {r.p50_ms_c32:.1f} / {r.p99_ms_c32:.1f} ms | "
-              f"{r.req_per_s_c32:,.0f} | {r.cold_p99_ms:.1f} ms | "
-              f"{'-' if r.cold_cpu_us_per_req is None else f'{r.cold_cpu_us_per_req:.0f} µs'} "
-              f"| {r.failed} |")
+    print_table(["router", "handshake", "router CPU per request", "p50 / p99 at c=1",
+                 "p50 / p99 at c=32", "req/s at c=32", "cold c=32 p99",
+                 "cold CPU per request", "failed"], map(_steady_cells, rows), "llrrrrrrr")
     for slow, what in (("prefill", f"one prefill {SLOW_PREFILL_S_PER_TOKEN * 1e3:g} ms per "
                         f"prompt token vs {FAST_PREFILL_S_PER_TOKEN * 1e3:g}"),
                        ("decode", f"one decode {SLOW_DECODE_S_PER_TOKEN * 1e3:g} ms per "
                         f"output token vs {FAST_DECODE_S_PER_TOKEN * 1e3:g}")):
         print(f"\n{what}; {STREAM_CLIENTS} streaming clients, {STREAM_SECONDS:g} s each\n")
-        print(f"| router | handshake | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 "
-              f"| requests to the slow {slow} | ok | failed |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        for s in (r for r in slow_rows if r.slow == slow):
-            share = "-" if s.slow_share is None else f"{s.slow_share:.0%}"
-            print(f"| {s.router} | {s.handshake} | {s.ttft_p50_ms or 0:.0f} ms | "
-                  f"{s.ttft_p99_ms or 0:.0f} ms | {s.e2e_p50_ms or 0:.0f} ms | "
-                  f"{s.e2e_p99_ms or 0:.0f} ms | {share} | {s.ok} | {s.failed} |")
+        print_table(["router", "handshake", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
+                     f"requests to the slow {slow}", "ok", "failed"],
+                    (_slow_cells(r) for r in slow_rows if r.slow == slow), "llrrrrrrr")
 
 
 def save_and_plot(rows: list[Row], slow_rows: list[SlowRow]) -> None:

@@ -22,9 +22,10 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
+if str(REPO) not in sys.path:  # run as a script: `bench` and pdreg's packages
     sys.path.insert(0, str(REPO))
 
+from bench.procs import tree_cpu_s  # noqa: E402
 from pdreg.testing import (  # noqa: E402
     die_with_parent,
     free_low_port,
@@ -40,7 +41,6 @@ STAMP = PEERS_VENV / ".peers-installed"
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def ensure_peers_venv() -> Path:
@@ -65,29 +65,6 @@ def ensure_peers_venv() -> Path:
     return PEERS_VENV
 
 
-def process_tree_cpu_s(pid: int) -> float:
-    """utime+stime of a process and all its live descendants, plus reaped children's.
-
-    mini_lb and uvicorn may fork; the Rust routers are one process with many threads.
-    """
-    total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        # fields 14-17 of stat(5): utime, stime, cutime, cstime
-        total += sum(int(fields[i]) for i in (11, 12, 13, 14)) / CLK_TCK
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                pending += [int(child) for child in task.read_text().split()]
-            except OSError:
-                continue
-    return total
-
-
 @dataclass
 class PeerRouter:
     """A running peer router process; `url` is where clients send requests."""
@@ -104,7 +81,7 @@ class PeerRouter:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def cpu_s(self) -> float:
-        return process_tree_cpu_s(self.proc.pid)
+        return tree_cpu_s(self.proc.pid)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, then SIGKILL if it overstays; removes the log. Safe twice."""

@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the private key of --tls-cert (PEM)")
     p.add_argument("--max-members", type=int, default=DEFAULT_MAX_MEMBERS, metavar="N",
                    help="refuse registrations beyond N members (default: what one "
-                        "registry was measured to hold; see the README)")
+                        "registry was measured to hold; see docs/operations.md)")
     p.add_argument("--max-members-per-model", type=int, default=0, metavar="N",
                    help="refuse registrations beyond N members of one model (0: no such cap)")
     p.add_argument("--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL_S,

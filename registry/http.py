@@ -59,7 +59,7 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
                exposed: bool = False) -> FastAPI:
     """The registry's HTTP app.
 
-    Who may do what (the README's threat model):
+    Who may do what (the threat model in docs/security.md):
     - admin actions (drain, evict): the admin token when one is set; without one, only
       clients on this machine (a loopback peer). Never a browser: a request carrying
       `Origin` or a cross-site `Sec-Fetch-Site` is refused, so no web page an operator

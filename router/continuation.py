@@ -24,7 +24,7 @@ can change the output. Three parts, all pure:
   counts the whole generation.
 
 What cannot be continued exactly falls back to today's SSE error event; see
-`why_not_migratable` and README "Request migration".
+`why_not_migratable` and docs/operations.md, "Request migration".
 """
 
 from __future__ import annotations

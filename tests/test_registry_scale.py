@@ -32,7 +32,7 @@ from registry.control import (
 from registry.frozen_map import FrozenMap
 from registry.metrics import LoopStats
 from registry.ratelimit import SyncLimiter
-from registry.server import RegistryConfig, RegistryServer
+from registry.server import RegistryServer
 from wire.protocol import (
     ControlMessage,
     Reply,
@@ -47,13 +47,8 @@ WAIT_S = 10.0  # generous: other test processes share two cores
 
 
 @pytest.fixture
-def registry() -> Iterator[RegistryServer]:
-    server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1,
-                                           heartbeat_interval_s=0.5, lease_s=5.0)).start()
-    try:
-        yield server
-    finally:
-        server.close()
+def registry(registry_factory: Callable[..., RegistryServer]) -> RegistryServer:
+    return registry_factory(http_port=-1, heartbeat_interval_s=0.5, lease_s=5.0)
 
 
 @pytest.fixture
@@ -225,12 +220,11 @@ def test_a_view_syncs_once_when_nothing_changes_meanwhile(registry):
         member.close()
 
 
-def test_with_two_io_threads_heartbeats_and_the_fan_out_each_get_their_own():
+def test_with_two_io_threads_heartbeats_and_the_fan_out_each_get_their_own(registry_factory):
     """--io-threads 2: the control socket's connections on the first libzmq I/O thread,
     the PUB fan-out on the second; members and views work as with one."""
-    server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1,
-                                           heartbeat_interval_s=0.5, lease_s=5.0,
-                                           io_threads=2)).start()
+    server = registry_factory(http_port=-1, heartbeat_interval_s=0.5, lease_s=5.0,
+                              io_threads=2)
     member = RawMember(server.control_address)
     try:
         assert server._control.getsockopt(zmq.AFFINITY) == 0b01
@@ -243,7 +237,6 @@ def test_with_two_io_threads_heartbeats_and_the_fan_out_each_get_their_own():
             assert view.wait_for(lambda m: member.id not in m, WAIT_S)
     finally:
         member.close()
-        server.close()
 
 
 def test_a_view_for_some_models_holds_only_those(registry):
@@ -333,12 +326,12 @@ CHURN_SECONDS = 6.0
 COALESCE_S = 0.001
 
 
-def test_under_churn_every_heartbeat_is_answered_and_no_steady_member_expires():
+def test_under_churn_every_heartbeat_is_answered_and_no_steady_member_expires(
+        registry_factory):
     """2,000 members heartbeating every second over a few sockets (as many agents would),
     while 20 times a second a `churn-*` member leaves or comes back as a new incarnation.
     Every heartbeat gets an OK, and no member that kept beating is expired."""
-    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1,
-                                             heartbeat_interval_s=1.0, lease_s=6.0)).start()
+    registry = registry_factory(http_port=-1, heartbeat_interval_s=1.0, lease_s=6.0)
     ctx = zmq.Context()
     try:
         sub = ctx.socket(zmq.SUB)
@@ -357,18 +350,17 @@ def test_under_churn_every_heartbeat_is_answered_and_no_steady_member_expires():
         assert len(registry.members()) >= CHURN_MEMBERS
     finally:
         ctx.destroy(linger=0)
-        registry.close()
 
 
-def test_under_a_high_rate_the_loop_batches_messages_and_still_answers_every_one():
+def test_under_a_high_rate_the_loop_batches_messages_and_still_answers_every_one(
+        registry_factory):
     """Above 2,000 messages/s the loop pauses between turns (registry.coalesce): turns
     each handle a batch, every heartbeat is still answered OK, and once the rate falls the
     loop handles each message as it arrives again."""
     import time
 
-    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1,
-                                             heartbeat_interval_s=1.0, lease_s=6.0,
-                                             coalesce_s=COALESCE_S)).start()
+    registry = registry_factory(http_port=-1, heartbeat_interval_s=1.0, lease_s=6.0,
+                                coalesce_s=COALESCE_S)
     ctx = zmq.Context()
     try:
         fleet = _ChurnFleet(ctx, registry.control_address)
@@ -406,7 +398,6 @@ def test_under_a_high_rate_the_loop_batches_messages_and_still_answers_every_one
         assert wait_until(lambda: fleet.collect() or not registry.stats.coalescing, WAIT_S)
     finally:
         ctx.destroy(linger=0)
-        registry.close()
 
 
 def _expired_ids(sub: zmq.Socket) -> set[str]:

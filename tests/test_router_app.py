@@ -16,9 +16,9 @@ from standins_engines import tokens_for
 from standins_fleet import Fleet, LoopThread, live_member
 
 from pdreg.testing import wait_until
-from router.http import upstream
 from router.adapters import default_adapters
 from router.guard import LOOPBACK_ALLOW
+from router.http import upstream
 from router.service import RouterConfig, RouterServer
 from wire.protocol import Handshake, MemberState, Role
 
@@ -39,7 +39,9 @@ def nixl(loop_thread: LoopThread) -> Fleet:
     return Fleet(loop_thread, Handshake.VLLM_NIXL)
 
 
-class RouterFixture:
+class RouterFactory:
+    """Starts routers on a fleet's view (each closed at the end of the test)."""
+
     def __init__(self) -> None:
         self.servers: list[RouterServer] = []
 
@@ -52,8 +54,8 @@ class RouterFixture:
 
 
 @pytest.fixture
-def router() -> Iterator[RouterFixture]:
-    fixture = RouterFixture()
+def start_router() -> Iterator[RouterFactory]:
+    fixture = RouterFactory()
     try:
         yield fixture
     finally:
@@ -72,8 +74,8 @@ def expected(prompt: str, n: int) -> str:
 
 # --- the handshakes, end to end through the openai client -------------------------------------
 
-def test_completion_matches_a_mixed_engine(fleet: Fleet, router: RouterFixture) -> None:
-    server = router(fleet)
+def test_completion_matches_a_mixed_engine(fleet: Fleet, start_router: RouterFactory) -> None:
+    server = start_router(fleet)
     got = client(server).completions.create(model="m", prompt="hello world", max_tokens=5)
     assert got.choices[0].text == expected("hello world", 5)
     p, d = fleet.engines["p1"], fleet.engines["d1"]
@@ -81,8 +83,8 @@ def test_completion_matches_a_mixed_engine(fleet: Fleet, router: RouterFixture) 
     assert not p.rejections and not d.rejections
 
 
-def test_chat_stream_matches_a_mixed_engine(fleet: Fleet, router: RouterFixture) -> None:
-    server = router(fleet)
+def test_chat_stream_matches_a_mixed_engine(fleet: Fleet, start_router: RouterFactory) -> None:
+    server = start_router(fleet)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     chunks = client(server).chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
                                                     max_tokens=7, stream=True)
@@ -90,8 +92,8 @@ def test_chat_stream_matches_a_mixed_engine(fleet: Fleet, router: RouterFixture)
     assert text == expected("be brief\nhi", 7)
 
 
-def test_completion_stream_and_chat_plain(fleet: Fleet, router: RouterFixture) -> None:
-    server = router(fleet)
+def test_completion_stream_and_chat_plain(fleet: Fleet, start_router: RouterFactory) -> None:
+    server = start_router(fleet)
     c = client(server)
     stream = c.completions.create(model="m", prompt="abc", max_tokens=4, stream=True)
     assert "".join(x.choices[0].text for x in stream) == expected("abc", 4)
@@ -100,10 +102,10 @@ def test_completion_stream_and_chat_plain(fleet: Fleet, router: RouterFixture) -
     assert chat.choices[0].message.content == expected("q", 3)
 
 
-def test_mixed_member_serves_directly(loop_thread: LoopThread, router: RouterFixture) -> None:
+def test_mixed_member_serves_directly(loop_thread: LoopThread, start_router: RouterFactory) -> None:
     fleet = Fleet(loop_thread, Handshake.SGLANG)
     x = fleet.add("x1", X)
-    server = router(fleet)
+    server = start_router(fleet)
     got = client(server).completions.create(model="m", prompt="direct", max_tokens=3)
     assert got.choices[0].text == expected("direct", 3)
     assert not x.rejections and len(x.requests) == 1
@@ -119,19 +121,21 @@ def test_standins_reject_requests_off_contract(nixl: Fleet) -> None:
 
 # --- admission --------------------------------------------------------------------------------
 
-def test_no_decode_is_503_fast(nixl: Fleet, router: RouterFixture) -> None:
-    nixl.add("p1", P)
-    server = router(nixl)
-    started = time.monotonic()
-    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"})
-    assert r.status_code == 503 and time.monotonic() - started < 1.0
+def test_no_decode_is_503_before_any_leg(nixl: Fleet, start_router: RouterFactory) -> None:
+    """No decode: the client is told at once (503, Retry-After), and the prefill is never
+    asked to compute a prompt no decode could take over."""
+    p = nixl.add("p1", P)
+    server = start_router(nixl)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"},
+                   timeout=30)
+    assert r.status_code == 503 and not p.requests
     assert r.json()["error"]["code"] == "no_capacity"
     assert r.headers["Retry-After"] == "1"
     assert httpx.get(server.url + "/v1/models").json()["data"] == []
 
 
-def test_models_health_metrics(fleet: Fleet, router: RouterFixture) -> None:
-    server = router(fleet)
+def test_models_health_metrics(fleet: Fleet, start_router: RouterFactory) -> None:
+    server = start_router(fleet)
     assert [m.id for m in client(server).models.list()] == ["m"]
     assert httpx.get(server.url + "/health").status_code == 200
     client(server).completions.create(model="m", prompt="x", max_tokens=2)
@@ -145,31 +149,31 @@ def test_models_health_metrics(fleet: Fleet, router: RouterFixture) -> None:
     (b"{not json", 400), (b'{"prompt": "x"}', 400), (b"[1, 2]", 400),
     (b'{"model": "unknown", "prompt": "x"}', 404),
 ])
-def test_bad_requests_get_clear_errors(nixl: Fleet, router: RouterFixture, body: bytes,
+def test_bad_requests_get_clear_errors(nixl: Fleet, start_router: RouterFactory, body: bytes,
                                        status: int) -> None:
     nixl.add("p1", P)
     nixl.add("d1", D)
-    server = router(nixl)
+    server = start_router(nixl)
     r = httpx.post(server.url + "/v1/completions", content=body)
     assert r.status_code == status
     assert "message" in r.json()["error"]
 
 
-def test_api_key(nixl: Fleet, router: RouterFixture) -> None:
+def test_api_key(nixl: Fleet, start_router: RouterFactory) -> None:
     nixl.add("p1", P)
     nixl.add("d1", D)
-    server = router(nixl, api_key="sekrit")
+    server = start_router(nixl, api_key="sekrit")
     with pytest.raises(openai.AuthenticationError):
         client(server, "wrong").completions.create(model="m", prompt="x", max_tokens=1)
     got = client(server, "sekrit").completions.create(model="m", prompt="x", max_tokens=1)
     assert got.choices[0].text == expected("x", 1)
 
 
-def test_prefill_4xx_is_relayed_not_retried(nixl: Fleet, router: RouterFixture) -> None:
+def test_prefill_4xx_is_relayed_not_retried(nixl: Fleet, start_router: RouterFactory) -> None:
     p = nixl.add("p1", P)
     nixl.add("d1", D)
     p.faults.status = 422
-    server = router(nixl)
+    server = start_router(nixl)
     r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"})
     assert r.status_code == 422 and len(p.requests) == 1
     assert nixl.view.reports == []
@@ -179,14 +183,14 @@ def test_prefill_4xx_is_relayed_not_retried(nixl: Fleet, router: RouterFixture) 
 
 @pytest.mark.parametrize("fault", ["status", "drop"])
 def test_failing_prefill_is_quarantined_reported_and_retried(
-        fleet: Fleet, router: RouterFixture, fault: str) -> None:
+        fleet: Fleet, start_router: RouterFactory, fault: str) -> None:
     bad = fleet.engines["p1"]
     fleet.add("p2", P)
     if fault == "status":
         bad.faults.status = 503
     else:
         bad.faults.drop = True
-    server = router(fleet, policy="round_robin")
+    server = start_router(fleet, policy="round_robin")
     c = client(server)
     for i in range(4):
         got = c.completions.create(model="m", prompt=f"q{i}", max_tokens=2)
@@ -198,13 +202,13 @@ def test_failing_prefill_is_quarantined_reported_and_retried(
     assert 'pdreg_router_quarantines_total{member="p1"} 1.0' in text
 
 
-def test_decode_failure_before_first_byte_is_retried(nixl: Fleet, router: RouterFixture
+def test_decode_failure_before_first_byte_is_retried(nixl: Fleet, start_router: RouterFactory
                                                      ) -> None:
     nixl.add("p1", P)
     bad = nixl.add("d1", D)
     nixl.add("d2", D)
     bad.faults.drop = True
-    server = router(nixl, policy="round_robin")
+    server = start_router(nixl, policy="round_robin")
     c = client(server)
     for i in range(3):
         chunks = c.completions.create(model="m", prompt=f"s{i}", max_tokens=3, stream=True)
@@ -212,11 +216,11 @@ def test_decode_failure_before_first_byte_is_retried(nixl: Fleet, router: Router
     assert len(bad.requests) == 1
 
 
-def test_all_pairs_failing_is_502(nixl: Fleet, router: RouterFixture) -> None:
+def test_all_pairs_failing_is_502(nixl: Fleet, start_router: RouterFactory) -> None:
     p = nixl.add("p1", P)
     nixl.add("d1", D)
     p.faults.status = 500
-    server = router(nixl)
+    server = start_router(nixl)
     r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x"})
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
     # Quarantined now: the next request is refused at admission, fast.
@@ -225,11 +229,11 @@ def test_all_pairs_failing_is_502(nixl: Fleet, router: RouterFixture) -> None:
 
 
 def test_mid_stream_failure_without_migration_ends_with_an_sse_error(
-        nixl: Fleet, router: RouterFixture) -> None:
+        nixl: Fleet, start_router: RouterFactory) -> None:
     nixl.add("p1", P)
     d = nixl.add("d1", D)
     d.faults.cut_after_chunks = 2
-    server = router(nixl, max_migrations=0)
+    server = start_router(nixl, max_migrations=0)
     body = {"model": "m", "prompt": "x", "max_tokens": 6, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -242,10 +246,10 @@ def test_mid_stream_failure_without_migration_ends_with_an_sse_error(
     assert 'outcome="failed_midstream"} 1.0' in text
 
 
-def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixture) -> None:
+def test_client_disconnect_cancels_the_decode(fleet: Fleet, start_router: RouterFactory) -> None:
     d = fleet.engines["d1"]
     d.faults.token_delay_s = 0.05
-    server = router(fleet)
+    server = start_router(fleet)
     body = {"model": "m", "prompt": "long", "max_tokens": 200, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         for line in r.iter_lines():
@@ -258,13 +262,13 @@ def test_client_disconnect_cancels_the_decode(fleet: Fleet, router: RouterFixtur
 
 
 def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread,
-                                                         router: RouterFixture) -> None:
+                                                         start_router: RouterFactory) -> None:
     fleet = Fleet(loop_thread, Handshake.SGLANG)
     bad = fleet.add("p1", P)
     fleet.add("p2", P)
     d = fleet.add("d1", D)
     bad.faults.status = 500
-    server = router(fleet, policy="round_robin")
+    server = start_router(fleet, policy="round_robin")
     got = client(server).completions.create(model="m", prompt="room", max_tokens=2)
     assert got.choices[0].text == expected("room", 2)
     # The first decode leg was abandoned when its prefill failed, the second served.
@@ -286,11 +290,11 @@ def test_bootstrap_rooms_come_from_the_adapters_rng(loop_thread: LoopThread) -> 
     assert rooms[0] == rooms[1] == random.Random(7).randrange(2**63)
 
 
-def test_draining_member_gets_nothing_new(nixl: Fleet, router: RouterFixture) -> None:
+def test_draining_member_gets_nothing_new(nixl: Fleet, start_router: RouterFactory) -> None:
     p1 = nixl.add("p1", P)
     p2 = nixl.add("p2", P)
     nixl.add("d1", D)
-    server = router(nixl)
+    server = start_router(nixl)
     members = dict(nixl.view.members())
     members["p1"] = live_member("p1", P, p1.url, kv_port=p1.kv_port, state=MemberState.DRAINING)
     nixl.view.set(members)
@@ -301,14 +305,14 @@ def test_draining_member_gets_nothing_new(nixl: Fleet, router: RouterFixture) ->
 
 
 def test_client_leaving_after_done_is_a_quiet_cancel(
-        loop_thread: LoopThread, router: RouterFixture, caplog: pytest.LogCaptureFixture
+        loop_thread: LoopThread, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
         ) -> None:
     # SGLang: D has streamed [DONE] while P's leg still runs; the client hangs up then.
     fleet = Fleet(loop_thread, Handshake.SGLANG)
     p = fleet.add("p1", P)
     fleet.add("d1", D)
     p.faults.answer_delay_s = 1.0
-    server = router(fleet)
+    server = start_router(fleet)
     body = {"model": "m", "prompt": "bye", "max_tokens": 3, "stream": True}
     with caplog.at_level(logging.ERROR), httpx.stream(
             "POST", server.url + "/v1/completions", json=body) as r:
@@ -325,8 +329,9 @@ def test_client_leaving_after_done_is_a_quiet_cancel(
 
 # --- the upstream connection pool ---------------------------------------------------------------
 
-def test_engine_legs_reuse_keep_alive_connections(fleet: Fleet, router: RouterFixture) -> None:
-    server = router(fleet)
+def test_engine_legs_reuse_keep_alive_connections(fleet: Fleet,
+                                                  start_router: RouterFactory) -> None:
+    server = start_router(fleet)
     c = client(server)
     for i in range(6):
         got = c.completions.create(model="m", prompt=f"k{i}", max_tokens=2)
@@ -340,10 +345,10 @@ def test_engine_legs_reuse_keep_alive_connections(fleet: Fleet, router: RouterFi
 
 
 def test_a_pooled_connection_the_engine_closed_is_not_reused(nixl: Fleet,
-                                                             router: RouterFixture) -> None:
+                                                             start_router: RouterFactory) -> None:
     p = nixl.add("p1", P)
     d = nixl.add("d1", D)
-    server = router(nixl, warm_connections=0)  # only the connections requests opened
+    server = start_router(nixl, warm_connections=0)  # only the connections requests opened
     c = client(server)
     c.completions.create(model="m", prompt="a", max_tokens=1)
 
@@ -361,7 +366,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_reused(nixl: Fleet,
     assert "pdreg_router_retries_total{" not in httpx.get(server.url + "/metrics").text
 
 
-def test_a_slow_reader_gets_a_long_stream_whole(nixl: Fleet, router: RouterFixture,
+def test_a_slow_reader_gets_a_long_stream_whole(nixl: Fleet, start_router: RouterFactory,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # A stream far over the pool's read high-water mark, to a client with a tiny receive
     # window that sleeps: reading the engine pauses and resumes; nothing lost or reordered.
@@ -372,7 +377,7 @@ def test_a_slow_reader_gets_a_long_stream_whole(nixl: Fleet, router: RouterFixtu
     monkeypatch.setattr(upstream, "READ_HIGH_WATER_BYTES", 64 * 1024)
     nixl.add("p1", P)
     nixl.add("d1", D)
-    server = router(nixl)
+    server = start_router(nixl)
     n = 40_000  # ~7 MB of SSE events: more than the kernel's socket buffers hold
     payload = msgspec.json.encode({"model": "m", "prompt": "long", "max_tokens": n,
                                    "stream": True})
@@ -394,10 +399,10 @@ def test_a_slow_reader_gets_a_long_stream_whole(nixl: Fleet, router: RouterFixtu
 
 
 def test_connections_idle_past_keepalive_are_not_reused(nixl: Fleet,
-                                                        router: RouterFixture) -> None:
+                                                        start_router: RouterFactory) -> None:
     p = nixl.add("p1", P)
     nixl.add("d1", D)
-    server = router(nixl)
+    server = start_router(nixl)
     server.router.upstream().keepalive_s = 0.0  # every idle connection is too old at once
     c = client(server)
     for i in range(2):
@@ -406,8 +411,8 @@ def test_connections_idle_past_keepalive_are_not_reused(nixl: Fleet,
 
 
 def test_models_nobody_serves_share_one_metrics_label(fleet: Fleet,
-                                                      router: RouterFixture) -> None:
-    server = router(fleet)
+                                                      start_router: RouterFactory) -> None:
+    server = start_router(fleet)
     for name in ("typo-1", "typo-2", "scan-3"):
         r = httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": "x"})
         assert r.status_code == 404
@@ -417,11 +422,11 @@ def test_models_nobody_serves_share_one_metrics_label(fleet: Fleet,
 
 
 def test_session_policy_keeps_a_conversation_on_one_pair(nixl: Fleet,
-                                                         router: RouterFixture) -> None:
+                                                         start_router: RouterFactory) -> None:
     for i in range(3):
         nixl.add(f"p{i}", P)
         nixl.add(f"d{i}", D)
-    server = router(nixl, policy="session")
+    server = start_router(nixl, policy="session")
     turns = 6
     for turn in range(turns):
         r = httpx.post(server.url + "/v1/completions",
@@ -435,12 +440,12 @@ def test_session_policy_keeps_a_conversation_on_one_pair(nixl: Fleet,
 
 
 def test_a_member_gets_warm_connections_when_it_becomes_routable(
-        nixl: Fleet, router: RouterFixture) -> None:
+        nixl: Fleet, start_router: RouterFactory) -> None:
     """The pool holds idle connections to every routable member before any request, and
     to one that joins later, within moments of its joining."""
     nixl.add("p1", P)
     nixl.add("d1", D)
-    server = router(nixl, warm_connections=3)
+    server = start_router(nixl, warm_connections=3)
     pool = server.router.upstream()
 
     def idle_to(url: str) -> int:
@@ -460,13 +465,13 @@ def test_default_bootstrap_rooms_are_distinct_and_in_range_across_batches() -> N
 
 
 def test_a_client_hanging_up_right_after_done_keeps_the_decode_connection(
-        nixl: Fleet, router: RouterFixture) -> None:
+        nixl: Fleet, start_router: RouterFactory) -> None:
     """Many clients close as soon as they read [DONE], before the stream's end: the
     router still reads the decode's answer to its end and pools that connection."""
     nixl.add("p1", P)
     d = nixl.add("d1", D)
     d.faults.end_delay_s = 0.3  # the stream's end comes well after its [DONE]
-    server = router(nixl, warm_connections=0)
+    server = start_router(nixl, warm_connections=0)
     pool = server.router.upstream()
     body = msgspec.json.encode({"model": "m", "prompt": "bye", "max_tokens": 3, "stream": True})
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:

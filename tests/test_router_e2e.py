@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from reference_helpers import EngineHandle, collect, start_engine, start_engines
+from reference_helpers import EngineHandle, collect, metrics, start_engine, start_engines
 
 from pdreg.testing import die_with_parent, stop_process, wait_until
 from registry.client import LiveMember, MembershipView
@@ -122,13 +122,17 @@ def test_both_endpoints_stream_and_not_match_a_mixed_engine(
 
 # --- elasticity ---------------------------------------------------------------------------------
 
-def test_no_decode_is_503_fast(engines: Engines, view: MembershipView,
-                               router: RouterServer) -> None:
+def test_no_decode_is_503_before_any_leg(engines: Engines, view: MembershipView,
+                                        router: RouterServer) -> None:
+    """No routable decode: the client is told at once (503, Retry-After), and the prefill
+    is never asked to compute a prompt no decode could take over."""
     (p,) = engines.start({"role": "prefill"})
     assert view.wait_for(lambda m: routable(view, p.id)(), VIEW_TIMEOUT_S)
-    started = time.monotonic()
-    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
-    assert r.status_code == 503 and time.monotonic() - started < 1.0
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
+                   timeout=VIEW_TIMEOUT_S)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"
+    assert r.headers["Retry-After"] == "1"
+    assert metrics(p.url).get("pdreg:engine_requests_total", 0.0) == 0.0
 
 
 def test_a_joining_member_gets_requests_promptly(engines: Engines, view: MembershipView,

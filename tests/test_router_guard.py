@@ -333,7 +333,7 @@ def test_an_error_event_is_not_echoed_either(loop_thread: LoopThread,
     assert "error" in r.text and "secret" not in r.text.lower()
 
 
-# --- where traffic may go, by default (issue 17, item 9) ------------------------------------
+# --- where traffic may go, by default ---------------------------------------------------------
 
 def test_by_default_a_member_on_loopback_gets_no_traffic(
         loop_thread: LoopThread, routers: list[RouterServer]) -> None:
@@ -350,7 +350,7 @@ def test_by_default_a_member_on_loopback_gets_no_traffic(
     assert len(secret.requests) == 1
 
 
-# --- KV addresses (item 10) ------------------------------------------------------------------
+# --- KV addresses ----------------------------------------------------------------------------
 
 def _with_kv_host(member: LiveMember, kv_host: str) -> LiveMember:
     spec = member.record.spec
@@ -407,7 +407,7 @@ def test_a_kv_address_in_disguise_is_never_handed_to_an_engine(
     assert 'pdreg_router_quarantines_total{member="p0"} 1.0' in metrics(server)
 
 
-# --- fields vLLM reads from nested places (item 11) ------------------------------------------
+# --- fields vLLM reads from nested places ------------------------------------------------------
 
 def test_vllm_xargs_cannot_carry_handshake_fields(
         loop_thread: LoopThread, routers: list[RouterServer]) -> None:
@@ -426,7 +426,7 @@ def test_vllm_xargs_cannot_carry_handshake_fields(
     assert d.requests[0][1]["kv_transfer_params"]["remote_engine_id"] != "evil"
 
 
-# --- a rogue engine's stream (item 13) -------------------------------------------------------
+# --- a rogue engine's stream -------------------------------------------------------------------
 
 @pytest.mark.parametrize(("reads", "events"), [
     ([b"d"], []),  # one byte is not an event
@@ -479,7 +479,7 @@ def test_a_stream_trickled_a_byte_at_a_time_still_arrives_whole(
     assert r.text.count("z") == 200_000 and r.text.endswith("data: [DONE]\n\n")
 
 
-# --- slow and strange clients (items 5, 6) ---------------------------------------------------
+# --- slow and strange clients -------------------------------------------------------------------
 
 def _open_trickling(url: str, count: int) -> list[Any]:
     import socket

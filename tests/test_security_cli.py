@@ -12,7 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -313,7 +313,8 @@ def test_the_router_reports_failures_through_its_own_session(
         def reported() -> bool:
             text = httpx.get(f"{http}/metrics").text
             # Accepted, or outweighed when it came while the engine's last heartbeat was
-            # still fresh (issue 17): either way proved with the router's own session.
+            # still fresh (one router alone cannot suspect a member that heartbeats):
+            # either way proved with the router's own session.
             return any(f'pdreg_failure_reports_total{{result="{result}"}} 1.0' in text
                        for result in ("accepted", "outweighed"))
         assert wait_until(reported, WAIT_S)
@@ -325,7 +326,8 @@ def test_the_router_reports_failures_through_its_own_session(
 def test_the_sidecar_takes_its_credentials_from_the_environment(
         secure_registry: tuple[str, str], keys: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 11: an agent given only PDREG_TOKEN was refused. Now it registers, over CURVE."""
+    """An agent given only PDREG_TOKEN (and its keys' paths) in its environment registers,
+    over CURVE: every credential is read from a flag, a file or the environment."""
     address, http = secure_registry
     env = client_env(keys, monkeypatch)
     port = free_low_port()
@@ -356,17 +358,26 @@ def test_status_without_the_keys_says_how_to_reach_a_curve_registry(
 
 
 def test_healthz_fails_while_the_loop_is_stuck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/healthz answers 503 while the registry's loop is held, and 200 again once it
+    turns. The loop is held by an action that waits for the test's word, not for a
+    time: a busy machine can delay each step, never make the loop look turned or stuck
+    at the wrong moment."""
     monkeypatch.setattr(server_module, "HEALTHZ_MIN_STALL_S", 0.3)
     server = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0,
                                            heartbeat_interval_s=0.05, lease_s=1.0)).start()
+    release = threading.Event()
     try:
         url = f"{server.http_url}/healthz"
-        assert httpx.get(url).status_code == 200
-        stuck = server.submit(lambda m, now: time.sleep(2.0))  # type: ignore[func-returns-value]
-        assert wait_until(lambda: httpx.get(url).status_code == 503, 5)
-        body = httpx.get(url).json()
+        assert wait_until(lambda: httpx.get(url).status_code == 200, WAIT_S)
+        held = server.submit(lambda m, now: release.wait(2 * WAIT_S))  # type: ignore[arg-type]
+        assert wait_until(lambda: httpx.get(url).status_code == 503, WAIT_S)
+        answer = httpx.get(url)  # the loop is still held: still 503
+        assert answer.status_code == 503
+        body = answer.json()
         assert body["status"] == "stalled" and "has not turned" in body["detail"]
-        stuck.result(10)
-        assert wait_until(lambda: httpx.get(url).status_code == 200, 5)
+        release.set()
+        held.result(WAIT_S)
+        assert wait_until(lambda: httpx.get(url).status_code == 200, WAIT_S)
     finally:
+        release.set()
         server.close()

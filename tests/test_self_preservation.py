@@ -120,7 +120,7 @@ def start_members(address: str, count: int) -> list[subprocess.Popen[str]]:
 
 
 def test_sigstopped_majority_survives_and_returns(registry: RegistryServer) -> None:
-    """The issue's setup: 7 members, 4 of them SIGSTOPped at the same moment for 4 s
+    """A majority stalls at once: 7 members, 4 of them SIGSTOPped at the same moment for 4 s
     (well past the 1.5 s lease). Nobody is expired; all are routable again after."""
     procs = start_members(registry.control_address, 7)
     try:

@@ -5,7 +5,7 @@ then stops children in order) and with a parent-death signal (so even a SIGKILLe
 leaves no orphans). stdout is read by a thread that waits for the child's ready line;
 stdout and stderr both go to a log file per process under one temporary directory.
 
-Security is on as the README says to run a fleet (`DemoSecurity`): CURVE keys from
+Security is on as docs/security.md says to run a fleet (`DemoSecurity`): CURVE keys from
 `pdreg keys generate` with an allow-list, a fleet token and an admin token. The registry
 reads them from files (`--token-file`, `--curve-secret-key`), engines and the router
 from the environment (`PDREG_TOKEN`, `PDREG_CURVE_KEY`, ...), as Kubernetes Secrets

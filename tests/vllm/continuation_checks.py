@@ -1,10 +1,10 @@
 """Continuing a cut generation from token ids over P/D (NIXL), on the engines directly.
 
-The facts request migration relies on (README table; docs/engines.md §6),
-checked on every run with real vLLM, no router involved. A stream is served whole by one
-instance (the prefill asked plainly); then, for several cuts k, a new prefill + decode
-pair gets `prompt` = the prompt's ids + the ids of the chunks sent before the cut, and
-`max_tokens` = N - k, as a `/v1/completions` request (also for chat: the chat's
+The facts request migration relies on (docs/engines.md: the table under "Real vLLM P/D",
+and section 6), checked on every run with real vLLM, no router involved. A stream is
+served whole by one instance (the prefill asked plainly); then, for several cuts k, a new
+prefill + decode pair gets `prompt` = the prompt's ids + the ids of the chunks sent before
+the cut, and `max_tokens` = N - k, as a `/v1/completions` request (also for chat: the chat's
 `prompt_token_ids` are the rendered template). Asserted:
 - the continuation's token ids are exactly the uninterrupted ids after the cut, at every
   cut;

@@ -4,7 +4,8 @@
 (each engine's sidecar, the router, `pdreg status`); the registry allows exactly those
 client public keys (Ironhouse). Outsiders get well-formed pairs of their own that the
 registry does not allow. Tokens live in files, mode 0600, passed with the
-`--X-file` flags (a mounted Kubernetes Secret looks the same). Names: CONTRACT.md.
+`--X-file` flags (a mounted Kubernetes Secret looks the same). Names: docs/operations.md,
+"Credentials".
 """
 
 from __future__ import annotations
