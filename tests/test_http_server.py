@@ -191,12 +191,12 @@ def test_a_client_leaving_mid_stream_cancels_its_handler(serve: Any) -> None:
 def test_a_slow_reader_holds_the_writer_back(serve: Any,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     paused: list[bool] = []
-    pause = http_server._Connection.pause_writing
+    pause = http_server.ClientConnection.pause_writing
 
     def record_pause(self: Any) -> None:
         paused.append(True)
         pause(self)
-    monkeypatch.setattr(http_server._Connection, "pause_writing", record_pause)
+    monkeypatch.setattr(http_server.ClientConnection, "pause_writing", record_pause)
     served = serve()
     chunks = 256  # 16 MiB
     sock = socket.socket()
