@@ -11,22 +11,27 @@ migration.
 `Router` is built from one `RouterConfig` (router/config.py). It wires what requests
 share and hands each `Proxy` only the narrow ports it uses (router/ports.py): `Pairing`
 (view, table, policy, quarantine, in-flight counts), `Outcomes` (latency, quarantine,
-reports) and one `RequestRecorder` (metrics). It lives on one event loop; nothing here
-is shared across threads except `view`, whose `members()` is a reference swap and whose
+reports) and one `RequestRecorder` (metrics). /ready carries the warnings of
+`Readiness` (router/readiness.py). It lives on one event loop; nothing here is shared
+across threads except `view`, whose `members()` is a reference swap and whose
 `report()` only queues (it never blocks).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
 
+from registry.client import LiveMember
 from router.choice import Affinity
 from router.config import RouterConfig
 from router.continuation import why_not_migratable
@@ -45,6 +50,8 @@ from router.policies import Pairer, make_pairer
 from router.ports import ProxyPorts
 from router.proxy import Call, Proxy
 from router.quarantine import Quarantine
+from router.readiness import Readiness
+from router.unroutable import Unroutable
 from router.warmup import Warmer
 from serving.http_messages import Request, Response, StreamResponse
 from serving.http_server import HttpApp
@@ -54,6 +61,9 @@ __all__ = ["MembershipSource", "Router"]
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER: Final = b"x-session-id"  # the `session` policy keeps a session on one pair
+# How often membership is followed with no request asking (readiness warnings, the `kv`
+# policy's publishers): a change shows in the log within this long.
+FOLLOW_S: Final = 1.0
 
 _HOP: Final = HOP_HEADER.lower().encode()
 _decode = msgspec.json.decode
@@ -83,11 +93,14 @@ class Router:
         else:
             pairer = make_pairer(config.policy, stale_after_s=config.pairing.stale_load_s,
                                  latency=latency)
+        self.unroutable = Unroutable(self.upstream_policy, config.allow_upstream)
+        self.readiness = Readiness()
+        self.readiness.add(self.unroutable.warnings)
         self.pairing = Pairing(view, pairer, locality_label=config.pairing.locality_label,
                                protocols=self.handshakes, quarantine=self.quarantine,
                                in_flight=self.in_flight, picks_of=self.metrics.picks_of,
                                latency=latency, clock=time.monotonic,
-                               on_members=self.kv.on_members if self.kv else None,
+                               on_members=self._on_members,
                                on_first_pair=self.kv.picked if self.kv else None)
         # Only latency-aware policies read the samples; the others skip taking them.
         self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
@@ -100,6 +113,7 @@ class Router:
         self._pool: UpstreamPool | None = None
         self._ports: ProxyPorts | None = None
         self._warmer: Warmer | None = None
+        self._follower: asyncio.Task[None] | None = None
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -131,7 +145,7 @@ class Router:
 
     async def _start(self) -> None:
         """On the serving loop, before the first connection: the upstream pool and the
-        ports each `Proxy` gets, the warmer, the rehearsal."""
+        ports each `Proxy` gets, the warmer, the rehearsal, and following membership."""
         config = self.config
         pool = self._pool = UpstreamPool(timeouts=config.upstream, policy=self.upstream_policy)
         self._ports = ProxyPorts(
@@ -143,6 +157,25 @@ class Router:
             self._warmer = Warmer(self.pairing, pool, connections=config.warm_connections)
             self._warmer.start()
         self._rehearse()
+        self._follower = asyncio.get_running_loop().create_task(self._follow())
+
+    def _on_members(self, members: Mapping[str, LiveMember]) -> None:
+        """Membership changed (not only loads): what follows it besides the table."""
+        if self.kv is not None:
+            self.kv.on_members(members)
+        self.unroutable.on_members(members)
+        self.metrics.unroutable.labels().set(len(self.unroutable.members))
+
+    async def _follow(self) -> None:
+        """Follow membership with no request asking, so a readiness warning is logged
+        when it appears, not at the next request or probe."""
+        while True:
+            try:
+                self.pairing.table()
+                self.readiness.warnings()
+            except Exception:  # a bad view must not end the following for good
+                logger.exception("[router] following membership failed")
+            await asyncio.sleep(FOLLOW_S)
 
     def _rehearse(self) -> None:
         """Run the first request's own code paths (admission's parsing and stripping,
@@ -158,6 +191,10 @@ class Router:
         self.metrics.render()
 
     async def _stop(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
         if self._warmer is not None:
             await self._warmer.stop()
         if self._pool is not None:
@@ -190,12 +227,19 @@ class Router:
     async def handle_ready(self, request: Request) -> Response:
         """Readiness: 503 while draining or before the view has ever synced. A registry
         that goes away later does not make the router unready: it serves from its last
-        view, which is the point of keeping one."""
+        view, which is the point of keeping one. The answer lists the warnings that hold
+        (router/readiness.py), with their detail for an authorized client; they never
+        make it unready."""
+        self.pairing.table()  # follow membership first
+        full = self._authorized(request)
+        warnings = [w.full() if full else w.text for w in self.readiness.warnings()]
         if self.draining:
-            return Response(503, b'{"status":"draining"}')
-        if not self.view.synced:
-            return Response(503, b'{"status":"no membership yet"}')
-        return Response(200, b'{"status":"ready"}')
+            status, code = "draining", 503
+        elif not self.view.synced:
+            status, code = "no membership yet", 503
+        else:
+            status, code = "ready", 200
+        return Response(code, _encode({"status": status, "warnings": warnings}))
 
     async def handle_kv(self, request: Request) -> Response:
         """Per member: KV index state, blocks indexed, event lag (`--policy kv`)."""

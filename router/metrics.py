@@ -213,6 +213,9 @@ class RouterMetrics:
         # Per member and role rather than per (P, D) pair: P x D series do not scale.
         self.picks = counter("pdreg_router_picks", "Times a member was chosen, by role",
                              "member", "role")
+        self.unroutable = LoopMetric(
+            "gauge", "pdreg_router_unroutable_members", "Members whose HTTP or KV address "
+            "is outside --allow-upstream: the router can never send them a request", (), r)
 
     def _add_kv_series(self) -> None:
         """KV-aware pairing (`--policy kv`, the default; router/kv/routing.py): updated on
