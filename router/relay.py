@@ -19,7 +19,7 @@ import msgspec
 
 from router.continuation import DONE_EVENT, EVENT_END, Reshaper, TokenTap
 from router.handshakes.exchange import Exchange, LegFailure, leg_failure
-from router.http.upstream import UpstreamResponse
+from router.http.response import UpstreamResponse
 from router.table import Candidate
 from serving.http_messages import Request, StreamResponse
 

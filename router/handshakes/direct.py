@@ -24,4 +24,4 @@ class DirectHandshake:
                    body: dict[str, Any], request_id: str) -> Exchange:
         started = time.monotonic()
         return Exchange(await post_leg(pool, pair.decode, "decode", path, _encode(body),
-                                    request_id), decode_started=started)
+                                       request_id), decode_started=started)

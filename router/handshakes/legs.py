@@ -34,8 +34,8 @@ _decode = msgspec.json.decode
 
 
 async def post_leg(pool: UpstreamPool, member: Candidate, role: str, path: str,
-                payload: bytes, request_id: str, *,
-                quarantine_on_5xx: bool = True) -> UpstreamResponse:
+                   payload: bytes, request_id: str, *,
+                   quarantine_on_5xx: bool = True) -> UpstreamResponse:
     """POST and wait for the status line. Connection errors and 5xx become LegFailure."""
     try:  # OSError covers refused, dropped (UpstreamError) and connect timeouts
         response = await pool.post(member.http, path, payload, request_id)
@@ -58,7 +58,7 @@ async def read_quietly(response: UpstreamResponse) -> str:
 
 
 async def read_all(response: UpstreamResponse, member: Candidate, role: str,
-                    max_bytes: int | None = None) -> bytes:
+                   max_bytes: int | None = None) -> bytes:
     try:
         return await response.read(max_bytes)
     except OSError as exc:
@@ -74,7 +74,7 @@ async def reject_4xx(response: UpstreamResponse, member: Candidate, role: str) -
 
 
 async def prefill_json(pool: UpstreamPool, member: Candidate, path: str,
-                        payload: bytes, request_id: str) -> Any:
+                       payload: bytes, request_id: str) -> Any:
     response = await post_leg(pool, member, "prefill", path, payload, request_id)
     await reject_4xx(response, member, "prefill")
     raw = await read_all(response, member, "prefill")
@@ -85,7 +85,7 @@ async def prefill_json(pool: UpstreamPool, member: Candidate, path: str,
 
 
 async def kv_endpoint(pool: UpstreamPool, member: Candidate, role: str = "prefill"
-                       ) -> tuple[str, int, int]:
+                      ) -> tuple[str, int, int]:
     """(host, kv_port, bootstrap_port) the member registered for its KV side, the host
     checked by the pool's policy. LegFailure (forbidden) if it may not be used."""
     endpoints = member.member.record.spec.endpoints if member.member else None

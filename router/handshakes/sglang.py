@@ -77,7 +77,7 @@ class SglangHandshake:
         prefill.add_done_callback(abort_decode)
         try:
             response = await post_leg(pool, pair.decode, "decode", path, payload, request_id,
-                                   quarantine_on_5xx=False)
+                                      quarantine_on_5xx=False)
         except BaseException as exc:
             # Either leg failing (or the client leaving) abandons both.
             prefill.remove_done_callback(abort_decode)

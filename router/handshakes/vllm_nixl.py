@@ -50,7 +50,7 @@ class VllmNixlHandshake:
         kv_host, kv_port, _ = await kv_endpoint(pool, pair.prefill)
         started = time.monotonic()
         reply = await prefill_json(pool, pair.prefill, path, _encode(prefill_body),
-                                    request_id)
+                                   request_id)
         prefill_s = time.monotonic() - started
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
         if not isinstance(params, dict):
@@ -63,7 +63,7 @@ class VllmNixlHandshake:
         # The decode's 5xx may be the prefill's fault (KV gone): retry, quarantine neither.
         decode_started = time.monotonic()
         return Exchange(await post_leg(pool, pair.decode, "decode", path, _encode(decode_body),
-                                    request_id, quarantine_on_5xx=False), prefill_s=prefill_s,
+                                       request_id, quarantine_on_5xx=False), prefill_s=prefill_s,
                         prefill_started=started, decode_started=decode_started)
 
 

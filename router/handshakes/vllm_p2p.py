@@ -36,11 +36,11 @@ class VllmP2pHandshake:
             prefill_body["max_completion_tokens"] = 1
         started = time.monotonic()
         response = await post_leg(pool, pair.prefill, "prefill", path, _encode(prefill_body),
-                               pair_id)
+                                  pair_id)
         await reject_4xx(response, pair.prefill, "prefill")
         await read_all(response, pair.prefill, "prefill")
         decode_started = time.monotonic()
         prefill_s = decode_started - started
         return Exchange(await post_leg(pool, pair.decode, "decode", path, _encode(body),
-                                    pair_id, quarantine_on_5xx=False), prefill_s=prefill_s,
+                                       pair_id, quarantine_on_5xx=False), prefill_s=prefill_s,
                         prefill_started=started, decode_started=decode_started)

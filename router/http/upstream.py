@@ -44,7 +44,7 @@ from router.http.connection import UpstreamConnection
 from router.http.kv_hosts import KvHostChecks, is_ip
 from router.http.response import UpstreamResponse
 
-__all__ = ["UpstreamPool", "UpstreamResponse"]
+__all__ = ["KEEPALIVE_S", "UpstreamPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,8 @@ class UpstreamPool:
         error: OSError | None = None
         for address in allowed:
             try:
-                return await loop.create_connection(lambda: UpstreamConnection(key, loop), address,
-                                                    port)
+                return await loop.create_connection(
+                    lambda: UpstreamConnection(key, loop), address, port)
             except OSError as exc:
                 error = exc
         assert error is not None
