@@ -27,7 +27,17 @@ from pdreg.args import (
     secret_of,
 )
 from registry.client import MembershipView, parse_models
-from router.app import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_ATTEMPTS, MAX_MIGRATIONS
+from router.config import (
+    DRAIN_DELAY_S,
+    MAX_ATTEMPTS,
+    MAX_MIGRATIONS,
+    KvOptions,
+    Limits,
+    PairingOptions,
+    Retries,
+    RouterConfig,
+    Timeouts,
+)
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, parse_networks
 from router.http.bounds import (
     CONNECT_TIMEOUT_S,
@@ -39,12 +49,12 @@ from router.kv.tokenizer import parse_tokenizer_flags
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
-from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer, settle_heap
+from router.service import RouterServer, settle_heap
 from router.warmup import WARM_CONNECTIONS
+from serving.http_server import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S
 from wire.protocol import ROUTER_PROTOCOL, MemberState
 
 logger = logging.getLogger(__name__)
-
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -164,21 +174,8 @@ def run(args: argparse.Namespace) -> int:
     server: RouterServer | None = None
     agent: Agent | None = None
     try:
-        server = RouterServer(RouterConfig(
-            host=args.host, port=args.port, policy=args.policy, api_key=api_key,
-            locality_label=args.locality_label, max_attempts=args.max_attempts,
-            quarantine_s=args.quarantine, stale_load_s=args.stale_load,
-            max_migrations=args.max_migrations,
-            connect_timeout_s=args.upstream_connect_timeout,
-            first_byte_timeout_s=args.upstream_first_byte_timeout,
-            stream_idle_timeout_s=args.stream_idle_timeout,
-            allow_upstream=args.allow_upstream, drain_delay_s=args.drain_delay,
-            drain_timeout_s=args.drain_timeout, latency_decay_s=args.latency_decay,
-            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            warm_connections=args.warm_connections, metrics_port=args.metrics_port,
-            tokenizers=tuple(args.tokenizer),
-            disagg_min_uncached_tokens=args.disagg_min_uncached_tokens),
-            view).start()
+        config = config_of(args, api_key)
+        server = RouterServer(config, view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
         spec = api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL)
@@ -194,11 +191,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"event": "ready", "url": server.url, "id": member_id}), flush=True)
         stop.wait()
         logger.info("[shutdown] router: draining for %.1fs, then up to %.1fs for in-flight "
-                    "requests", args.drain_delay, args.drain_timeout)
+                    "requests", config.drain_delay_s, config.clients.drain_timeout_s)
         server.drain()
         if agent is not None:
             agent.set_state(MemberState.DRAINING)
-        hurry.wait(args.drain_delay)
+        hurry.wait(config.drain_delay_s)
     finally:
         if agent is not None:
             agent.stop()  # bye first: no one should send us work while we close
@@ -206,6 +203,27 @@ def run(args: argparse.Namespace) -> int:
             server.close()
         view.close()
     return 0
+
+
+def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
+    """The router's config, straight from its flags (each group as router/config.py
+    lays it out)."""
+    return RouterConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port, policy=args.policy,
+        api_key=api_key, allow_upstream=args.allow_upstream,
+        warm_connections=args.warm_connections, drain_delay_s=args.drain_delay,
+        clients=Limits(header_timeout_s=args.header_timeout,
+                       body_timeout_s=args.body_timeout,
+                       drain_timeout_s=args.drain_timeout),
+        upstream=Timeouts(connect_s=args.upstream_connect_timeout,
+                          first_byte_s=args.upstream_first_byte_timeout,
+                          idle_read_s=args.stream_idle_timeout),
+        retries=Retries(max_attempts=args.max_attempts, max_migrations=args.max_migrations),
+        pairing=PairingOptions(locality_label=args.locality_label,
+                               stale_load_s=args.stale_load, quarantine_s=args.quarantine,
+                               latency_decay_s=args.latency_decay),
+        kv=KvOptions(tokenizers=tuple(args.tokenizer),
+                     disagg_min_uncached_tokens=args.disagg_min_uncached_tokens))
 
 
 def _tokenizer_flag(value: str) -> tuple[str, str]:

@@ -2,65 +2,68 @@
 
 Admission reads and decodes the body once, strips the fields the router owns, and
 refuses what it cannot serve: 401 (API key), 400 (not JSON, nested too deep, no model),
-408 (a body that does not arrive), 404 `model_not_found` (no member serves or has
-served the model), 503 `no_capacity` (a known model, no routable pair now), 508 (a
-request from a router: a loop). `Proxy` (router/proxy.py) does the rest: pairing,
-retries, relaying and migration.
+404 `model_not_found` (no member serves or has served the model), 503 `no_capacity` (a
+known model, no routable pair now), 508 (a request from a router: a loop). The HTTP
+server (serving/http_server.py) answers before admission for what never arrives whole:
+408, 413, 431. `Proxy` (router/proxy.py) does the rest: pairing, retries, relaying and
+migration.
 
-`Router` wires what requests share and hands each `Proxy` only the narrow ports it
-uses (router/ports.py): `Pairing` (view, table, policy, quarantine, in-flight counts),
-`Outcomes` (latency, quarantine, reports) and one `RequestRecorder` (metrics). It lives
-on one event loop; nothing here is shared across threads except `view`, whose
-`members()` is a reference swap and whose `report()` only queues (it never blocks).
+`Router` is built from one `RouterConfig` (router/config.py). It wires what requests
+share and hands each `Proxy` only the narrow ports it uses (router/ports.py): `Pairing`
+(view, table, policy, quarantine, in-flight counts), `Outcomes` (latency, quarantine,
+reports) and one `RequestRecorder` (metrics). /ready carries the warnings of
+`Readiness` (router/readiness.py). It lives on one event loop; nothing here is shared
+across threads except `view`, whose `members()` is a reference swap and whose
+`report()` only queues (it never blocks).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import itertools
 import logging
 import os
-import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
 
-from router.adapters import Adapters, UpstreamRejected, default_adapters
+from registry.client import LiveMember
+from router.choice import Affinity
+from router.config import RouterConfig
 from router.continuation import why_not_migratable
 from router.errors import INVALID_REQUEST, openai_error, unauthorized
 from router.guard import HOP_HEADER, UpstreamPolicy, strip_internal_fields
-from router.http.bounds import Timeouts
+from router.handshakes.catalog import Handshakes, default_handshakes
+from router.handshakes.exchange import UpstreamRejected
 from router.http.upstream import UpstreamPool
 from router.inflight import InFlight
 from router.kv.routing import KvRouting
-from router.latency import DECAY_S, LatencyTracker
+from router.latency import LatencyTracker
 from router.metrics import RequestRecorder, RouterMetrics
 from router.outcomes import Outcomes
 from router.pairing import MembershipSource, Pairing
-from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, Affinity, Pairer, make_pairer
+from router.policies import Pairer, make_pairer
 from router.ports import ProxyPorts
 from router.proxy import Call, Proxy
-from router.quarantine import QUARANTINE_S, Quarantine
-from router.warmup import WARM_CONNECTIONS, Warmer
+from router.quarantine import Quarantine
+from router.readiness import Readiness
+from router.unroutable import Unroutable
+from router.warmup import Warmer
 from serving.http_messages import Request, Response, StreamResponse
-from serving.http_server import HttpApp, Limits
+from serving.http_server import HttpApp
 
-__all__ = ["MAX_ATTEMPTS", "MAX_MIGRATIONS", "MembershipSource", "Router"]
+__all__ = ["MembershipSource", "Router"]
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER: Final = b"x-session-id"  # the `session` policy keeps a session on one pair
-MAX_ATTEMPTS: Final = 3  # pairs tried per request before giving up with 502
-MAX_MIGRATIONS: Final = 3  # times one stream may continue on a new pair
-MAX_BODY_BYTES: Final = 16 * 1024 * 1024  # a client's request body
-# A client has this long to send a request's headers (from connecting, or from the end of
-# its previous answer on a keep-alive connection), and this long for its body: a client
-# trickling bytes (slowloris) holds a connection for seconds, not for ever.
-HEADER_TIMEOUT_S: Final = 10.0
-BODY_TIMEOUT_S: Final = 30.0
-SHUTDOWN_TIMEOUT_S: Final = 30.0
+# How often membership is followed with no request asking (readiness warnings, the `kv`
+# policy's publishers): a change shows in the log within this long.
+FOLLOW_S: Final = 1.0
 
 _HOP: Final = HOP_HEADER.lower().encode()
 _decode = msgspec.json.decode
@@ -68,64 +71,49 @@ _encode = msgspec.json.encode
 
 
 class Router:
-    def __init__(self, view: MembershipSource, *, policy: str = DEFAULT_POLICY,
-                 locality_label: str = "", api_key: str = "",
-                 max_attempts: int = MAX_ATTEMPTS, max_migrations: int = MAX_MIGRATIONS,
-                 quarantine_s: float = QUARANTINE_S,
-                 stale_load_s: float = DEFAULT_STALE_LOAD_S, member_id: str = "router",
-                 timeouts: Timeouts | None = None,
-                 upstream_policy: UpstreamPolicy | None = None,
-                 adapters: Adapters | None = None, rng: random.Random | None = None,
-                 latency_decay_s: float = DECAY_S, body_timeout_s: float = BODY_TIMEOUT_S,
-                 header_timeout_s: float = HEADER_TIMEOUT_S,
-                 shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
-                 warm_connections: int = WARM_CONNECTIONS,
-                 clock: Callable[[], float] = time.monotonic,
-                 tokenizers: Mapping[str, str] | None = None,
-                 disagg_min_uncached_tokens: int = 0) -> None:
+    def __init__(self, view: MembershipSource, config: RouterConfig, *,
+                 handshakes: Handshakes | None = None) -> None:
+        """`handshakes`: the ones to speak (default: every one, unseeded)."""
         self.view = view
-        self.policy = policy
-        self.member_id = member_id
+        self.config = config
         self.metrics = RouterMetrics()
-        self.quarantine = Quarantine(quarantine_s)
+        self.handshakes: Handshakes = handshakes if handshakes is not None \
+            else default_handshakes()
+        self.upstream_policy = UpstreamPolicy.build(config.allow_upstream)
+        self.quarantine = Quarantine(config.pairing.quarantine_s)
         self.in_flight = InFlight(self.metrics.in_flight_of)
-        self.adapters: Adapters = adapters if adapters is not None else default_adapters()
-        self.upstream_policy = upstream_policy or UpstreamPolicy.build()
-        latency = LatencyTracker(decay_s=latency_decay_s)
-        # KV-aware pairing (`--policy kv`): its index, feed and tokenizers (kv_routing),
-        # fed with every membership change the table sees.
+        latency = LatencyTracker(decay_s=config.pairing.latency_decay_s)
+        # KV-aware pairing (`--policy kv`): its index, feed and tokenizers, fed with every
+        # membership change the table sees, and told each request's first pair.
         self.kv: KvRouting | None = None
-        if policy == "kv":
-            self.kv = KvRouting(self.metrics, allows=self.upstream_policy.allows,
-                                tokenizers=tokenizers, stale_after_s=stale_load_s, latency=latency,
-                                disagg_min_uncached_tokens=disagg_min_uncached_tokens)
+        if config.policy == "kv":
+            self.kv = KvRouting(self.metrics, config.kv, allows=self.upstream_policy.allows,
+                                stale_after_s=config.pairing.stale_load_s, latency=latency)
             pairer: Pairer = self.kv.pairer
         else:
-            pairer = make_pairer(policy, rng=rng, stale_after_s=stale_load_s,
+            pairer = make_pairer(config.policy, stale_after_s=config.pairing.stale_load_s,
                                  latency=latency)
-        self.pairing = Pairing(view, pairer, locality_label=locality_label,
-                               protocols=self.adapters, quarantine=self.quarantine,
+        self.unroutable = Unroutable(self.upstream_policy, config.allow_upstream)
+        self.readiness = Readiness()
+        self.readiness.add(self.unroutable.warnings)
+        self.pairing = Pairing(view, pairer, locality_label=config.pairing.locality_label,
+                               protocols=self.handshakes, quarantine=self.quarantine,
                                in_flight=self.in_flight, picks_of=self.metrics.picks_of,
-                               latency=latency, clock=clock,
-                               on_members=self.kv.on_members if self.kv else None)
+                               latency=latency, clock=time.monotonic,
+                               on_members=self._on_members,
+                               on_first_pair=self.kv.picked if self.kv else None)
         # Only latency-aware policies read the samples; the others skip taking them.
         self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
-                                 self.metrics.quarantines_of, clock)
+                                 self.metrics.quarantines_of, time.monotonic)
         self.record = RequestRecorder(self.metrics, self.pairing.serves)
-        self.max_attempts = max(1, max_attempts)
-        self.max_migrations = max(0, max_migrations)
-        self.timeouts = timeouts or Timeouts()
-        self.body_timeout_s = body_timeout_s
-        self.header_timeout_s = header_timeout_s
-        self.shutdown_timeout_s = shutdown_timeout_s  # in-flight requests, at close
         self.draining = False
-        self._api_key = f"Bearer {api_key}".encode() if api_key else b""
+        self._api_key = f"Bearer {config.api_key}".encode() if config.api_key else b""
         self._request_ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self._pool: UpstreamPool | None = None
         self._ports: ProxyPorts | None = None
         self._warmer: Warmer | None = None
-        self._warm_connections = warm_connections
+        self._follower: asyncio.Task[None] | None = None
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -133,7 +121,7 @@ class Router:
         """The API app. `serve_metrics=False` leaves /metrics out: it is then served on a
         port of its own (build_metrics_app), which a NetworkPolicy opens to Prometheus
         only: the metrics name members and engine URLs."""
-        app = HttpApp(limits=self._limits(), count=self._count_refusal)
+        app = HttpApp(limits=self.config.clients, count=self._count_refusal)
         app.add("POST", "/v1/completions", self.handle_generate)
         app.add("POST", "/v1/chat/completions", self.handle_generate)
         app.add("GET", "/v1/models", self.handle_models)
@@ -142,34 +130,52 @@ class Router:
         if serve_metrics:
             app.add("GET", "/metrics", self.handle_metrics)
         app.add("GET", "/v1/kv", self.handle_kv)
-        app.on_startup.append(self._open_pool)
-        app.on_cleanup.append(self._close_pool)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
         return app
 
     def build_metrics_app(self) -> HttpApp:
         """/metrics alone, for a separate metrics port."""
-        app = HttpApp(limits=self._limits(), count=self._count_refusal)
+        app = HttpApp(limits=self.config.clients, count=self._count_refusal)
         app.add("GET", "/metrics", self.handle_metrics)
         return app
-
-    def _limits(self) -> Limits:
-        return Limits(header_timeout_s=self.header_timeout_s,
-                      body_timeout_s=self.body_timeout_s, max_body_bytes=MAX_BODY_BYTES,
-                      shutdown_timeout_s=self.shutdown_timeout_s)
 
     def _count_refusal(self, reason: str) -> None:
         self.metrics.refused_of(reason).inc()
 
-    async def _open_pool(self) -> None:
-        pool = self._pool = UpstreamPool(timeouts=self.timeouts, policy=self.upstream_policy)
+    async def _start(self) -> None:
+        """On the serving loop, before the first connection: the upstream pool and the
+        ports each `Proxy` gets, the warmer, the rehearsal, and following membership."""
+        config = self.config
+        pool = self._pool = UpstreamPool(timeouts=config.upstream, policy=self.upstream_policy)
         self._ports = ProxyPorts(
             pairing=self.pairing, outcomes=self.outcomes, record=self.record,
-            adapters=self.adapters, pool=pool, max_attempts=self.max_attempts,
-            max_migrations=self.max_migrations, clock=time.monotonic)
-        if self._warm_connections > 0:
-            self._warmer = Warmer(self.pairing, pool, connections=self._warm_connections)
+            handshakes=self.handshakes, pool=pool,
+            max_attempts=max(1, config.retries.max_attempts),
+            max_migrations=max(0, config.retries.max_migrations), clock=time.monotonic)
+        if config.warm_connections > 0:
+            self._warmer = Warmer(self.pairing, pool, connections=config.warm_connections)
             self._warmer.start()
         self._rehearse()
+        self._follower = asyncio.get_running_loop().create_task(self._follow())
+
+    def _on_members(self, members: Mapping[str, LiveMember]) -> None:
+        """Membership changed (not only loads): what follows it besides the table."""
+        if self.kv is not None:
+            self.kv.on_members(members)
+        self.unroutable.on_members(members)
+        self.metrics.unroutable.labels().set(len(self.unroutable.members))
+
+    async def _follow(self) -> None:
+        """Follow membership with no request asking, so a readiness warning is logged
+        when it appears, not at the next request or probe."""
+        while True:
+            try:
+                self.pairing.table()
+                self.readiness.warnings()
+            except Exception:  # a bad view must not end the following for good
+                logger.exception("[router] following membership failed")
+            await asyncio.sleep(FOLLOW_S)
 
     def _rehearse(self) -> None:
         """Run the first request's own code paths (admission's parsing and stripping,
@@ -184,7 +190,11 @@ class Router:
         self.pairing.models()
         self.metrics.render()
 
-    async def _close_pool(self) -> None:
+    async def _stop(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
         if self._warmer is not None:
             await self._warmer.stop()
         if self._pool is not None:
@@ -217,12 +227,19 @@ class Router:
     async def handle_ready(self, request: Request) -> Response:
         """Readiness: 503 while draining or before the view has ever synced. A registry
         that goes away later does not make the router unready: it serves from its last
-        view, which is the point of keeping one."""
+        view, which is the point of keeping one. The answer lists the warnings that hold
+        (router/readiness.py), with their detail for an authorized client; they never
+        make it unready."""
+        self.pairing.table()  # follow membership first
+        full = self._authorized(request)
+        warnings = [w.full() if full else w.text for w in self.readiness.warnings()]
         if self.draining:
-            return Response(503, b'{"status":"draining"}')
-        if not self.view.synced:
-            return Response(503, b'{"status":"no membership yet"}')
-        return Response(200, b'{"status":"ready"}')
+            status, code = "draining", 503
+        elif not self.view.synced:
+            status, code = "no membership yet", 503
+        else:
+            status, code = "ready", 200
+        return Response(code, _encode({"status": status, "warnings": warnings}))
 
     async def handle_kv(self, request: Request) -> Response:
         """Per member: KV index state, blocks indexed, event lag (`--policy kv`)."""
@@ -230,7 +247,7 @@ class Router:
             return self._refuse("unauthorized", unauthorized())
         self.pairing.table()  # follow membership first
         kv = self.kv.report(time.time()) if self.kv is not None else {"members": []}
-        return Response(200, _encode({"policy": self.policy, **kv}))
+        return Response(200, _encode({"policy": self.config.policy, **kv}))
 
     async def _affinity(self, request: Request, body: dict[str, Any],
                         model: str) -> Affinity:

@@ -1,7 +1,8 @@
 """Per-role selection rules: which one of the eligible members takes a request.
 
 Each `Chooser` gets the eligible candidates (never empty), a load function (lower is
-better; see `router.policies`) and the request's affinity key, and returns one.
+better; see `router.policies`) and the request's `Affinity` (router/choice.py), and
+returns one. Only `PrefixAffinity` reads the affinity (its `key`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from router.choice import Affinity
 from router.table import Candidate
 
 __all__ = [
@@ -41,16 +43,18 @@ LoadFn = Callable[[Candidate], float]
 
 
 class Chooser(Protocol):
-    """Picks one of `eligible` (never empty). `key` is the request's prefix hash."""
+    """Picks one of `eligible` (never empty) for a request with `affinity`."""
 
-    def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate: ...
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn,
+               affinity: Affinity) -> Candidate: ...
 
 
 class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn,
+               affinity: Affinity) -> Candidate:
         pick = eligible[self._next % len(eligible)]
         self._next += 1
         return pick
@@ -60,7 +64,8 @@ class RandomChoice:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn,
+               affinity: Affinity) -> Candidate:
         return eligible[_below(self._rng, len(eligible))]
 
 
@@ -70,7 +75,8 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn,
+               affinity: Affinity) -> Candidate:
         n = len(eligible)
         if n == 1:
             return eligible[0]
@@ -87,7 +93,8 @@ class LeastLoaded:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn,
+               affinity: Affinity) -> Candidate:
         best: list[Candidate] = []
         best_load = math.inf
         for c in eligible:
@@ -158,7 +165,8 @@ class PrefixAffinity:
             ring = self._rings[ids] = _build_ring(ids, self._vnodes)
         return ring
 
-    def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn,
+               affinity: Affinity) -> Candidate:
         n = len(eligible)
         if n == 1:
             return eligible[0]
@@ -166,7 +174,7 @@ class PrefixAffinity:
         fresh = [v for v in loads if v < SATURATED_SCORE]
         bound = math.ceil(self._bound_factor * (sum(fresh) + 1) / max(1, len(fresh)))
         ring = self._ring(eligible)
-        start = bisect_left(ring.points, key)
+        start = bisect_left(ring.points, affinity.key)
         total = len(ring.points)
         for step in range(total):
             owner = ring.owners[(start + step) % total]

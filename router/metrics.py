@@ -152,12 +152,29 @@ class LoopMetric:
 
 
 class RouterMetrics:
+    """The router's series, in groups: the request path's, its members', the `kv`
+    policy's."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self._add_request_series()
+        self._add_member_series()
+        self._add_kv_series()
+        # The request path's children.
+        self.requests_of = self.requests.labels
+        self.ttft_of = self.ttft.labels
+        self.e2e_of = self.e2e.labels
+        self.itl_of = self.itl.labels
+        self.in_flight_of = self.in_flight.labels
+        self.picks_of = self.picks.labels
+        self.refused_of = self.refused.labels
+        self.quarantines_of = self.quarantines.labels
 
-        def counter(name: str, documentation: str, *labels: str) -> LoopMetric:
-            return LoopMetric("counter", name, documentation, labels, r)
+    def _counter(self, name: str, documentation: str, *labels: str) -> LoopMetric:
+        return LoopMetric("counter", name, documentation, labels, self.registry)
+
+    def _add_request_series(self) -> None:
+        r, counter = self.registry, self._counter
         self.requests = counter(
             "pdreg_router_requests", "Client requests by model and outcome "
             "(ok, client_error, no_capacity, upstream_error, failed_midstream, cancelled)",
@@ -173,8 +190,6 @@ class RouterMetrics:
             buckets=ITL_BUCKETS_S, registry=r)
         self.e2e = LoopHistogram("pdreg_router_e2e_seconds", "Request arrival to the last "
                                  "byte", ("model",), buckets=E2E_BUCKETS_S, registry=r)
-        self.in_flight = LoopMetric("gauge", "pdreg_router_in_flight", "Requests this "
-                                    "router has open on a member", ("member",), r)
         self.retries = counter("pdreg_router_retries", "Retries on a new pair, by reason",
                                "reason")
         self.migrations = counter(
@@ -183,18 +198,29 @@ class RouterMetrics:
         self.unmigratable = counter(
             "pdreg_router_unmigratable", "Mid-stream failures that could not be migrated, "
             "by why (no_token_ids, request_shape, budget, no_pair)", "why")
-        self.quarantines = counter("pdreg_router_quarantines",
-                                   "Members quarantined after a failure", "member")
-        # Per member and role rather than per (P, D) pair: P x D series do not scale.
-        self.picks = counter("pdreg_router_picks", "Times a member was chosen, by role",
-                             "member", "role")
         self.refused = counter(
             "pdreg_router_refused", "Client requests refused before pairing, by reason "
             "(not_json, too_deep, no_model, loop, unauthorized; from the HTTP server: "
             "malformed_http, head_too_large, body_too_large, body_timeout, header_timeout)",
             "reason")
-        # KV-aware pairing (`--policy kv`, the default; router/kv/routing.py): updated on
-        # the loop (tokenizing runs off it, its timing is observed back on it).
+
+    def _add_member_series(self) -> None:
+        r, counter = self.registry, self._counter
+        self.in_flight = LoopMetric("gauge", "pdreg_router_in_flight", "Requests this "
+                                    "router has open on a member", ("member",), r)
+        self.quarantines = counter("pdreg_router_quarantines",
+                                   "Members quarantined after a failure", "member")
+        # Per member and role rather than per (P, D) pair: P x D series do not scale.
+        self.picks = counter("pdreg_router_picks", "Times a member was chosen, by role",
+                             "member", "role")
+        self.unroutable = LoopMetric(
+            "gauge", "pdreg_router_unroutable_members", "Members whose HTTP or KV address "
+            "is outside --allow-upstream: the router can never send them a request", (), r)
+
+    def _add_kv_series(self) -> None:
+        """KV-aware pairing (`--policy kv`, the default; router/kv/routing.py): updated on
+        the loop (tokenizing runs off it, its timing is observed back on it)."""
+        r, counter = self.registry, self._counter
         self.prompt_tokens = counter(
             "pdreg_router_prompt_tokens", "Prompt tokens routed with exact token ids "
             "(kv policy)", "model")
@@ -214,15 +240,6 @@ class RouterMetrics:
             "(kv policy), on or off the event loop", ("model",),
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 1), registry=r)
-        # The request path's children.
-        self.requests_of = self.requests.labels
-        self.ttft_of = self.ttft.labels
-        self.e2e_of = self.e2e.labels
-        self.itl_of = self.itl.labels
-        self.in_flight_of = self.in_flight.labels
-        self.picks_of = self.picks.labels
-        self.refused_of = self.refused.labels
-        self.quarantines_of = self.quarantines.labels
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

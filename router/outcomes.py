@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Final
 
-from router.adapters import LegFailure
+from router.handshakes.exchange import LegFailure
 from router.latency import LatencyTracker
 from router.metrics import SeriesOf
 from router.pairing import MembershipSource

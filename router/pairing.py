@@ -12,10 +12,11 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Final, Protocol
 
 from registry.client import LiveMember
+from router.choice import Affinity
 from router.inflight import Hold, InFlight
 from router.latency import LatencyTracker
 from router.metrics import SeriesOf
-from router.policies import Affinity, Pairer
+from router.policies import Pairer
 from router.quarantine import Quarantine
 from router.table import Pair, PairingTable
 from wire.protocol import Role
@@ -45,10 +46,14 @@ class Pairing:
                  protocols: Collection[str], quarantine: Quarantine, in_flight: InFlight,
                  picks_of: SeriesOf, latency: LatencyTracker,
                  clock: Callable[[], float],
-                 on_members: Callable[[Mapping[str, LiveMember]], None] | None = None
+                 on_members: Callable[[Mapping[str, LiveMember]], None] | None = None,
+                 on_first_pair: Callable[[str, Affinity, Pair], None] | None = None
                  ) -> None:
         """`on_members`: called with the members whenever membership (not only loads)
-        changed, before the next choice (the `kv` policy follows its publishers)."""
+        changed, before the next choice (the `kv` policy follows its publishers).
+        `on_first_pair(model, affinity, pair)`: called with each request's first pair,
+        not with a retry's or a migration's (the `kv` policy counts the prompt tokens
+        routed and those the pair predicts cached)."""
         self.view = view
         self.pairer = pairer
         self.quarantine = quarantine
@@ -59,6 +64,7 @@ class Pairing:
         self._latency = latency
         self._clock = clock
         self._on_members = on_members
+        self._on_first_pair = on_first_pair
         self._seen: Mapping[str, LiveMember] | None = None
         self._table = PairingTable({})
         self._known_models: set[str] = set()
@@ -112,10 +118,13 @@ class Pairing:
                despite_quarantine: bool = False) -> Pair | None:
         now = self._clock()
         quarantined = None if despite_quarantine else self.quarantine.active(now)
-        return self.pairer.choose(self.table(), model, now=now,
+        pair = self.pairer.choose(self.table(), model, now=now,
                                   in_flight=self.in_flight.counts, quarantined=quarantined,
                                   exclude=tried, affinity=affinity,
                                   loads_confirmed_at=self.view.loads_confirmed_at(model))
+        if pair is not None and not tried and self._on_first_pair is not None:
+            self._on_first_pair(model, affinity, pair)
+        return pair
 
     def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
         """Count the pick; an in-flight slot on D, and on P unless it is D itself."""

@@ -6,8 +6,10 @@ with tables and Hypothesis, never with sleeps.
 
 A policy is a `Pairer`: a `Chooser` per role (router/choosers.py), the load function they
 compare (reported queue + the router's own in-flight + KV pressure; times the member's
-observed service time for `peak_ewma`), and the request's affinity key (what `prefix`
-and `session` hash; 0 for the others), carried by an `Affinity` computed at admission.
+observed service time for `peak_ewma`), and the request's `Affinity` (router/choice.py:
+what `prefix` and `session` hash; 0 for the others), computed once at admission. The
+prefill step answers a `Choice`, whose prediction (prompt tokens cached) the `Pair`
+carries on; nothing of a choice is left behind in the pairer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Final
 import msgspec
 
 from registry.detector import HEARTBEAT_INTERVAL_S
+from router.choice import NO_AFFINITY, Affinity, Choice
 from router.choosers import (
     SATURATED_SCORE,
     Chooser,
@@ -39,10 +42,9 @@ from wire.protocol import Role
 __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_STALE_LOAD_S",
-    "NO_AFFINITY",
     "POLICY_NAMES",
-    "Affinity",
     "AffinityKey",
+    "Loads",
     "Pairer",
     "make_pairer",
     "score",
@@ -109,23 +111,12 @@ def conversation_key(session: str, body: Mapping[str, Any]) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Affinity:
-    """What a request brings to pairing, computed once at admission by the policy
-    (`Pairer.affinity`). `key` is what `prefix` and `session` hash (0 for the others).
-    A policy that needs more of the request (a prompt's token ids or KV block keys)
-    subclasses this and overrides `Pairer.affinity`."""
-
-    key: int = 0
-
-
-NO_AFFINITY: Final = Affinity()
-
-
-@dataclass(frozen=True, slots=True)
 class Loads:
-    """The load functions of one choice: `base` for locality's saturation test, one per
-    role for the choosers (the same as `base` unless latency-weighted)."""
+    """What one choice knows of load: this router's own `in_flight` count per member id,
+    `base` (the plain score: locality's saturation test, the `kv` policy's cost) and one
+    load function per role for the choosers (the same as `base` unless latency-weighted)."""
 
+    in_flight: Mapping[str, int]
     base: Callable[[Candidate], float]
     prefill: Callable[[Candidate], float]
     decode: Callable[[Candidate], float]
@@ -163,27 +154,29 @@ class Pairer:
 
     def choose(self, table: PairingTable, model: str, *, now: float,
                in_flight: Mapping[str, int], quarantined: Mapping[str, int] | None = None,
-               key: int = 0, exclude: Collection[str] = (),
-               loads_confirmed_at: float = -math.inf,
-               affinity: Affinity | None = None) -> Pair | None:
-        """`loads_confirmed_at`: when the registry last confirmed `model`'s loads (see
-        `score`). `affinity` (else `key`): the request's, from `affinity()`."""
+               exclude: Collection[str] = (), loads_confirmed_at: float = -math.inf,
+               affinity: Affinity = NO_AFFINITY) -> Pair | None:
+        """A pair for a request with `affinity` (from `affinity()`), None if `model` has
+        no eligible P and D. `loads_confirmed_at`: when the registry last confirmed
+        `model`'s loads (see `score`)."""
         pools = table.pools.get(model)
         if not pools:
             return None
         options = _options(pools, quarantined, exclude)
         if not options:
             return None
-        if affinity is not None:
-            key = affinity.key
         loads = self.loads(now, in_flight, loads_confirmed_at)
-        p = self._choose_prefill(options, loads, key, now)
+        # Several protocols serve this model: choose P across all, D in P's pool.
+        prefills = options[0][0] if len(options) == 1 else [c for ps, _ in options
+                                                             for c in ps]
+        choice = self._choose_prefill(prefills, loads, affinity)
+        p = choice.candidate
+        self._note_probe(PREFILL_ROLE, p, now)
         if p.role is Role.MIXED:
-            return Pair(p, p)
-        decodes = _decodes_for(p, options, loads.base)
-        d = self._decode.choose(decodes, loads.decode, key)
+            return Pair(p, p, choice.cached_tokens, choice.exact)
+        d = self._decode.choose(_decodes_for(p, options, loads.base), loads.decode, affinity)
         self._note_probe(DECODE_ROLE, d, now)
-        return Pair(p, d)
+        return self._paired(Pair(p, d, choice.cached_tokens, choice.exact), affinity)
 
     def loads(self, now: float, in_flight: Mapping[str, int],
               confirmed_at: float) -> Loads:
@@ -194,7 +187,7 @@ class Pairer:
 
         latency = self.latency
         if latency is None:
-            return Loads(base, base, base)
+            return Loads(in_flight, base, base, base)
 
         def weighted(role: str) -> Callable[[Candidate], float]:
             def load(c: Candidate) -> float:
@@ -206,16 +199,17 @@ class Pairer:
                     return -1.0  # due a probe: it wins when sampled, once
                 return (s + 1.0) * weight
             return load
-        return Loads(base, weighted(PREFILL_ROLE), weighted(DECODE_ROLE))
+        return Loads(in_flight, base, weighted(PREFILL_ROLE), weighted(DECODE_ROLE))
 
-    def _choose_prefill(self, options: Options, loads: Loads, key: int,
-                        now: float) -> Candidate:
-        # Several protocols serve this model: choose P across all, D in P's pool.
-        prefills = options[0][0] if len(options) == 1 else [c for ps, _ in options
-                                                             for c in ps]
-        p = self._prefill.choose(prefills, loads.prefill, key)
-        self._note_probe(PREFILL_ROLE, p, now)
-        return p
+    def _choose_prefill(self, prefills: Sequence[Candidate], loads: Loads,
+                        affinity: Affinity) -> Choice:
+        """The prefill, by the policy's chooser (which predicts nothing of its cache)."""
+        return Choice(self._prefill.choose(prefills, loads.prefill, affinity))
+
+    def _paired(self, pair: Pair, affinity: Affinity) -> Pair:
+        """The pair that serves the request: the one chosen (the `kv` policy may serve
+        it on the decode alone instead)."""
+        return pair
 
     def _note_probe(self, role: str, chosen: Candidate, now: float) -> None:
         latency = self.latency

@@ -14,11 +14,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.adapters import Adapters, LegFailure
+from router.choice import Affinity
+from router.handshakes.catalog import Handshakes
+from router.handshakes.exchange import LegFailure
 from router.http.upstream import UpstreamPool
 from router.inflight import Hold
 from router.metrics import RequestRecorder
-from router.policies import Affinity
 from router.table import Candidate, Pair
 
 __all__ = ["OutcomesPort", "PairingPort", "ProxyPorts"]
@@ -52,7 +53,7 @@ class ProxyPorts:
     pairing: PairingPort
     outcomes: OutcomesPort
     record: RequestRecorder
-    adapters: Adapters
+    handshakes: Handshakes
     pool: UpstreamPool
     max_attempts: int
     max_migrations: int

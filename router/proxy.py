@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from router.adapters import Exchange, LegFailure, UpstreamRejected, adapter_for, leg_failure
+from router.choice import Affinity
 from router.continuation import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -34,8 +34,9 @@ from router.continuation import (
     streams_token_ids,
 )
 from router.errors import no_capacity, upstream_failed
+from router.handshakes.catalog import handshake_for
+from router.handshakes.exchange import Exchange, LegFailure, UpstreamRejected, leg_failure
 from router.inflight import Hold
-from router.policies import Affinity
 from router.ports import ProxyPorts
 from router.relay import ClientStream, LegEnd, relay_leg
 from router.table import Pair
@@ -165,7 +166,7 @@ class Proxy:
         ports = self.ports
         decode_hold, prefill_hold = ports.pairing.hold(pair)
         try:
-            exchange = await adapter_for(ports.adapters, pair).open(
+            exchange = await handshake_for(ports.handshakes, pair).open(
                 ports.pool, pair, path, body, self.call.request_id)
         except LegFailure as failure:
             decode_hold.release()

@@ -17,9 +17,9 @@ from typing import Any, Final
 
 import msgspec
 
-from router.adapters import Exchange, LegFailure, leg_failure
 from router.continuation import DONE_EVENT, EVENT_END, Reshaper, TokenTap
-from router.http.upstream import UpstreamResponse
+from router.handshakes.exchange import Exchange, LegFailure, leg_failure
+from router.http.response import UpstreamResponse
 from router.table import Candidate
 from serving.http_messages import Request, StreamResponse
 

@@ -21,7 +21,7 @@ __all__ = ["Candidate", "Pair", "PairingTable", "ProtocolPool", "eligible"]
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A member as the pairing math sees it. `member` carries endpoints for the adapters."""
+    """A member as the pairing math sees it. `member` carries endpoints for the handshakes."""
 
     id: str
     incarnation: int
@@ -167,8 +167,16 @@ def eligible(routable: tuple[Candidate, ...], suspect: tuple[Candidate, ...],
 
 @dataclass(frozen=True, slots=True)
 class Pair:
+    """The members that serve one request, with what the prefill choice predicted
+    (router/choice.py `Choice`): `cached_tokens`, the prompt tokens the prefill is
+    predicted to hold already (0: none, or nothing known), and `exact`, whether the
+    choice went by the KV index. The request's metrics, conditional disaggregation and
+    any budget over the members read the prediction here."""
+
     prefill: Candidate
     decode: Candidate
+    cached_tokens: int = 0
+    exact: bool = False
 
     @property
     def direct(self) -> bool:

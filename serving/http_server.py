@@ -47,7 +47,16 @@ from serving.http_messages import (
     openai_error,
 )
 
-__all__ = ["HttpApp", "HttpServer", "Limits"]
+__all__ = [
+    "BODY_TIMEOUT_S",
+    "DRAIN_TIMEOUT_S",
+    "HEADER_TIMEOUT_S",
+    "MAX_BODY_BYTES",
+    "ClientConnection",
+    "HttpApp",
+    "HttpServer",
+    "Limits",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +67,7 @@ HEADER_TIMEOUT_S: Final = 10.0
 BODY_TIMEOUT_S: Final = 30.0
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 MAX_HEAD_BYTES: Final = 64 * 1024  # request line and headers together
-SHUTDOWN_TIMEOUT_S: Final = 30.0
+DRAIN_TIMEOUT_S: Final = 30.0  # at close, requests in flight get this long to finish
 LISTEN_BACKLOG: Final = 1024
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _METHODS: Final = {m.encode(): m for m in ("GET", "POST", "PUT", "DELETE", "HEAD",
@@ -71,7 +80,7 @@ class Limits:
     body_timeout_s: float = BODY_TIMEOUT_S
     max_body_bytes: int = MAX_BODY_BYTES
     max_head_bytes: int = MAX_HEAD_BYTES
-    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S  # in-flight requests, at close
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # requests in flight, at close
 
 
 def _no_count(reason: str) -> None:
@@ -110,7 +119,7 @@ class HttpServer:
         self.app = app
         self.port = 0
         self.closing = False
-        self.connections: set[_Connection] = set()
+        self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._idle = asyncio.Event()  # set when no connection has a request in hand
 
@@ -120,7 +129,7 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(
-                lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True)
+                lambda: ClientConnection(self), host, port, backlog=backlog, reuse_address=True)
         except BaseException:
             await self._cleanup()
             raise
@@ -128,7 +137,7 @@ class HttpServer:
 
     async def close(self) -> None:
         """Stop accepting; close idle connections; let requests in hand finish (up to
-        `shutdown_timeout_s`), each closing after its answer; cancel the rest; run the
+        `drain_timeout_s`), each closing after its answer; cancel the rest; run the
         clean-up hooks. Safe twice."""
         if self.closing:
             return
@@ -140,7 +149,7 @@ class HttpServer:
                 connection.close()
         self._check_idle()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), self.app.limits.shutdown_timeout_s)
+            await asyncio.wait_for(self._idle.wait(), self.app.limits.drain_timeout_s)
         tasks = [c.task for c in self.connections if c.task is not None]
         for connection in list(self.connections):
             connection.close()
@@ -176,7 +185,7 @@ class _Reading(enum.Enum):
     DONE = enum.auto()  # a whole request is in; the next has not begun
 
 
-class _Connection(asyncio.Protocol):
+class ClientConnection(asyncio.Protocol):
     """One client connection: httptools callbacks (`on_*`) build the `Request`."""
 
     def __init__(self, server: HttpServer) -> None:

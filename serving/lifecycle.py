@@ -152,7 +152,7 @@ class ServingThread:
         if self._stop is not None:
             stops.append(self._stop)
             self._stop = None
-        in_flight_s = self.app.limits.shutdown_timeout_s if isinstance(self.app, HttpApp) \
+        in_flight_s = self.app.limits.drain_timeout_s if isinstance(self.app, HttpApp) \
             else ASGI_GRACE_S
         timeout_s = in_flight_s + self._stop_timeout_s
         for stop in stops:

@@ -199,8 +199,8 @@ def test_a_slow_reader_holds_the_writer_back(serve: Any,
     server's send buffer), so how far the handler gets before the pause depends on this
     test, not on the machine's TCP autotuning."""
     paused: list[bool] = []
-    pause = http_server._Connection.pause_writing
-    made = http_server._Connection.connection_made
+    pause = http_server.ClientConnection.pause_writing
+    made = http_server.ClientConnection.connection_made
 
     def record_pause(self: Any) -> None:
         paused.append(True)
@@ -210,8 +210,8 @@ def test_a_slow_reader_holds_the_writer_back(serve: Any,
         transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
                                                       SMALL_BUFFER)
         made(self, transport)
-    monkeypatch.setattr(http_server._Connection, "pause_writing", record_pause)
-    monkeypatch.setattr(http_server._Connection, "connection_made", small_send_buffer)
+    monkeypatch.setattr(http_server.ClientConnection, "pause_writing", record_pause)
+    monkeypatch.setattr(http_server.ClientConnection, "connection_made", small_send_buffer)
     served = serve()
     chunks = 256  # 16 MiB
     sock = socket.socket()

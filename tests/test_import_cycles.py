@@ -101,7 +101,7 @@ def test_the_finder_sees_a_circle() -> None:
 def test_the_graph_sees_the_house() -> None:
     graph = import_graph()
     assert "router.proxy" in graph["router.app"]
-    assert "wire.protocol" in graph["router.adapters"]
+    assert "wire.protocol" in graph["router.handshakes.vllm_nixl"]
 
 
 def test_no_file_imports_a_file_that_imports_it_back() -> None:

@@ -12,13 +12,14 @@ import pytest
 from test_policies import NOW, member, view
 
 from pdreg.testing import wait_until
+from router.choice import Affinity
 from router.kv.index import KvIndex
 from router.kv.keys import block_keys
 from router.kv.policy import KvAffinity, make_kv_pairer
-from router.kv.routing import KvRouting
+from router.kv.routing import KvOptions, KvRouting
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
-from router.policies import PREFILL_ROLE, Affinity, make_pairer
+from router.policies import PREFILL_ROLE, make_pairer
 from router.table import PairingTable
 from wire.kv_events import BlockStored, KVEventBatch
 from wire.protocol import KvEventsSpec, Role
@@ -52,10 +53,7 @@ def choose(index: KvIndex, members, in_flight=None, key=None, **kw):
     pairer = make_kv_pairer(index, rng=random.Random(0), **kw)
     table = PairingTable.build(view(*members))
     request = affinity() if key is None else key
-    if isinstance(request, int):
-        request = Affinity(request)
-    return pairer.choose(table, "m", now=NOW, in_flight=in_flight or {},
-                         affinity=request), pairer
+    return pairer.choose(table, "m", now=NOW, in_flight=in_flight or {}, affinity=request)
 
 
 DECODE = member("d", Role.DECODE)
@@ -69,17 +67,17 @@ DECODE = member("d", Role.DECODE)
 ])
 def test_prefill_choice(holdings, loads, in_flight, expected):
     members = [member(i, running=loads.get(i, 0)) for i in holdings] + [DECODE]
-    pair, pairer = choose(indexed(holdings), members, in_flight)
+    pair = choose(indexed(holdings), members, in_flight)
     assert pair is not None and pair.prefill.id == expected
-    cached = holdings[expected] * BLOCK
-    assert pairer.cached_tokens_of(pair) == cached
+    assert pair.cached_tokens == holdings[expected] * BLOCK and pair.exact
 
 
 def ring_pick(members, key: int) -> str:
     """Where the `prefix` policy's ring puts `key` among these members."""
     prefills = [m for m in members if m.role is Role.PREFILL]
     pair = make_pairer("prefix", rng=random.Random(0)).choose(
-        PairingTable.build(view(*prefills, DECODE)), "m", now=NOW, in_flight={}, key=key)
+        PairingTable.build(view(*prefills, DECODE)), "m", now=NOW, in_flight={},
+        affinity=Affinity(key))
     assert pair is not None
     return pair.prefill.id
 
@@ -91,20 +89,20 @@ def test_cached_nowhere_goes_by_the_ring(fallback):
     members = [member(i) for i in "abc"] + [DECODE]
     key = KvAffinity(key=fallback, prompt_tokens=len(PROMPT),
                      keys={BLOCK: block_keys(PROMPT, BLOCK)})
-    pair, pairer = choose(indexed({"a": 0, "b": 0, "c": 0}), members, key=key)
+    pair = choose(indexed({"a": 0, "b": 0, "c": 0}), members, key=key)
     assert pair is not None and pair.prefill.id == ring_pick(members, fallback)
-    assert pairer.cached_tokens_of(pair) == 0
+    assert pair.cached_tokens == 0 and pair.exact
 
 
 def test_replaying_or_other_incarnations_claim_nothing():
     index = indexed({"a": 9, "b": 0})
     index.members["a"].pending[5] = KVEventBatch(0.0, [])  # a hole is open
-    pair, pairer = choose(index, [member("a"), member("b"), DECODE])
-    assert pair is not None and pairer.cached_tokens_of(pair) == 0
+    pair = choose(index, [member("a"), member("b"), DECODE])
+    assert pair is not None and pair.cached_tokens == 0
     assert pair.prefill.id == ring_pick([member("a"), member("b")], 12345)
     index = indexed({"a": 9, "b": 0})
-    pair, pairer = choose(index, [member("a", incarnation=2), member("b"), DECODE])
-    assert pair is not None and pairer.cached_tokens_of(pair) == 0  # a restarted: nothing
+    pair = choose(index, [member("a", incarnation=2), member("b"), DECODE])
+    assert pair is not None and pair.cached_tokens == 0  # a restarted: nothing
 
 
 def test_conditional_disaggregation_serves_on_the_decode():
@@ -112,15 +110,16 @@ def test_conditional_disaggregation_serves_on_the_decode():
     cache (indexed when it publishes events) does not hold."""
     index = indexed({"a": 9, "d": 9})
     almost = PROMPT[:38]  # the decode holds 9 blocks: 2 tokens left to compute
-    pair, _ = choose(index, [member("a"), DECODE], key=affinity(almost),
-                     disagg_min_uncached_tokens=8)
+    pair = choose(index, [member("a"), DECODE], key=affinity(almost),
+                  disagg_min_uncached_tokens=8)
     assert pair is not None and pair.direct and pair.decode.id == "d"
-    pair, _ = choose(indexed({"a": 9}), [member("a"), DECODE], key=affinity(almost),
-                     disagg_min_uncached_tokens=8)  # a decode caching nothing: 38 to do
+    assert pair.cached_tokens == 9 * BLOCK  # what the decode, now its own prefill, holds
+    pair = choose(indexed({"a": 9}), [member("a"), DECODE], key=affinity(almost),
+                  disagg_min_uncached_tokens=8)  # a decode caching nothing: 38 to do
     assert pair is not None and not pair.direct and pair.prefill.id == "a"
-    pair, _ = choose(indexed({"a": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
-                     disagg_min_uncached_tokens=8)  # a short prompt: the decode does it
-    assert pair is not None and pair.direct
+    pair = choose(indexed({"a": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
+                  disagg_min_uncached_tokens=8)  # a short prompt: the decode does it
+    assert pair is not None and pair.direct and pair.cached_tokens == 0
 
 
 def slow_a() -> LatencyTracker:
@@ -131,13 +130,13 @@ def slow_a() -> LatencyTracker:
     return latency
 
 
-def picks_of(pairer, members, request, n: int = 200) -> list[str]:
+def pairs_of(pairer, members, request, n: int = 200) -> list:
     table = PairingTable.build(view(*members))
     out = []
     for _ in range(n):
         pair = pairer.choose(table, "m", now=NOW, in_flight={}, affinity=request)
         assert pair is not None
-        out.append(pair.prefill.id)
+        out.append(pair)
     return out
 
 
@@ -151,11 +150,11 @@ def test_where_nothing_can_answer_it_pairs_as_peak_ewma(request_of):
     members = [member(i) for i in "abc"] + [DECODE, member("d2", Role.DECODE)]
     kv = make_kv_pairer(KvIndex(), rng=random.Random(3), latency=slow_a())
     ewma = make_pairer("peak_ewma", rng=random.Random(3), latency=slow_a())
-    got = picks_of(kv, members, request_of())
-    assert got == picks_of(ewma, members, Affinity(0))
-    assert got.count("a") < 0.1 * len(got) and not kv.exact
-    assert kv.cached_tokens_of(kv.choose(PairingTable.build(view(*members)), "m", now=NOW,
-                                         in_flight={}, affinity=request_of())) == 0
+    pairs = pairs_of(kv, members, request_of())
+    got = [p.prefill.id for p in pairs]
+    assert got == [p.prefill.id for p in pairs_of(ewma, members, Affinity(0))]
+    assert got.count("a") < 0.1 * len(got)
+    assert not any(p.exact or p.cached_tokens for p in pairs)
 
 
 def test_syncing_or_replaying_publishers_fall_back_to_peak_ewma():
@@ -163,19 +162,19 @@ def test_syncing_or_replaying_publishers_fall_back_to_peak_ewma():
     index.members["a"].pending[5] = KVEventBatch(0.0, [])  # a hole is open
     index.members["b"].synced = False  # its first replay has not answered
     members = [member("a"), member("b"), DECODE]
-    pair, pairer = choose(index, members)
-    assert pair is not None and not pairer.exact and pairer.cached_tokens_of(pair) == 0
+    pair = choose(index, members)
+    assert pair is not None and not pair.exact and pair.cached_tokens == 0
 
 
 def test_mixed_fleet_publishers_are_matched_the_rest_hold_nothing():
     """`a` publishes and holds the prompt, `b` and `c` publish nothing: the choice is by
     cost; the silent ones count as caching nothing, and still win on a shorter queue."""
     members = [member(i) for i in "abc"] + [DECODE]
-    pair, pairer = choose(indexed({"a": 9}), members)
-    assert pair is not None and pair.prefill.id == "a" and pairer.exact
-    assert pairer.cached_tokens_of(pair) == 9 * BLOCK
-    pair, pairer = choose(indexed({"a": 1}), members, in_flight={"a": 1})
-    assert pair is not None and pair.prefill.id in "bc" and pairer.exact
+    pair = choose(indexed({"a": 9}), members)
+    assert pair is not None and pair.prefill.id == "a" and pair.exact
+    assert pair.cached_tokens == 9 * BLOCK
+    pair = choose(indexed({"a": 1}), members, in_flight={"a": 1})
+    assert pair is not None and pair.prefill.id in "bc" and pair.exact
 
 
 def test_the_load_bound_spills_a_hot_prefix():
@@ -183,11 +182,11 @@ def test_the_load_bound_spills_a_hot_prefix():
     the average (+1) it is over the bound, whatever its cache saves."""
     members = [member(i) for i in "abc"] + [DECODE]
     index = indexed({"a": 9, "b": 0, "c": 0})
-    pair, _ = choose(index, members, in_flight={"a": 1})
+    pair = choose(index, members, in_flight={"a": 1})
     assert pair is not None and pair.prefill.id == "a"  # within the bound: the cache wins
-    pair, pairer = choose(index, members, in_flight={"a": 2})
+    pair = choose(index, members, in_flight={"a": 2})
     assert pair is not None and pair.prefill.id != "a"
-    assert pairer.cached_tokens_of(pair) == 0
+    assert pair.cached_tokens == 0
 
 
 
@@ -204,7 +203,8 @@ def publishing(member_id: str, role: Role = Role.PREFILL):
 def test_decodes_are_followed_only_for_conditional_disaggregation(disagg, followed):
     """A decode's cache matters only when it may serve a prompt alone: otherwise its
     events would cost the router for nothing."""
-    kv = KvRouting(RouterMetrics(), allows=lambda a: True, disagg_min_uncached_tokens=disagg)
+    kv = KvRouting(RouterMetrics(), KvOptions(disagg_min_uncached_tokens=disagg),
+                   allows=lambda a: True)
     try:
         kv.on_members(view(publishing("p"), publishing("d", Role.DECODE)))
         assert wait_until(lambda: set(kv.index.members) == followed, 10)

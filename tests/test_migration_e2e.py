@@ -26,6 +26,7 @@ from reference_helpers import EngineHandle, start_engines, stop_all
 from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
+from router.config import PairingOptions, Retries, Timeouts
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 from wire.protocol import MemberState
@@ -62,8 +63,10 @@ def cluster() -> Iterator[tuple[RegistryServer, list[EngineHandle]]]:
 def router(cluster: tuple[RegistryServer, list[EngineHandle]]) -> Iterator[RouterServer]:
     registry, handles = cluster
     view = MembershipView(registry.control_address).start()
-    server = RouterServer(RouterConfig(port=0, stream_idle_timeout_s=5.0, max_migrations=5,
-                                       quarantine_s=3.0, allow_upstream=LOOPBACK_ALLOW),
+    server = RouterServer(RouterConfig(port=0, upstream=Timeouts(idle_read_s=5.0),
+                                       retries=Retries(max_migrations=5),
+                                       pairing=PairingOptions(quarantine_s=3.0),
+                                       allow_upstream=LOOPBACK_ALLOW),
                           view).start()
     try:
         assert view.wait_for(lambda m: all(

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from registry.client import LiveMember
+from router.choice import NO_AFFINITY, Affinity
 from router.choosers import (
     SATURATED_SCORE,
     LeastLoaded,
@@ -17,7 +18,6 @@ from router.choosers import (
     PrefixAffinity,
     RoundRobin,
     prefix_key,
-    session_key,
 )
 from router.policies import KV_FULL_PENALTY_REQS, POLICY_NAMES, make_pairer, score
 from router.table import Candidate, PairingTable
@@ -90,14 +90,14 @@ def test_an_idle_member_with_an_unchanged_load_takes_its_share(policy: str) -> N
 def test_round_robin_cycles() -> None:
     cs = [cand(i) for i in "abc"]
     rr = RoundRobin()
-    assert [rr.choose(cs, lambda c: 0, 0).id for _ in range(6)] == list("abcabc")
+    assert [rr.choose(cs, lambda c: 0, NO_AFFINITY).id for _ in range(6)] == list("abcabc")
 
 
 def test_power_of_two_never_picks_the_worst_of_two() -> None:
     cs = [cand("a"), cand("b")]
     p2 = PowerOfTwo(random.Random(0))
     loads = {"a": 5.0, "b": 1.0}
-    assert {p2.choose(cs, lambda c: loads[c.id], 0).id for _ in range(50)} == {"b"}
+    assert {p2.choose(cs, lambda c: loads[c.id], NO_AFFINITY).id for _ in range(50)} == {"b"}
 
 
 @given(loads=st.lists(st.integers(0, 20), min_size=1, max_size=12), seed=st.integers(0, 99))
@@ -105,7 +105,7 @@ def test_power_of_two_never_picks_the_global_worst_when_unique(loads: list[int],
                                                                 seed: int) -> None:
     cs = [cand(f"m{i}") for i in range(len(loads))]
     by_id = {c.id: float(v) for c, v in zip(cs, loads, strict=True)}
-    pick = PowerOfTwo(random.Random(seed)).choose(cs, lambda c: by_id[c.id], 0)
+    pick = PowerOfTwo(random.Random(seed)).choose(cs, lambda c: by_id[c.id], NO_AFFINITY)
     worst = max(loads)
     if len(loads) > 1 and loads.count(worst) == 1:
         assert by_id[pick.id] < worst
@@ -115,23 +115,23 @@ def test_power_of_two_never_picks_the_global_worst_when_unique(loads: list[int],
 def test_least_loaded_picks_a_minimum(loads: list[int], seed: int) -> None:
     cs = [cand(f"m{i}") for i in range(len(loads))]
     by_id = {c.id: float(v) for c, v in zip(cs, loads, strict=True)}
-    pick = LeastLoaded(random.Random(seed)).choose(cs, lambda c: by_id[c.id], 0)
+    pick = LeastLoaded(random.Random(seed)).choose(cs, lambda c: by_id[c.id], NO_AFFINITY)
     assert by_id[pick.id] == min(loads)
 
 
 def test_least_loaded_spreads_ties() -> None:
     cs = [cand(i) for i in "abcd"]
     ll = LeastLoaded(random.Random(1))
-    assert {ll.choose(cs, lambda c: 0, 0).id for _ in range(100)} == set("abcd")
+    assert {ll.choose(cs, lambda c: 0, NO_AFFINITY).id for _ in range(100)} == set("abcd")
 
 
 def test_prefix_affinity_is_sticky_and_spreads_keys() -> None:
     cs = [cand(f"p{i}") for i in range(4)]
     pa = PrefixAffinity()
-    key = prefix_key(b"You are a helpful assistant. " * 20)
+    key = Affinity(prefix_key(b"You are a helpful assistant. " * 20))
     first = pa.choose(cs, lambda c: 0, key)
     assert all(pa.choose(cs, lambda c: 0, key) is first for _ in range(20))
-    owners = Counter(pa.choose(cs, lambda c: 0, prefix_key(f"doc {i}".encode())).id
+    owners = Counter(pa.choose(cs, lambda c: 0, Affinity(prefix_key(f"doc {i}".encode()))).id
                      for i in range(400))
     assert set(owners) == {c.id for c in cs}
     assert min(owners.values()) > 40  # roughly even: 100 each expected
@@ -140,7 +140,7 @@ def test_prefix_affinity_is_sticky_and_spreads_keys() -> None:
 def test_prefix_affinity_spills_when_overloaded_and_returns_when_not() -> None:
     cs = [cand(f"p{i}") for i in range(4)]
     pa = PrefixAffinity()
-    key = prefix_key(b"shared system prompt")
+    key = Affinity(prefix_key(b"shared system prompt"))
     home = pa.choose(cs, lambda c: 0, key)
     loads = {c.id: 0.0 for c in cs}
     loads[home.id] = 10.0  # far above 1.25 x average
@@ -154,7 +154,7 @@ def test_prefix_affinity_spills_when_overloaded_and_returns_when_not() -> None:
 def test_prefix_affinity_removing_a_member_moves_only_its_keys() -> None:
     cs = [cand(f"p{i}") for i in range(5)]
     pa = PrefixAffinity()
-    keys = [prefix_key(f"k{i}".encode()) for i in range(300)]
+    keys = [Affinity(prefix_key(f"k{i}".encode())) for i in range(300)]
     before = {k: pa.choose(cs, lambda c: 0, k).id for k in keys}
     gone = cs[2].id
     after = {k: pa.choose([c for c in cs if c.id != gone], lambda c: 0, k).id for k in keys}
@@ -165,7 +165,7 @@ def test_prefix_affinity_removing_a_member_moves_only_its_keys() -> None:
 def test_prefix_affinity_all_saturated_falls_back_to_least_loaded() -> None:
     cs = [cand(f"p{i}") for i in range(3)]
     loads = {"p0": SATURATED_SCORE + 3, "p1": SATURATED_SCORE + 1, "p2": SATURATED_SCORE + 2}
-    assert PrefixAffinity().choose(cs, lambda c: loads[c.id], 123).id == "p1"
+    assert PrefixAffinity().choose(cs, lambda c: loads[c.id], Affinity(123)).id == "p1"
 
 
 # --- the pairing table and pairer ----------------------------------------------------------
@@ -324,7 +324,8 @@ def test_session_affinity_keeps_a_conversation_on_one_pair() -> None:
     pairer = make_pairer("session")
 
     def pair_of(session: str) -> tuple[str, str]:
-        pair = pairer.choose(table, "m", now=NOW, in_flight={}, key=session_key(session))
+        pair = pairer.choose(table, "m", now=NOW, in_flight={},
+                              affinity=pairer.affinity(session, {}))
         assert pair is not None
         return pair.prefill.id, pair.decode.id
 

@@ -16,9 +16,10 @@ from standins_engines import tokens_for
 from standins_fleet import Fleet, LoopThread, live_member
 
 from pdreg.testing import wait_until
-from router.adapters import default_adapters
+from router.config import Retries
 from router.guard import LOOPBACK_ALLOW
-from router.http import upstream
+from router.handshakes.catalog import default_handshakes
+from router.http import connection, response
 from router.service import RouterConfig, RouterServer
 from wire.protocol import Handshake, MemberState, Role
 
@@ -233,7 +234,7 @@ def test_mid_stream_failure_without_migration_ends_with_an_sse_error(
     nixl.add("p1", P)
     d = nixl.add("d1", D)
     d.faults.cut_after_chunks = 2
-    server = start_router(nixl, max_migrations=0)
+    server = start_router(nixl, retries=Retries(max_migrations=0))
     body = {"model": "m", "prompt": "x", "max_tokens": 6, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -277,14 +278,14 @@ def test_sglang_prefill_failure_cancels_both_and_retries(loop_thread: LoopThread
     assert len(rooms) == 2  # a new room for the new pair
 
 
-def test_bootstrap_rooms_come_from_the_adapters_rng(loop_thread: LoopThread) -> None:
+def test_bootstrap_rooms_come_from_the_handshakes_rng(loop_thread: LoopThread) -> None:
     rooms = []
     for _ in range(2):
         fleet = Fleet(loop_thread, Handshake.SGLANG)
         fleet.add("p1", P)
         d = fleet.add("d1", D)
         with RouterServer(RouterConfig(port=0, allow_upstream=LOOPBACK_ALLOW), fleet.view,
-                          adapters=default_adapters(random.Random(7))) as server:
+                          handshakes=default_handshakes(random.Random(7))) as server:
             client(server).completions.create(model="m", prompt="x", max_tokens=1)
         rooms.append(d.requests[0][1]["bootstrap_room"])
     assert rooms[0] == rooms[1] == random.Random(7).randrange(2**63)
@@ -371,10 +372,10 @@ def test_a_slow_reader_gets_a_long_stream_whole(nixl: Fleet, start_router: Route
     # A stream far over the pool's read high-water mark, to a client with a tiny receive
     # window that sleeps: reading the engine pauses and resumes; nothing lost or reordered.
     pauses = []
-    pause = upstream._Connection.pause_reading
-    monkeypatch.setattr(upstream._Connection, "pause_reading",
+    pause = connection.UpstreamConnection.pause_reading
+    monkeypatch.setattr(connection.UpstreamConnection, "pause_reading",
                         lambda self: (pauses.append(1), pause(self)))
-    monkeypatch.setattr(upstream, "READ_HIGH_WATER_BYTES", 64 * 1024)
+    monkeypatch.setattr(response, "READ_HIGH_WATER_BYTES", 64 * 1024)
     nixl.add("p1", P)
     nixl.add("d1", D)
     server = start_router(nixl)
@@ -459,8 +460,8 @@ def test_a_member_gets_warm_connections_when_it_becomes_routable(
 
 
 def test_default_bootstrap_rooms_are_distinct_and_in_range_across_batches() -> None:
-    adapter = default_adapters()[Handshake.SGLANG]
-    rooms = [adapter._rng.randrange(2**63) for _ in range(1500)]  # three urandom batches
+    sglang = default_handshakes()[Handshake.SGLANG]
+    rooms = [sglang._rng.randrange(2**63) for _ in range(1500)]  # three urandom batches
     assert len(set(rooms)) == 1500 and all(0 <= room < 2**63 for room in rooms)
 
 

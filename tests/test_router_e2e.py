@@ -24,6 +24,7 @@ from reference_helpers import EngineHandle, collect, metrics, start_engine, star
 from pdreg.testing import die_with_parent, stop_process, wait_until
 from registry.client import LiveMember, MembershipView
 from registry.server import RegistryServer
+from router.config import PairingOptions
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 from wire.protocol import Handshake, MemberState, Role
@@ -33,7 +34,8 @@ VIEW_TIMEOUT_S = 15.0
 
 @pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
-    server = RouterServer(RouterConfig(port=0, policy="round_robin", quarantine_s=3.0,
+    server = RouterServer(RouterConfig(port=0, policy="round_robin",
+                                       pairing=PairingOptions(quarantine_s=3.0),
                                        allow_upstream=LOOPBACK_ALLOW),
                           view).start()
     try:

@@ -23,6 +23,7 @@ from standins_fleet import Fleet, LoopThread, live_member
 
 from registry.client import LiveMember
 from router import relay
+from router.config import Limits, Timeouts
 from router.guard import LOOPBACK_ALLOW, UpstreamPolicy, strip_internal_fields
 from router.relay import EventBuffer
 from router.service import RouterConfig, RouterServer
@@ -252,7 +253,7 @@ def test_an_engine_that_never_answers_is_given_up_on(
         await asyncio.sleep(3600)
     engine = raw_engine(silent)
     server = start_router(routers, mixed_fleet(loop_thread, engine.url),
-                          first_byte_timeout_s=0.3)
+                          upstream=Timeouts(first_byte_s=0.3))
     started = time.monotonic()
     r = httpx.post(server.url + "/v1/completions", json=BODY, timeout=30)
     assert r.status_code == 502 and time.monotonic() - started < 3.0
@@ -511,7 +512,7 @@ def test_slowloris_headers_are_cut_off_and_real_clients_served(
     fleet = Fleet(loop_thread, Handshake.VLLM_NIXL)
     fleet.add("p1", P)
     fleet.add("d1", D)
-    server = start_router(routers, fleet, header_timeout_s=1.0)
+    server = start_router(routers, fleet, clients=Limits(header_timeout_s=1.0))
     socks = _open_trickling(server.url, 200)
     try:
         for sock in socks[:50]:  # trickling keeps nothing alive
@@ -529,7 +530,8 @@ def test_a_body_that_never_arrives_gets_408(
     fleet = mixed_fleet(loop_thread)
     # A body timeout far shorter than the header timeout armed at connect: the 408 comes
     # at the body's deadline, within the client's 30 s, not at the header's hour.
-    server = start_router(routers, fleet, body_timeout_s=1.0, header_timeout_s=3600.0)
+    server = start_router(routers, fleet,
+                          clients=Limits(body_timeout_s=1.0, header_timeout_s=3600.0))
     import socket
     from urllib.parse import urlsplit
     parts = urlsplit(server.url)

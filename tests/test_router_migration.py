@@ -16,6 +16,7 @@ import pytest
 from standins_engines import generate_ids, prompt_ids, token_text
 from standins_fleet import Fleet, LoopThread
 
+from router.config import Retries, Timeouts
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
 from wire.protocol import Handshake, Role
@@ -27,7 +28,7 @@ FAULTS = ("cut", "error", "stall")
 
 def start_router(servers: list[RouterServer], fleet: Fleet, **config: Any) -> RouterServer:
     config.setdefault("policy", "round_robin")  # d1 (the faulty one) is picked first
-    config.setdefault("stream_idle_timeout_s", 0.5)
+    config.setdefault("upstream", Timeouts(idle_read_s=0.5))
     config.setdefault("allow_upstream", LOOPBACK_ALLOW)
     server = RouterServer(RouterConfig(port=0, **config), fleet.view).start()
     servers.append(server)
@@ -174,7 +175,7 @@ def test_a_chat_without_max_tokens_continues_to_the_context_length(
 
 
 @pytest.mark.parametrize(("config", "extra", "why"), [
-    ({"max_migrations": 0}, {}, "budget"),
+    ({"retries": Retries(max_migrations=0)}, {}, "budget"),
     ({}, {"n": 2}, "request_shape"),
 ])
 def test_what_cannot_migrate_ends_with_an_error_event(
@@ -196,7 +197,7 @@ def test_every_decode_failing_is_bounded_by_max_migrations(
     fleet.add("p1", P)
     for i in range(4):
         fleet.add(f"d{i}", D).faults.cut_after_chunks = 2
-    server = start_router(routers, fleet, max_migrations=2)
+    server = start_router(routers, fleet, retries=Retries(max_migrations=2))
     events = sse(httpx.post(server.url + COMPLETIONS, json=body_for(COMPLETIONS), timeout=30))
     assert len(texts(events, False)) == 6  # 2 tokens from each of three decodes
     assert "error" in events[-2]
@@ -232,7 +233,7 @@ def test_a_non_streaming_request_is_reissued_whole(loop_thread: LoopThread,
 def test_a_silent_decode_is_left_within_the_idle_timeout(
         loop_thread: LoopThread, routers: list[RouterServer]) -> None:
     fleet = two_decodes(loop_thread, Handshake.VLLM_NIXL, "stall", after=2)
-    server = start_router(routers, fleet, stream_idle_timeout_s=0.3)
+    server = start_router(routers, fleet, upstream=Timeouts(idle_read_s=0.3))
     started = time.monotonic()
     events = sse(httpx.post(server.url + COMPLETIONS, json=body_for(COMPLETIONS), timeout=30))
     assert len(texts(events, False)) == 10

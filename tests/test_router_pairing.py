@@ -8,11 +8,12 @@ import time
 import pytest
 from standins_fleet import StaticView, live_member
 
+from router.choice import NO_AFFINITY
 from router.inflight import InFlight
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.pairing import Pairing
-from router.policies import NO_AFFINITY, make_pairer
+from router.policies import make_pairer
 from router.quarantine import Quarantine
 from router.table import PairingTable
 from wire.protocol import Load, MemberState, Role
@@ -75,3 +76,23 @@ def test_a_membership_change_rebuilds(change: str) -> None:
     view.set(members)
     decodes = {c.id for c in pairing.table().pools["m"][0].decodes}
     assert decodes == {"join": {"d0", "d1", "d9"}, "leave": {"d0"}, "state": {"d0"}}[change]
+
+
+def test_a_requests_first_pair_is_told_with_its_prediction_retries_are_not() -> None:
+    """What the `kv` policy counts (prompt tokens routed, predicted cached) comes with the
+    pair the request got first, not from the pairer's state, and once per request."""
+    metrics = RouterMetrics()
+    latency = LatencyTracker()
+    told: list[tuple[str, object, object]] = []
+    view = StaticView(fleet(2))  # type: ignore[arg-type]
+    pairing = Pairing(view, make_pairer("least_loaded", latency=latency),
+                      locality_label="", protocols={"vllm-nixl"}, quarantine=Quarantine(5.0),
+                      in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
+                      latency=latency, clock=time.monotonic,
+                      on_first_pair=lambda *args: told.append(args))
+    first = pairing.choose("m", NO_AFFINITY, ())
+    assert first is not None and told == [("m", NO_AFFINITY, first)]
+    assert first.cached_tokens == 0 and not first.exact  # least_loaded predicts nothing
+    assert pairing.choose("m", NO_AFFINITY, (first.prefill.id,)) is not None  # a retry
+    assert pairing.choose("nobody", NO_AFFINITY, ()) is None
+    assert len(told) == 1

@@ -30,14 +30,11 @@ ALLOWED: dict[str, int] = {
     "engine_agent/standins.py::_handler_for": 61,
     "pdreg/cmd_planner.py::add_parser": 69,
     "pdreg/cmd_router.py::add_parser": 81,
-    "pdreg/cmd_router.py::run": 61,
     "registry/http.py::create_app": 129,
     "registry/membership.py": 775,
     "registry/membership.py::Membership.tick": 65,
     "registry/metrics.py::RegistryCollector.collect": 70,
     "registry/server.py::RegistryServer._run_busy_loop": 62,
-    "router/http/upstream.py": 492,
-    "router/metrics.py::RouterMetrics.__init__": 71,
     "wire/protocol.py": 479,
 }
 

@@ -471,7 +471,7 @@ class Handshake(enum.StrEnum):
     """The P/D handshake a member speaks: the value of `MemberSpec.protocol` for engines.
 
     Routers drive a (prefill, decode) pair only when both speak the same one; see
-    router/adapters.py for what each means on the wire.
+    router/handshakes/ for what each means on the wire.
     """
 
     VLLM_NIXL = "vllm-nixl"  # P: max_tokens=1 + kv_transfer_params; D: P's params verbatim

@@ -57,10 +57,11 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from router.choice import Affinity, Choice
 from router.choosers import (
     AFFINITY_BOUND_FACTOR,
     SATURATED_SCORE,
@@ -71,8 +72,8 @@ from router.choosers import (
 )
 from router.kv.index import KvIndex
 from router.latency import LatencyTracker
-from router.policies import DEFAULT_STALE_LOAD_S, PREFILL_ROLE, Affinity, Loads, Options, Pairer
-from router.table import Candidate, Pair, PairingTable
+from router.policies import DEFAULT_STALE_LOAD_S, Loads, Pairer
+from router.table import Candidate, Pair
 
 __all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
 
@@ -95,31 +96,28 @@ KV_BOUND_FACTOR: Final = 2.0
 @dataclass(frozen=True, slots=True)
 class KvAffinity(Affinity):
     """What the `kv` policy knows of a request's prompt. `key` (the `Affinity` every
-    chooser sees) is the `prefix` ring key, for members it cannot match exactly."""
+    chooser sees) is the `prefix` ring key, for a prompt cached nowhere."""
 
     prompt_tokens: int = 0
     keys: Mapping[int, Sequence[int]] = field(default_factory=dict)  # block size -> keys
 
 
-@dataclass(slots=True)
-class Scored:
-    candidate: Candidate
-    cached_tokens: int
-    cost: float
+# A prefill within the load bound, its load (the plain score) and the prompt tokens it
+# holds.
+Within = list[tuple[Candidate, float, int]]
 
 
 class KvChooser:
-    """Prefill chooser for the request `KvPairer` sets in `request` before each choice:
-    by cost over a `KvAffinity`; by `PrefixAffinity`'s ring for a plain key."""
+    """The prefill for a `KvAffinity`, in three steps: the load bound keeps who may
+    compete, the ring places a prompt that none of them holds, and otherwise the
+    cheapest by cost wins (the module docstring). Every answer is `exact`: it went by
+    the index. The one thing it keeps between choices is W, the work a queued request
+    brings."""
 
-    def __init__(self, index: KvIndex, block_size_of: Mapping[str, int] | None = None,
-                 bound_factor: float = KV_BOUND_FACTOR) -> None:
+    def __init__(self, index: KvIndex, bound_factor: float = KV_BOUND_FACTOR) -> None:
         self.index = index
         self.bound_factor = bound_factor
         self.work = 0.0  # W: EWMA of uncached tokens per pick (0 until the first)
-        self.last: Scored | None = None  # the last pick, for metrics and disaggregation
-        self.in_flight: Mapping[str, int] = {}  # this router's, set per choice by KvPairer
-        self.request: KvAffinity | None = None  # the request's, set per choice by KvPairer
         # New prefixes go by `prefix`'s ring and its tighter bound: a miss costs the
         # whole prompt wherever it lands, so only a short queue is worth having there.
         self._ring = PrefixAffinity(AFFINITY_BOUND_FACTOR)
@@ -146,117 +144,114 @@ class KvChooser:
             return 0
         return member.cached_blocks(keys) * member.block_size
 
-    def choose(self, eligible: Sequence[Candidate], load: LoadFn, key: int) -> Candidate:
+    def choose(self, eligible: Sequence[Candidate], load: LoadFn, affinity: KvAffinity,
+               in_flight: Mapping[str, int]) -> Choice:
         """`load` is the plain score (queue + in-flight + KV pressure), not latency-
-        weighted: the bound and the queue term count requests."""
-        request = self.request
-        assert request is not None, "KvPairer sets the request before each choice"
-        return self._choose_by_cost(eligible, load, request)
-
-    def _choose_by_cost(self, eligible: Sequence[Candidate], load: LoadFn,
-                        key: KvAffinity) -> Candidate:
+        weighted: the bound and the queue term count requests. `in_flight`: this
+        router's own requests per member id (own(c) in the cost)."""
         loads = [load(c) for c in eligible]
-        fresh = [v for v in loads if v < SATURATED_SCORE]
-        bound = math.ceil(self.bound_factor * (sum(fresh) + 1) / max(1, len(fresh)))
-        work = self.work or float(key.prompt_tokens)
-        best: Scored | None = None
-        scored: list[tuple[Candidate, float, int]] = []
-        for c, c_load in zip(eligible, loads, strict=True):
-            if c_load + 1 > bound and len(eligible) > 1:
-                continue  # over the load bound: a hot prefix spills to the next best
-            scored.append((c, c_load, self.cached_tokens(c, key)))
-        if scored and not any(cached for _, _, cached in scored):
+        bound = self._bound(loads)
+        within = self._within(eligible, loads, bound, affinity)
+        if not within:  # everyone over the bound (stale loads): the least loaded
+            i = min(range(len(eligible)), key=loads.__getitem__)
+            choice = Choice(eligible[i], self.cached_tokens(eligible[i], affinity), exact=True)
+        elif not any(cached for _, _, cached in within):
             # Cached nowhere: place it by the prefix ring (bounded load), so the requests
             # that will share this prefix meet on one prefill instead of each caching it
             # wherever the queue was shortest.
-            pick = self._ring.choose([c for c, _, _ in scored], load, key.key)
-            best = Scored(pick, 0, 0.0)
-        for c, c_load, cached in scored if best is None else ():
+            choice = Choice(self._ring.choose([c for c, _, _ in within], load, affinity),
+                            exact=True)
+        else:
+            choice = self._cheapest(within, affinity, in_flight)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_pick(eligible, loads, bound, within, affinity, choice)
+        self._learn(affinity.prompt_tokens - choice.cached_tokens)
+        return choice
+
+    def _bound(self, loads: Sequence[float]) -> int:
+        """The hard load bound (`prefix`'s rule, KV_BOUND_FACTOR): load + 1 may not pass
+        it. Loads too old to trust (saturated) do not count in the average."""
+        fresh = [v for v in loads if v < SATURATED_SCORE]
+        return math.ceil(self.bound_factor * (sum(fresh) + 1) / max(1, len(fresh)))
+
+    def _within(self, eligible: Sequence[Candidate], loads: Sequence[float], bound: int,
+                affinity: KvAffinity) -> Within:
+        """The members within the bound, with what each holds of the prompt. A lone
+        member is never over it."""
+        alone = len(eligible) == 1
+        return [(c, c_load, self.cached_tokens(c, affinity))
+                for c, c_load in zip(eligible, loads, strict=True)
+                if alone or c_load + 1 <= bound]  # over it: a hot prefix spills
+
+    def _cheapest(self, within: Within, affinity: KvAffinity,
+                  in_flight: Mapping[str, int]) -> Choice:
+        """The least cost: uncached tokens + the queue's worth of work (the module
+        docstring); a member whose load is too old to see ranks last. Ties: the first."""
+        work = self.work or float(affinity.prompt_tokens)
+        best: Choice | None = None
+        best_cost = 0.0
+        for c, c_load, cached in within:
             if c_load >= SATURATED_SCORE:
                 cost = SATURATED_SCORE + c_load  # cannot see its queue: last resort
             else:
-                own = self.in_flight.get(c.id, 0)
+                own = in_flight.get(c.id, 0)
                 queue = (own + OTHERS_WEIGHT * max(0, c.queue - own)
                          + c.kv_usage * KV_PRESSURE_REQS)
-                cost = (key.prompt_tokens - cached) + QUEUE_WEIGHT * queue * work
-            if best is None or cost < best.cost:
-                best = Scored(c, cached, cost)
-        if best is None:  # everyone over the bound (stale loads): least loaded
-            i = min(range(len(eligible)), key=loads.__getitem__)
-            best = Scored(eligible[i], self.cached_tokens(eligible[i], key), loads[i])
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("[kv] pick tokens=%d work=%.0f bound=%d ring=%s %s -> %s cached=%d",
-                         key.prompt_tokens, work, bound, not any(c for _, _, c in scored),
-                         " ".join(f"{c.id}:load={v:g}:cached={self.cached_tokens(c, key)}"
-                                  f"{'' if any(c is s for s, _, _ in scored) else ':over'}"
-                                  for c, v in zip(eligible, loads, strict=True)),
-                         best.candidate.id, best.cached_tokens)
-        uncached = key.prompt_tokens - best.cached_tokens
+                cost = (affinity.prompt_tokens - cached) + QUEUE_WEIGHT * queue * work
+            if best is None or cost < best_cost:
+                best, best_cost = Choice(c, cached, exact=True), cost
+        assert best is not None, "within the bound is never empty here"
+        return best
+
+    def _learn(self, uncached: int) -> None:
+        """W follows the uncached tokens of each pick (an EWMA; the first pick sets it)."""
         self.work = uncached if not self.work else \
             (1 - WORK_EWMA_ALPHA) * self.work + WORK_EWMA_ALPHA * uncached
-        self.last = best
-        return best.candidate
+
+    def _log_pick(self, eligible: Sequence[Candidate], loads: Sequence[float], bound: int,
+                  within: Within, affinity: KvAffinity, choice: Choice) -> None:
+        kept = {id(c) for c, _, _ in within}
+        logger.debug("[kv] pick tokens=%d work=%.0f bound=%d ring=%s %s -> %s cached=%d",
+                     affinity.prompt_tokens, self.work or affinity.prompt_tokens, bound,
+                     not any(cached for _, _, cached in within),
+                     " ".join(f"{c.id}:load={v:g}:cached={self.cached_tokens(c, affinity)}"
+                              f"{'' if id(c) in kept else ':over'}"
+                              for c, v in zip(eligible, loads, strict=True)),
+                     choice.candidate.id, choice.cached_tokens)
 
 
 class KvPairer(Pairer):
     """`Pairer` with the KV chooser for prefills where an index can answer, `peak_ewma`'s
-    choice otherwise (and for decodes), and conditional disaggregation.
-    `on_pick(model, affinity, pair)`: called for a request's first choice (the prompt
-    tokens it routed, and those predicted cached); `exact` says whether that choice went
-    by the index."""
+    choice otherwise (and for decodes), and conditional disaggregation. The pair it
+    answers carries the prefill choice's prediction (`Pair.cached_tokens`, `exact`)."""
 
     def __init__(self, chooser: KvChooser, decode: Chooser, fallback: Chooser, *,
                  latency: LatencyTracker,
                  stale_after_s: float = DEFAULT_STALE_LOAD_S,
                  disagg_min_uncached_tokens: int = 0) -> None:
-        super().__init__(chooser, decode, stale_after_s=stale_after_s, latency=latency)
+        """`fallback`: `peak_ewma`'s prefill chooser, for requests the index cannot
+        answer."""
+        super().__init__(fallback, decode, stale_after_s=stale_after_s, latency=latency)
         self.kv = chooser
-        self._fallback = fallback  # peak_ewma's prefill chooser
         self.disagg_min_uncached_tokens = disagg_min_uncached_tokens
-        self.on_pick: Callable[[str, KvAffinity, Pair], None] | None = None
-        self.exact = False  # the last prefill choice went by the index
 
-    def _choose_prefill(self, options: Options, loads: Loads, key: int,
-                        now: float) -> Candidate:
-        prefills = options[0][0] if len(options) == 1 else [c for ps, _ in options
-                                                             for c in ps]
-        request = self.kv.request
-        self.exact = request is not None and self.kv.answers(prefills, request)
-        if self.exact:
-            p = self.kv.choose(prefills, loads.base, key)
-        else:
-            self.kv.last = None
-            p = self._fallback.choose(prefills, loads.prefill, key)
-        self._note_probe(PREFILL_ROLE, p, now)
-        return p
+    def _choose_prefill(self, prefills: Sequence[Candidate], loads: Loads,
+                        affinity: Affinity) -> Choice:
+        if isinstance(affinity, KvAffinity) and self.kv.answers(prefills, affinity):
+            return self.kv.choose(prefills, loads.base, affinity, loads.in_flight)
+        return super()._choose_prefill(prefills, loads, affinity)
 
-    def choose(self, table: PairingTable, model: str, *, now: float,
-               in_flight: Mapping[str, int], quarantined: Mapping[str, int] | None = None,
-               key: int = 0, exclude: Collection[str] = (),
-               loads_confirmed_at: float = -math.inf,
-               affinity: Affinity | None = None) -> Pair | None:
-        request = affinity if isinstance(affinity, KvAffinity) else None
-        self.kv.in_flight, self.kv.request = in_flight, request
-        pair = super().choose(table, model, now=now, in_flight=in_flight,
-                              quarantined=quarantined, key=key, exclude=exclude,
-                              loads_confirmed_at=loads_confirmed_at, affinity=affinity)
-        if pair is None or request is None:
+    def _paired(self, pair: Pair, affinity: Affinity) -> Pair:
+        """Conditional disaggregation: when the decode would compute fewer than
+        `disagg_min_uncached_tokens` of the prompt itself (the prompt less what *it*
+        caches: a decode that publishes KV events is indexed too; one that does not
+        caches nothing here), the decode serves the request alone."""
+        if not self.disagg_min_uncached_tokens or not isinstance(affinity, KvAffinity):
             return pair
-        if self.disagg_min_uncached_tokens and not pair.direct:
-            # What the decode would compute itself: the prompt less what *it* caches (a
-            # decode that publishes KV events is indexed too; one that does not caches
-            # nothing here).
-            uncached = request.prompt_tokens - self.kv.cached_tokens(pair.decode, request)
-            if uncached < self.disagg_min_uncached_tokens:
-                pair = Pair(pair.decode, pair.decode)  # the decode prefills it locally
-        if not exclude and self.on_pick is not None:
-            self.on_pick(model, request, pair)
+        cached = self.kv.cached_tokens(pair.decode, affinity)
+        if affinity.prompt_tokens - cached < self.disagg_min_uncached_tokens:
+            return Pair(pair.decode, pair.decode, cached, pair.exact)
         return pair
-
-    def cached_tokens_of(self, pair: Pair) -> int:
-        """Prompt tokens predicted cached at the pair's prefill (the last choice)."""
-        last = self.kv.last
-        return last.cached_tokens if last is not None and last.candidate is pair.prefill else 0
 
 
 def make_kv_pairer(index: KvIndex, *, rng: random.Random | None = None,

@@ -1,6 +1,7 @@
 """Everything the `kv` policy adds to a router, behind one object the router calls at
 three seams: membership changed (`on_members`), a request is admitted (`affinity`), a
-pair was chosen (`picked`). Built only with `--policy kv`.
+request's first pair was chosen (`picked`, with the pair and its prediction). Built
+only with `--policy kv`.
 
 - `on_members`: follow the ready members that publish KV events (router/kv/feed.py) and
   note, per model, its tokenizer (`--tokenizer MODEL=PATH`, else what members register)
@@ -11,8 +12,9 @@ pair was chosen (`picked`). Built only with `--policy kv`.
   chosen as `peak_ewma` chooses (router/kv/policy.py), counted in
   `pdreg_router_kv_inexact_requests{model,why}`, shown in `pdreg_router_kv_exact{model}`
   and in `models()` (/v1/kv, `pdreg status --router`), and logged once per model and why.
-- `picked`: count routed and predicted-cached prompt tokens per model; a request matched
-  exactly whose eligible prefills had no index that could answer (why `no_index`) fell
+- `picked`: count routed and predicted-cached prompt tokens per model (the pair carries
+  the prediction: `Pair.cached_tokens`); a request matched exactly whose eligible
+  prefills had no index that could answer (`Pair.exact` false: why `no_index`) fell
   back too.
 
 Why a model falls back (`why`): `no_events` (none of its members publishes KV events:
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
+from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import KvIndex
 from router.kv.keys import block_keys
@@ -41,17 +44,28 @@ from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
 from router.kv.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
-from router.policies import DEFAULT_STALE_LOAD_S, NO_AFFINITY, Affinity, prompt_key
+from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
 from router.table import Pair
 from wire.protocol import MemberState, Role
 
-__all__ = ["KvRouting"]
+__all__ = ["KvOptions", "KvRouting"]
 
 logger = logging.getLogger(__name__)
 
 # Prompts longer than this (characters, or token ids) are tokenized and keyed in a worker
 # thread: a 100k-token prompt takes milliseconds the event loop must not stall for.
 OFF_LOOP_CHARS: Final = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class KvOptions:
+    """What `pdreg router` is told of the `kv` policy (`RouterConfig.kv`)."""
+
+    # (model, tokenizer path or hub name): --tokenizer MODEL=PATH, else what members register
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    # A prompt the chosen decode would compute fewer tokens of than this itself skips
+    # the prefill leg (conditional disaggregation); 0: never.
+    disagg_min_uncached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,22 +76,20 @@ class ModelKv:
 
 
 class KvRouting:
-    def __init__(self, metrics: RouterMetrics, *, allows: Callable[[str], bool],
-                 tokenizers: Mapping[str, str] | None = None,
-                 disagg_min_uncached_tokens: int = 0,
+    def __init__(self, metrics: RouterMetrics, options: KvOptions = KvOptions(), *,
+                 allows: Callable[[str], bool],
                  stale_after_s: float = DEFAULT_STALE_LOAD_S,
                  tokenizer_set: TokenizerSet | None = None,
                  latency: LatencyTracker | None = None) -> None:
         """`latency`: the router's tracker, which its outcomes feed (the fallback and the
-        decodes are `peak_ewma`'s choice)."""
+        decodes are `peak_ewma`'s choice). `tokenizer_set`: tests hand in their own."""
         self.metrics = metrics
         self.index = KvIndex()
         self.feed = KvFeed(self.index, allows=allows)
         self.pairer: KvPairer = make_kv_pairer(
             self.index, stale_after_s=stale_after_s, latency=latency,
-            disagg_min_uncached_tokens=disagg_min_uncached_tokens)
-        self.pairer.on_pick = self.picked
-        self.tokenizers = tokenizer_set or TokenizerSet(tokenizers)
+            disagg_min_uncached_tokens=options.disagg_min_uncached_tokens)
+        self.tokenizers = tokenizer_set or TokenizerSet(dict(options.tokenizers))
         self._models: dict[str, ModelKv] = {}  # models with members that publish
         self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
@@ -143,10 +155,13 @@ class KvRouting:
         # The cached-nowhere ring (router/kv/policy.py) keys on the prompt's first bytes.
         return KvAffinity(key=prompt_key("", body), prompt_tokens=n, keys=keys)
 
-    def picked(self, model: str, key: KvAffinity, pair: Pair) -> None:
-        self.metrics.prompt_tokens.labels(model).inc(key.prompt_tokens)
-        self.metrics.prompt_tokens_cached.labels(model).inc(self.pairer.cached_tokens_of(pair))
-        if self.pairer.exact:
+    def picked(self, model: str, affinity: Affinity, pair: Pair) -> None:
+        """A request's first pair (not a retry's or a migration's)."""
+        if not isinstance(affinity, KvAffinity):
+            return  # not matched exactly: counted at admission (`_inexact`)
+        self.metrics.prompt_tokens.labels(model).inc(affinity.prompt_tokens)
+        self.metrics.prompt_tokens_cached.labels(model).inc(pair.cached_tokens)
+        if pair.exact:
             self._note(model, "")
         else:
             self.metrics.kv_inexact_requests.labels(model, "no_index").inc()

@@ -28,7 +28,7 @@ import httpx
 from cluster import Engine
 from sse import Streamed, choice_text, post_stream
 
-from router.adapters import NIXL_PREFILL_PARAMS
+from router.handshakes.vllm_nixl import NIXL_PREFILL_PARAMS
 
 N = 24
 REQUEST_TIMEOUT_S = 120.0
