@@ -318,10 +318,8 @@ class RegistryServer:
         coalescer = Coalescer(self.config.coalesce_s)
         while self._state is ShutdownState.RUNNING:
             handled = 0
-            # 1) Poll until the next deadline (never forever).
-            # (No `next_pulse`: the pulse rides on the first digest at or after it. As a
-            # deadline of its own it came due before the digest and the loop spun, turning
-            # without waiting, until the digest did: up to 0.1 s every interval.)
+            # 1) Poll until the next deadline (never forever). The pulse is no deadline
+            # of its own: it rides on the first digest at or after it.
             deadline = min(membership.next_deadline(now), next_digest,
                            snapshot.due_at(), figures.due_at())
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).
