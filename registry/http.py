@@ -1,42 +1,37 @@
 """The registry's HTTP side: members, health, metrics, admin actions, OpenAPI.
 
 Reads only `published` (an immutable snapshot the loop swaps) and, for /metrics and
-/healthz, `figures` (the membership's counts, copied by the loop); admin actions are
-submitted to the loop, which stays the only writer. Depends on what `RegistryHandle`
+/healthz, `figures` (the membership's counts, copied by the loop); admin actions go to
+the store and reach the loop, which stays the only writer, from there
+(`registry.http_admin`). Depends on what `RegistryHandle`
 names, not on the server module: arrows run server -> http, never back.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from collections.abc import Mapping
+from typing import Annotated, Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from registry.admission import MAX_BAN_S
 from registry.dashboard import dashboard_router
 from registry.fleet_stats import FleetFigures
+from registry.http_admin import StoreHandle, admin_routes, store_routes
 from registry.http_auth import Access
 from registry.http_guard import BodyLimit
 from registry.kv_reports import KvSummary, kv_index_json
 from registry.metrics import LoopStats, make_metrics_registry
 from registry.published import Published
+from registry.sessions import token_lines
+from registry.store.metrics import StoreCollector
 from registry.views import matches, member_json
-from wire.protocol import ReplyStatus, parse_role
-
-if TYPE_CHECKING:
-    from registry.membership import Membership
-    from registry.outcome import Outcome
-
-ADMIN_TIMEOUT_S = 5.0
+from wire.protocol import parse_role
 
 
-class RegistryHandle(Protocol):
+class RegistryHandle(StoreHandle, Protocol):
     """What the HTTP side needs of the registry (`registry.server.RegistryServer`)."""
 
     stats: LoopStats
@@ -47,7 +42,6 @@ class RegistryHandle(Protocol):
     def figures(self) -> FleetFigures: ...
     @property
     def kv_index(self) -> Mapping[str, KvSummary]: ...
-    def submit(self, action: Callable[[Membership, float], Outcome]) -> Future[Outcome]: ...
     def loop_stall_s(self) -> float: ...
     def loop_stall_limit_s(self) -> float: ...
 
@@ -58,10 +52,12 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
     actions (operators), the dashboard (readers). Who may do what: `registry.http_auth`."""
     app = FastAPI(title="pdreg registry", version="2",
                   description="Live membership of a prefill/decode serving fleet.")
-    access = Access.of(admin_tokens=[admin_token], read_tokens=[read_token], exposed=exposed)
+    access = Access.of(admin_tokens=token_lines(admin_token),
+                       read_tokens=token_lines(read_token), exposed=exposed)
     reader = [Depends(access.require_reader)]
     app.include_router(health_routes(server))
     app.include_router(member_routes(server), dependencies=reader)
+    app.include_router(store_routes(server), dependencies=reader)
     app.include_router(admin_routes(server), dependencies=[Depends(access.require_admin)])
     app.include_router(dashboard_router(lambda: server.published, lambda: server.kv_index),
                        dependencies=reader)
@@ -74,6 +70,7 @@ def health_routes(server: RegistryHandle) -> APIRouter:
     """/healthz for probes and /metrics for Prometheus: open to anyone who can connect."""
     routes = APIRouter()
     metrics_registry = make_metrics_registry(server.stats, lambda: server.figures)
+    metrics_registry.register(StoreCollector(server.store_stats))
 
     @routes.get("/healthz", responses={503: {"description": "the registry loop is stuck"}})
     def healthz() -> JSONResponse:
@@ -146,50 +143,9 @@ def member_routes(server: RegistryHandle) -> APIRouter:
     return routes
 
 
-def admin_routes(server: RegistryHandle) -> APIRouter:
-    """What operators change: drain and evict (with a ban). Run on the loop, the only
-    writer of membership."""
-    routes = APIRouter()
-
-    async def run_on_loop(action: Any) -> Outcome:
-        future = server.submit(action)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), ADMIN_TIMEOUT_S)
-        except TimeoutError:
-            raise HTTPException(503, "registry loop did not answer in time") from None
-
-    @routes.post("/v1/members/{member_id}/drain")
-    async def drain_member(member_id: str) -> Any:
-        def drain(membership: Membership, now: float) -> Outcome:
-            return membership.drain(member_id)
-
-        return _admin_result(await run_on_loop(drain), member_id, "draining")
-
-    @routes.delete("/v1/members/{member_id}")
-    async def evict_member(
-        member_id: str,
-        ban: Annotated[float, Query(ge=0, le=MAX_BAN_S, description=(
-            "seconds during which the id may not register again (0: no ban)"))] = 0.0,
-    ) -> Any:
-        def evict(membership: Membership, now: float) -> Outcome:
-            return membership.evict(member_id, now, ban_s=ban)
-
-        return _admin_result(await run_on_loop(evict), member_id,
-                             f"evicted, banned for {ban:g}s" if ban else "evicted")
-
-    return routes
-
-
 def _with_kv(member: dict[str, Any], kv: dict[str, dict[str, object]]) -> dict[str, Any]:
     """`kv_index` (what routers' KV indexes say of it) when routers report one."""
     shown = kv.get(member["id"])
     if shown is not None:
         member["kv_index"] = shown
     return member
-
-
-def _admin_result(outcome: Outcome, member_id: str, done: str) -> JSONResponse:
-    if outcome.status is ReplyStatus.OK:
-        return JSONResponse({"id": member_id, "result": done})
-    status = 404 if outcome.status is ReplyStatus.UNKNOWN else 409
-    return JSONResponse({"detail": outcome.reason}, status_code=status)

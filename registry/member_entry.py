@@ -52,15 +52,22 @@ class Entry(msgspec.Struct, gc=False):
     silent: bool = False  # in Membership._silent (counted toward self-preservation)
     sent_load: Load = _NO_LOAD  # the load views were last sent (digest or record)
     held_since: float = 0.0  # when a change inside the deadband was first held back
+    cordoned: bool = False  # an operator's cordon: shown as DRAINING, `state` kept as said
+
+    @property
+    def shown_state(self) -> MemberState:
+        """The state views see: a cordoned member is out of routing, whatever it says."""
+        return MemberState.DRAINING if self.cordoned else self.state
 
     def record(self, wall_offset: float) -> MemberRecord:
         return MemberRecord(
             spec=self.spec,
-            state=self.state,
+            state=MemberState.DRAINING if self.cordoned else self.state,
             suspect=self.suspect,
             load=self.load,
             registered_at=self.registered_at + wall_offset,
             heartbeat_at=self.heartbeat_at + wall_offset,
+            cordoned=self.cordoned,
         )
 
 

@@ -52,6 +52,7 @@ from registry.member_entry import ALLOWED, Entry, first
 from registry.member_sessions import MAX_SEQ_STEP, Sessions
 from registry.outcome import DRAIN, OK, UNKNOWN, Outcome
 from registry.preservation import SelfPreservation
+from registry.store.intents import IntentTable, drains
 from wire.protocol import (
     Bye,
     ByeReason,
@@ -91,6 +92,9 @@ class Membership(Liveness, Sessions, AdminActions):
         self.wall_offset = wall_offset
         self._new_session = new_session
         self.admission = Admission(self.limits, wall_offset)
+        # The admin intents the store holds (registry.store), applied by `apply_intent`
+        # and to every member that registers.
+        self.intents = IntentTable()
         # Ordered by last_seen: a heartbeat moves its member to the end, so the silent
         # ones gather at the front and a tick only looks at those (see the module doc).
         self._members: OrderedDict[str, Entry] = OrderedDict()
@@ -197,25 +201,36 @@ class Membership(Liveness, Sessions, AdminActions):
             cap = self.admission.cap_problem(len(self), spec.model, None)
             if cap is not None:
                 return cap
-        seen = now - self._lag_s
-        counted = state_key(state, False)
+        entry = self._admit(spec, state, load, now, nonce)
+        record = entry.record(self.wall_offset)
+        self._records.setdefault(spec.model, {})[spec.id] = record
+        self._publish(MemberJoined(self.epoch, self._next_version(), record))
+        logger.info("[registry] join id=%s incarnation=%d role=%s model=%s state=%s%s",
+                    spec.id, spec.incarnation, role_name(spec.role), spec.model,
+                    entry.state.name.lower(), " (cordoned)" if entry.cordoned else "")
+        return Outcome(ReplyStatus.OK, session=entry.session)
+
+    def _admit(self, spec: MemberSpec, state: MemberState, load: Load, now: float,
+               nonce: bytes) -> Entry:
+        """A new entry for `spec`, in every order, with the admin intents held for its id
+        applied (registry.store.intents: a drain of this incarnation, a cordon)."""
+        drained = drains(self.intents.drain(spec.id), spec.incarnation)
+        cordoned = self.intents.cordoned(spec.id)
+        own = MemberState.DRAINING if drained else state
+        counted = state_key(MemberState.DRAINING if cordoned else own, False)
         group, beat_us = self.fleet_stats.join(spec.role, spec.model, counted, now)
-        entry = Entry(spec=spec, state=state, load=load, registered_at=now, last_seen=seen,
-                       seen_before=seen, sent_load=load,
-                       heartbeat_at=now, session=self._new_session(), nonce=nonce,
-                       group=group, beat_us=beat_us, counted=counted)
+        seen = now - self._lag_s
+        entry = Entry(spec=spec, state=own, load=load, registered_at=now, last_seen=seen,
+                      seen_before=seen, sent_load=load, heartbeat_at=now,
+                      session=self._new_session(), nonce=nonce, group=group,
+                      beat_us=beat_us, counted=counted, admin_draining=drained,
+                      cordoned=cordoned)
         self._members[spec.id] = entry
         self._unsuspected[spec.id] = entry
         self._unsilent[spec.id] = entry
         self.admission.joined(spec.model)
         self._retime()
-        record = entry.record(self.wall_offset)
-        self._records.setdefault(spec.model, {})[spec.id] = record
-        self._publish(MemberJoined(self.epoch, self._next_version(), record))
-        logger.info("[registry] join id=%s incarnation=%d role=%s model=%s state=%s",
-                    spec.id, spec.incarnation, role_name(spec.role), spec.model,
-                    state.name.lower())
-        return Outcome(ReplyStatus.OK, session=entry.session)
+        return entry
 
     def heartbeat(self, beat: Heartbeat, payload: bytes, now: float) -> Outcome:
         """`payload` is `beat` as it arrived (what its proof seals)."""
@@ -356,7 +371,7 @@ class Membership(Liveness, Sessions, AdminActions):
 
     def _publish_update(self, entry: Entry) -> None:
         # Every change of state or suspicion comes through here: recount it.
-        counted = state_key(entry.state, entry.suspect)
+        counted = state_key(entry.shown_state, entry.suspect)
         if counted != entry.counted:
             self.fleet_stats.restate(entry.group, entry.counted, counted)
             entry.counted = counted

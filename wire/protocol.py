@@ -361,6 +361,9 @@ class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     load: Load = Load()
     registered_at: UnixTime = 0.0  # unix time the registry accepted this incarnation
     heartbeat_at: UnixTime = 0.0  # unix time of the last heartbeat (registry clock)
+    # An operator cordoned the id: kept out of routing (shown as DRAINING, so views that
+    # know nothing of cordons skip it too) until uncordoned; the member is not told to drain.
+    cordoned: bool = False
 
     @property
     def id(self) -> str:
