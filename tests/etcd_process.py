@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,8 @@ class EtcdProcess:
         self.client_port = free_low_port()
         self.peer_port = free_low_port(avoid={self.client_port})
         self.proc: subprocess.Popen[bytes] | None = None
+        self.scheme = "http"  # "https" with the TLS flags given to start()
+        self.ca_file = ""  # checks an https etcd's certificate (health probes)
         self.log = data_dir.parent / f"{data_dir.name}.log"
 
     @property
@@ -34,10 +37,10 @@ class EtcdProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{self.scheme}://{self.endpoint}"
 
     def start(self, *extra: str) -> EtcdProcess:
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"  # one member: peers never talk
         command = [
             _binary(), "--name", "e0", "--data-dir", str(self.data_dir),
             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
@@ -52,6 +55,12 @@ class EtcdProcess:
         return self
 
     def healthy(self) -> bool:
+        if self.scheme == "https":  # no client certificate here: a TLS handshake will do
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=1.0):
+                    return True
+            except OSError:
+                return False
         try:
             return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
         except httpx.HTTPError:

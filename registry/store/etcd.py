@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import ssl
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
@@ -71,13 +72,11 @@ class EtcdClient:
         self._bases = [f"{scheme}://{endpoint}" for endpoint in endpoints]
         self._current = 0  # the endpoint that answered last
         self._prefix = prefix.rstrip("/") + "/"
-        verify: str | bool = self.options.ca_file or True
-        cert = (self.options.cert_file, self.options.key_file) if self.options.cert_file \
-            else None
+        tls = _tls_context(self.options)
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        self._http = httpx.Client(verify=verify, cert=cert, timeout=timeout)
+        self._http = httpx.Client(verify=tls, timeout=timeout)
         # The watch's own connection: a long stream must not hold one writes wait for.
-        self._watch_http = httpx.Client(verify=verify, cert=cert, timeout=httpx.Timeout(
+        self._watch_http = httpx.Client(verify=tls, timeout=httpx.Timeout(
             REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, read=WATCH_IDLE_S))
         self._token = ""
         self._token_lock = threading.Lock()
@@ -250,6 +249,19 @@ class EtcdClient:
 
     def _rotate(self) -> None:
         self._current = (self._current + 1) % len(self._bases)
+
+
+def _tls_context(options: EtcdOptions) -> ssl.SSLContext:
+    """Server certificates checked against the CA given (else the system's); the client
+    certificate presented when given. ValueError (the registry does not start) when a
+    file cannot be read."""
+    try:
+        context = ssl.create_default_context(cafile=options.ca_file or None)
+        if options.cert_file:
+            context.load_cert_chain(options.cert_file, options.key_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--store-ca/--store-cert/--store-key: {exc}") from None
+    return context
 
 
 def _watch_result(line: str) -> dict[str, Any] | None:
