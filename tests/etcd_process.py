@@ -7,6 +7,7 @@ Debian's `etcd-server` (etcd 3.4) provides the binary; `.ci/run` installs it.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -15,10 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
 
 ETCD_START_TIMEOUT_S = 20.0
+# Skipped where etcd is not installed, except in CI, which installs it and must run these.
+requires_etcd = pytest.mark.skipif(
+    (shutil.which("etcd") is None or shutil.which("etcdctl") is None)
+    and not os.environ.get("CI"), reason="etcd not installed (apt-get install etcd-server "
+                                         "etcd-client)")
 
 
 class EtcdProcess:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from deploy_support import Processes
-from etcd_process import EtcdProcess
+from etcd_process import EtcdProcess, requires_etcd
 from raw_member import RawMember
 
 from pdreg.cmd_status import fetch_fleet
@@ -32,8 +31,7 @@ from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_unt
 from router.guard import LOOPBACK_ALLOW
 from wire.protocol import MemberState, ReplyStatus
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
-                                reason="etcd not installed (apt-get install etcd-server)")
+pytestmark = requires_etcd
 ADMIN_TOKEN = "admin-token-for-this-test"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 HEARTBEAT_S = 0.25
@@ -193,20 +191,7 @@ def test_intents_reach_every_registry_and_stand_when_every_registry_is_killed(
     banned = ha.pdreg("evict", "decode-banned", "--ban", "600", "--registry", ha.url("B"))
     assert banned.returncode == 0 and "every registry applies it" in banned.stdout, banned
 
-    # A registry frozen: status and drain given both still answer, and name it.
-    ha.signal("A", signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        fleet = fetch_fleet(f"{ha.address('A')},{ha.url('B')}")
-        status_s = time.monotonic() - started
-        assert set(fleet.unreachable) == {ha.address("A")}
-        assert {m["id"] for m in fleet.members} == set(both)
-        drained = ha.pdreg("drain", "decode-raw", "--registry",
-                           f"{ha.address('A')},{ha.address('B')}")
-        assert drained.returncode == 0, drained
-        assert f"registry {ha.address('A')} unreachable" in drained.stderr, drained.stderr
-    finally:
-        ha.signal("A", signal.SIGCONT)
+    status_s = _clients_name_a_frozen_registry(ha, set(both))
 
     # Every registry killed -9, the frozen member woken (it never heard of its drain),
     # the registries started again on the same ports.
@@ -233,6 +218,25 @@ def test_intents_reach_every_registry_and_stand_when_every_registry_is_killed(
                       WAIT_S), ha.registries("B")
     alive.close()
     assert shown_on_b_s < PROPAGATION_S and status_s < 10.0  # (bench/bench_store.py times)
+
+
+def _clients_name_a_frozen_registry(ha: HaFleet, members: set[str]) -> float:
+    """Registry A frozen: status and drain given both still answer, and name it. The
+    seconds status took."""
+    ha.signal("A", signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        fleet = fetch_fleet(f"{ha.address('A')},{ha.url('B')}")
+        status_s = time.monotonic() - started
+        assert set(fleet.unreachable) == {ha.address("A")}
+        assert {m["id"] for m in fleet.members} == members
+        drained = ha.pdreg("drain", "decode-raw", "--registry",
+                           f"{ha.address('A')},{ha.address('B')}")
+        assert drained.returncode == 0, drained
+        assert f"registry {ha.address('A')} unreachable" in drained.stderr, drained.stderr
+    finally:
+        ha.signal("A", signal.SIGCONT)
+    return status_s
 
 
 def test_with_etcd_down_routing_goes_on_and_admin_writes_answer_503(ha: HaFleet) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from etcd_process import EtcdProcess
+from etcd_process import EtcdProcess, requires_etcd
 from membership_ops import READY, fresh, spec
 
 from pdreg.testing import free_low_port, wait_until
@@ -32,8 +32,7 @@ from registry.store.records import (
 from registry.store.sync import StoreSync
 from registry.store.url import EtcdOptions, StoreKind, StoreUrl
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
-                                reason="etcd not installed (apt-get install etcd-server)")
+pytestmark = requires_etcd
 WAIT_S = 10.0
 _prefixes = itertools.count()
 
