@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from raw_member import RawMember
 
+from registry.membership import Membership
 from registry.server import RegistryConfig, RegistryServer
+from registry.store import sync as sync_module
 from registry.store.base import StoreUnavailable
-from registry.store.memory import FileStore
+from registry.store.memory import FileStore, MemoryStore
+from registry.store.metrics import StoreStats
+from registry.store.records import CordonIntent, IntentKind, RegistryEntry
+from registry.store.sync import StoreSync
 from registry.store.url import StoreKind, StoreUrl
 from wire.protocol import MemberState, ReplyStatus
 
@@ -114,3 +121,31 @@ def test_the_memory_store_forgets_with_the_registry() -> None:
         assert httpx.get(f"{registry.http_url}/v1/intents").json() == []
     finally:
         registry.close()
+
+
+def test_intents_beyond_the_cap_are_refused_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store holding more intents than a registry keeps (misused, or hostile): the
+    ones beyond the cap are refused, counted, and change nothing."""
+    monkeypatch.setattr(sync_module, "MAX_INTENTS", 2)
+    membership = Membership(epoch=1)
+
+    def submit(action: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(action(membership, 0.0))
+        return future
+
+    stats = StoreStats()
+    store = MemoryStore()
+    sync = StoreSync(store, submit, RegistryEntry(id="r", control="h:1", events_port=2,
+                                                  epoch=3, started_at=1.0), stats).start()
+    try:
+        assert sync.wait_loaded(10.0)
+        for member_id in ("a", "b", "c"):
+            sync.write(IntentKind.CORDON, member_id, CordonIntent(at=1.0))
+        assert stats.refused == {"cap": 1}
+        assert {i for _, i, _ in membership.intents.items()} == {"a", "b"}
+        sync.remove(IntentKind.CORDON, "a")
+        sync.write(IntentKind.CORDON, "c", CordonIntent(at=2.0))  # room again
+        assert {i for _, i, _ in membership.intents.items()} == {"b", "c"}
+    finally:
+        sync.close()

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 
 __all__ = ["ADMIN_REFUSALS", "REFUSAL_REASONS", "StoreCollector", "StoreStats"]
 
-REFUSAL_REASONS = ["oversized", "malformed", "invalid", "id"]  # records.BadRecord.reason
+REFUSAL_REASONS = ["oversized", "malformed", "invalid", "id", "cap"]  # BadRecord.reason
 ADMIN_REFUSALS = ["id", "ban", "unknown", "unavailable"]  # admin requests refused, by why
 RELOAD_REASONS = ["start", "reconnect", "compacted"]
 INTENT_KINDS = ["drain", "evict", "cordon"]
@@ -59,8 +59,8 @@ class StoreCollector(Collector):
                         "why (start, reconnect after an outage, compacted watch).", "reason",
                         s.reloads, RELOAD_REASONS)
         yield _labelled("pdreg_store_values_refused", "Keys or values in the store refused "
-                        "(oversized, malformed, invalid, bad member id); they change "
-                        "nothing.", "reason", s.refused, REFUSAL_REASONS)
+                        "(oversized, malformed, invalid, bad member id, over the cap "
+                        "on intents); they change nothing.", "reason", s.refused, REFUSAL_REASONS)
         yield _labelled("pdreg_admin_requests_refused", "Admin requests refused, by why "
                         "(bad id or ban, no such member, store unavailable).", "reason",
                         s.admin_refused, ADMIN_REFUSALS)

@@ -98,7 +98,7 @@ class BadRecord(Exception):
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason  # oversized | malformed | invalid | id
+        self.reason = reason  # oversized | malformed | invalid | id | cap
         self.detail = detail
 
 

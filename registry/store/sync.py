@@ -48,6 +48,9 @@ __all__ = ["HeldIntent", "StoreSync", "open_store"]
 logger = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S: Final = 60.0
+# Intents held at most (a store with more is misused or hostile: each is up to 4 KiB and
+# the loop consults them on every registration); beyond it new ones are refused.
+MAX_INTENTS: Final = 100_000
 Action = Callable[[Any, float], Any]  # (Membership, now) -> anything, run on the loop
 HeldIntent = tuple[Intent, int]  # the intent and the revision that wrote it
 
@@ -200,7 +203,10 @@ class StoreSync:
             if item is None:
                 intents.pop(name, None)
                 return name
-            intents[name] = (decode_intent(name[0], item.value), item.mod_revision)
+            intent = decode_intent(name[0], item.value)
+            if len(intents) >= MAX_INTENTS and name not in intents:
+                raise BadRecord("cap", f"{MAX_INTENTS} intents held already")
+            intents[name] = (intent, item.mod_revision)
             return name
         except BadRecord as exc:
             self.stats.refused[exc.reason] += 1
