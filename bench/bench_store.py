@@ -15,7 +15,8 @@ etcd-server 3.4), as deployed:
    subscribed to that registry sees it (p50/p99 to the registry that took the write, to
    the others, and to every registry).
 3. a registry frozen (SIGSTOP): `pdreg status`'s fetch over all N registries, one of
-   them frozen (the time, and that the frozen one is named).
+   them frozen (the time, and that the frozen one is named); with `--baseline-src DIR`
+   also the fetch of that source tree (e.g. `git archive main | tar -x -C DIR`).
 """
 
 from __future__ import annotations
@@ -121,19 +122,33 @@ def bench_propagation(etcd: str, registries: int, samples: int) -> dict[str, lis
         return {"taking": taking, "others": others, "every": every}
 
 
-def bench_frozen_status(etcd: str, registries: int, rounds: int) -> list[float]:
+_TIMED_FETCH = """
+import sys, time
+from pdreg.cmd_status import fetch_members
+started = time.perf_counter()
+fetch_members(sys.argv[1])
+print(time.perf_counter() - started)
+"""
+
+
+def bench_frozen_status(etcd: str, registries: int, rounds: int,
+                        sources: dict[str, str]) -> dict[str, list[float]]:
+    """Seconds `pdreg status`'s fetch over every registry takes with the first frozen,
+    per source tree (this one, and a baseline's), each in a fresh process."""
     with ExitStack() as stack:
         started = [stack.enter_context(registry(etcd)) for _ in range(registries)]
-        frozen = started[0][2]
-        frozen.send_signal(signal.SIGSTOP)
+        started[0][2].send_signal(signal.SIGSTOP)
         names = ",".join(control for control, _, _ in started)
-        times = []
-        for _ in range(rounds):
-            begun = time.perf_counter()
-            fleet = fetch_fleet(names)
-            times.append(time.perf_counter() - begun)
-            assert list(fleet.unreachable) == [started[0][0]], fleet.unreachable
-        frozen.send_signal(signal.SIGCONT)
+        fleet = fetch_fleet(names)
+        assert list(fleet.unreachable) == [started[0][0]], fleet.unreachable
+        times: dict[str, list[float]] = {name: [] for name in sources}
+        for _ in range(rounds):  # interleaved
+            for name, src in sources.items():
+                out = subprocess.run([sys.executable, "-c", _TIMED_FETCH, names], cwd=src,
+                                     env={**os.environ, "PYTHONPATH": src},
+                                     capture_output=True, text=True, check=True)
+                times[name].append(float(out.stdout.split()[-1]))
+        started[0][2].send_signal(signal.SIGCONT)
         return times
 
 
@@ -150,6 +165,9 @@ def main() -> int:
     parser.add_argument("--registries", type=int, default=3)
     parser.add_argument("--samples", type=int, default=None,
                         help="propagation samples (default 200, quick 20)")
+    parser.add_argument("--baseline-src", metavar="DIR", default=None,
+                        help="also time `pdreg status`'s fetch from this source tree (e.g. "
+                             "main before the change) with a registry frozen")
     args = parser.parse_args()
     if shutil.which("etcd") is None:
         print("etcd is not installed (apt-get install etcd-server)", file=sys.stderr)
@@ -179,9 +197,14 @@ def main() -> int:
                 print(f"  propagation ({name}, {args.registries} registries, {samples} "
                       f"writes): p50 {1e3 * statistics.median(values):.1f} ms, p99 "
                       f"{1e3 * _p(values, 0.99):.1f} ms, max {1e3 * max(values):.1f} ms")
-            frozen = bench_frozen_status(store, args.registries, 3 if args.quick else 5)
-            print(f"  status over {args.registries} registries, one frozen: "
-                  f"{', '.join(f'{t:.2f}' for t in frozen)} s")
+            sources = {"this tree": ROOT}
+            if args.baseline_src:
+                sources["--baseline-src"] = args.baseline_src
+            frozen = bench_frozen_status(store, args.registries, 3 if args.quick else 5,
+                                         sources)
+            for name, times in frozen.items():
+                print(f"  status over {args.registries} registries, one frozen ({name}): "
+                      f"{', '.join(f'{t:.2f}' for t in times)} s")
         finally:
             etcd_process.stop()
     return 0
