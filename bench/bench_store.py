@@ -179,7 +179,8 @@ def main() -> int:
         etcd_process = EtcdProcess(Path(tmp) / "etcd").start()
         try:
             store = f"etcd://{etcd_process.endpoint}/bench"
-            print(f"registry store benchmarks (etcd {etcd_process.endpoint}, loopback)")
+            print(f"registry store benchmarks (etcd {etcd_process.endpoint}, loopback; "
+                  f"load average {os.getloadavg()[0]:.1f})")
             figures: dict[str, list[Ingest]] = {"memory": [], "etcd": []}
             for _ in range(rounds):  # interleaved, so a noisy minute hits both
                 figures["memory"].append(bench_ingest("memory", seconds))
@@ -205,6 +206,7 @@ def main() -> int:
             for name, times in frozen.items():
                 print(f"  status over {args.registries} registries, one frozen ({name}): "
                       f"{', '.join(f'{t:.2f}' for t in times)} s")
+            print(f"  (load average at the end {os.getloadavg()[0]:.1f})")
         finally:
             etcd_process.stop()
     return 0
