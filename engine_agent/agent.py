@@ -28,6 +28,7 @@ import zmq
 
 from engine_agent.backoff import BACKOFF_MAX_S, backoff_delay_s
 from engine_agent.drain import wait_for_idle
+from engine_agent.identity import api_server_spec, default_member_id, new_incarnation
 from engine_agent.link import (
     MAX_PENDING_REPORTS,
     Link,
@@ -36,19 +37,18 @@ from engine_agent.link import (
     PollPlan,
     Request,
 )
+from engine_agent.load_reader import LoadReader
 from registry.client import parse_registries
 from registry.security import ClientCurve
 from serving.lifecycle import ShutdownState
 from wire.limits import MAX_PROBLEM_CHARS
 from wire.protocol import (
     ByeReason,
-    Endpoints,
     KvIndexEntry,
     Load,
     MemberSpec,
     MemberState,
     Reply,
-    Role,
     make_encoder,
     reply_decoder,
     role_name,
@@ -67,25 +67,6 @@ BYE_TIMEOUT_S = 0.5  # stop() waits this long for registries to acknowledge bye
 MAX_POLL_S = 1.0  # the loop never polls longer than this, even with nothing due
 THREAD_JOIN_MARGIN_S = 2.0
 LOOP_ERROR_PAUSE_S = 0.1  # after an unexpected error, so a persistent one cannot spin
-
-
-def default_member_id(role: Role, advertise_host: str, port: int) -> str:
-    """The stable id of a serving endpoint: several instances per host differ by port."""
-    return f"{role_name(role)}-{advertise_host}-{port}"
-
-
-def new_incarnation() -> int:
-    """A new incarnation per process start: a newer process gets a larger number."""
-    return time.time_ns()
-
-
-def api_server_spec(advertise_host: str, port: int, protocol: str) -> MemberSpec:
-    """The member a router or planner registers as: an `api_server` serving HTTP on
-    `advertise_host:port`, no model of its own, a fresh incarnation."""
-    return MemberSpec(
-        id=default_member_id(Role.API_SERVER, advertise_host, port),
-        incarnation=new_incarnation(), role=Role.API_SERVER, model="", protocol=protocol,
-        endpoints=Endpoints(http=f"http://{advertise_host}:{port}"), started_at=time.time())
 
 
 class Agent:
@@ -112,7 +93,7 @@ class Agent:
             raise ValueError(f"invalid member spec: {problem}")
         self._spec = spec
         self._addresses = parse_registries(registries)
-        self._load_fn = load
+        self._load = LoadReader(load)
         self._token = token
         self._curve = curve
         self._state = MemberState(state)
@@ -124,8 +105,6 @@ class Agent:
         # told). The bye passes the ban on to every registry that holds a session.
         self._ban: tuple[float, float] | None = None
         self._shutdown = ShutdownState.RUNNING
-        self._last_good_load = Load()
-        self._load_failed = False  # log a failing callback once per failure streak
         self._links = [Link(address, spec.id) for address in self._addresses]
         self._reports: queue.SimpleQueue[PendingReport] = queue.SimpleQueue()
         self._kv_reports: queue.SimpleQueue[list[KvIndexEntry]] = queue.SimpleQueue()
@@ -303,7 +282,7 @@ class Agent:
                     plan.wait_until(link.kv_next_at - now)
                 continue
             if load is None:
-                load = self._read_load()  # once per round, shared by every due link
+                load = self._load.read()  # once per round, shared by every due link
             state = self._state
             frames = link.request(self._spec, self._token, state, load, encoder, now)
             sock = link.open_socket(context, self._curve)
@@ -441,23 +420,6 @@ class Agent:
                     logger.warning("[agent] %s: %d reports pending; dropping the oldest",
                                    link.address, MAX_PENDING_REPORTS)
                 link.reports.append(report)
-
-    def _read_load(self) -> Load:
-        """The callback's load, validated; the last good one if it raises or is invalid."""
-        try:
-            load = self._load_fn()
-            # Struct constructors do not check constraints (NaN, ranges); the registry's
-            # decoder does, so an invalid figure would get the whole heartbeat refused.
-            load = msgspec.convert(msgspec.to_builtins(load), Load)
-        except Exception as exc:
-            if not self._load_failed:
-                logger.warning("[agent] load callback failed (%s: %s); sending the last "
-                               "good load", type(exc).__name__, exc)
-            self._load_failed = True
-            return self._last_good_load
-        self._load_failed = False
-        self._last_good_load = load
-        return load
 
     def _wake(self) -> None:
         # A full buffer means a wake-up is pending anyway; a closed one means we stopped.

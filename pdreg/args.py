@@ -23,7 +23,7 @@ __all__ = [
     "add_label_argument", "add_registry_argument", "add_registry_http_arguments",
     "add_secret_argument",
     "add_server_curve_arguments", "client_curve_of", "insecure_refusal", "is_loopback",
-    "labels_of", "registry_http_of", "secret_of", "server_curve_of",
+    "labels_of", "registry_http_of", "secret_of", "secrets_of", "server_curve_of",
 ]
 
 REGISTRY_PUBLIC_KEY_ENV: Final = "PDREG_REGISTRY_PUBLIC_KEY"
@@ -90,7 +90,16 @@ def add_secret_argument(parser: argparse.ArgumentParser, secret: Secret,
 
 
 def secret_of(args: argparse.Namespace, secret: Secret) -> str:
-    """The flag, else the file's content, else the environment variable, else ""."""
+    """What a client sends: the first line of `secrets_of` (a file may hold the new
+    token first and the old one after it, while registries accept both)."""
+    lines = [line.strip() for line in secrets_of(args, secret).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def secrets_of(args: argparse.Namespace, secret: Secret) -> str:
+    """Every token a registry accepts, one per line: the flag, else the file's content,
+    else the environment variable, else "". Several lines are several tokens (rotation:
+    the old and the new accepted together)."""
     value = getattr(args, secret.dest, None)
     if value:
         return str(value)

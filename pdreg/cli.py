@@ -12,8 +12,8 @@ import logging
 import sys
 
 # Order is the order `pdreg --help` lists them.
-SUBCOMMANDS = ("registry", "status", "drain", "evict", "engine", "agent", "router", "demo",
-               "keys", "planner", "plan")
+SUBCOMMANDS = ("registry", "status", "drain", "evict", "cordon", "engine", "agent", "router",
+               "demo", "keys", "planner", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

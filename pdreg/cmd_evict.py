@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdreg.cmd_drain import add_admin_arguments, admin_request
+from pdreg.admin_cli import add_admin_arguments, admin_request
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -14,9 +14,10 @@ from pdreg.args import (
     add_secret_argument,
     add_server_curve_arguments,
     insecure_refusal,
-    secret_of,
+    secrets_of,
     server_curve_of,
 )
+from pdreg.store_args import add_store_arguments, store_options_of
 from registry.coalesce import PAUSE_S as COALESCE_PAUSE_S
 from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
 from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
@@ -71,6 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "every change at once")
     p.add_argument("--load-max-age-intervals", type=float, default=LOAD_MAX_AGE_INTERVALS,
                    metavar="N", help="see --load-max-age (0: S alone)")
+    add_store_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -90,9 +92,10 @@ def _io_threads(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     lease = args.lease if args.lease is not None else LEASE_INTERVALS * args.heartbeat_interval
-    token = secret_of(args, TOKEN)
+    # Every line of a token file is a token accepted (rotation: old and new together).
+    token = secrets_of(args, TOKEN)
     curve = server_curve_of(args)
-    admin_token = secret_of(args, ADMIN_TOKEN)
+    admin_token = secrets_of(args, ADMIN_TOKEN)
     refusal = (
         insecure_refusal("registry", args.host, secured=bool(token or curve),
                          insecure=args.insecure)
@@ -119,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             curve=curve, tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
             load_max_age_s=args.load_max_age,
             load_max_age_intervals=args.load_max_age_intervals, io_threads=args.io_threads,
-            coalesce_s=args.coalesce_ms / 1e3)
+            coalesce_s=args.coalesce_ms / 1e3, store=args.store,
+            store_options=store_options_of(args), registry_id=args.registry_id or "",
+            advertise_host=args.advertise_host or "")
         server = RegistryServer(config)
     except ValueError as exc:
         print(f"pdreg registry: {exc}", file=sys.stderr)
@@ -134,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     security = ", ".join(part for part, on in (("CURVE", curve), ("token", token),
                                                ("admin token", config.admin_token)) if on)
     print(f"pdreg registry: control {server.control_address}  events :{server.events_port}  "
-          f"http {server.http_url or 'off'}  security: {security or 'none'}", flush=True)
+          f"http {server.http_url or 'off'}  security: {security or 'none'}  "
+          f"store: {server.store_url}", flush=True)
     try:
         stop.wait()
     finally:

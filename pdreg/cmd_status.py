@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -13,15 +14,14 @@ import httpx
 from pdreg.args import (
     TOKEN,
     add_client_curve_arguments,
-    add_registry_argument,
     add_registry_http_arguments,
     add_secret_argument,
     client_curve_of,
     registry_http_of,
     secret_of,
 )
+from pdreg.targets import HTTP_TIMEOUT, Target, add_targets_argument, ask_all, parse_targets
 from pdreg.watch import show
-from registry.client import http_base, parse_registries, request_snapshot
 from registry.security import ClientCurve
 
 COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "ADDRESS", "RUN", "WAIT", "KV%", "HB AGE", "UPTIME")
@@ -30,7 +30,7 @@ ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the live membership")
-    add_registry_argument(p)
+    add_targets_argument(p)
     add_client_curve_arguments(p)
     add_secret_argument(p, TOKEN, "the fleet token: a registry listening beyond loopback "
                                   "shows its members only to holders of it")
@@ -71,31 +71,73 @@ def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
             for model, p in sorted(models.items())]
 
 
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What the registries asked said: members merged, the replica set, who did not
+    answer (registry name -> why)."""
+
+    members: list[dict[str, Any]]
+    registries: list[dict[str, Any]] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+
+def fetch_fleet(registries: str | list[str] | None, *,
+                curve: ClientCurve | None = None, token: str = "",
+                scheme: str = "http", verify: str | bool = True) -> Fleet:
+    """Ask every registry at once (each step bounded: `pdreg.targets`); per member id
+    the newest incarnation wins. RuntimeError when none answered."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    targets = parse_targets(registries)
+
+    def ask(target: Target) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        base = target.base(curve=curve, token=token, scheme=scheme)
+        with httpx.Client(timeout=HTTP_TIMEOUT, headers=headers, verify=verify) as http:
+            response = http.get(f"{base}/v1/members")
+            response.raise_for_status()
+            replicas = http.get(f"{base}/v1/registries")
+            # A registry older than the replica set has no such endpoint: not an error.
+            known = replicas.json() if replicas.status_code == 200 else []
+        return response.json(), known
+
+    merged: dict[str, dict[str, Any]] = {}
+    replica_set: dict[str, dict[str, Any]] = {}
+    unreachable: dict[str, str] = {}
+    for target, answer in ask_all(targets, ask):
+        if isinstance(answer, Exception):
+            unreachable[target.name] = str(answer) or type(answer).__name__
+            continue
+        members, known = answer
+        for member in members:
+            held = merged.get(member["id"])
+            if held is None or member["incarnation"] > held["incarnation"]:
+                merged[member["id"]] = member
+        for entry in known:
+            replica_set.setdefault(entry["id"], {k: v for k, v in entry.items()
+                                                 if k != "self"})
+    if len(unreachable) == len(targets):
+        raise RuntimeError("; ".join(f"{name}: {why}" for name, why in unreachable.items()))
+    members = sorted(merged.values(), key=lambda m: (ROLE_ORDER.get(m["role"], 9),
+                                                      m["model"], m["id"]))
+    return Fleet(members, sorted(replica_set.values(), key=lambda r: r["id"]), unreachable)
+
+
 def fetch_members(registries: str | list[str] | None, *,
                   curve: ClientCurve | None = None, token: str = "",
                   scheme: str = "http", verify: str | bool = True) -> list[dict[str, Any]]:
     """Members from every registry; per id the newest incarnation wins."""
-    merged: dict[str, dict[str, Any]] = {}
-    errors = []
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    for address in parse_registries(registries):
-        try:
-            snapshot = request_snapshot(address, curve=curve, token=token)
-            base = http_base(address, snapshot, scheme)
-            response = httpx.get(f"{base}/v1/members", timeout=5.0, headers=headers,
-                                 verify=verify)
-            response.raise_for_status()
-        except (OSError, RuntimeError, httpx.HTTPError) as exc:
-            errors.append(f"{address}: {exc}")
-            continue
-        for member in response.json():
-            held = merged.get(member["id"])
-            if held is None or member["incarnation"] > held["incarnation"]:
-                merged[member["id"]] = member
-    if errors and not merged and len(errors) == len(parse_registries(registries)):
-        raise RuntimeError("; ".join(errors))
-    return sorted(merged.values(), key=lambda m: (ROLE_ORDER.get(m["role"], 9), m["model"],
-                                                   m["id"]))
+    return fetch_fleet(registries, curve=curve, token=token, scheme=scheme,
+                       verify=verify).members
+
+
+def render_registries(fleet: Fleet) -> list[str]:
+    """The replica set, and every registry asked that did not answer."""
+    lines = []
+    for entry in fleet.registries:
+        lines.append(f"registry {entry['id']}: live ({entry.get('http') or 'no HTTP'}, "
+                     f"store {entry.get('store', '?')})")
+    for name, why in fleet.unreachable.items():
+        lines.append(f"registry {name}: UNREACHABLE ({why[:200]})")
+    return lines
 
 
 def render(members: list[dict[str, Any]]) -> str:
@@ -104,7 +146,8 @@ def render(members: list[dict[str, Any]]) -> str:
     with_kv = any("kv_index" in m for m in members)
     rows = [(*COLUMNS, "KV INDEX") if with_kv else COLUMNS]
     for m in members:
-        state = m["state"] + (" (suspect)" if m["suspect"] else "")
+        state = ("cordoned" if m.get("cordoned") else m["state"]) + (
+            " (suspect)" if m["suspect"] else "")
         load = m["load"]
         address = m["endpoints"]["http"].removeprefix("http://").removeprefix("https://")
         rows.append((m["id"], m["role"], m["model"] or "-", state, address,
@@ -154,17 +197,21 @@ def run(args: argparse.Namespace) -> int:
     scheme, verify = registry_http_of(args)
     token = secret_of(args, TOKEN)
 
-    def fetch() -> list[dict[str, Any]]:
-        return fetch_members(args.registry, curve=curve, token=token, scheme=scheme,
-                             verify=verify)
+    def fetch() -> Fleet:
+        fleet = fetch_fleet(args.registry, curve=curve, token=token, scheme=scheme,
+                            verify=verify)
+        for name, why in fleet.unreachable.items():
+            print(f"pdreg status: registry {name} unreachable: {why[:300]}", file=sys.stderr)
+        return fleet
 
     try:
         def table(once: bool) -> str:
-            members = fetch()
+            fleet = fetch()
+            members = fleet.members
             kv_lines = add_kv_index(members, args.router) if args.router else []
             if args.json:
                 return json.dumps(members, indent=2 if once else None)
-            return "\n".join([render(members), *kv_lines])
+            return "\n".join([render(members), *kv_lines, *render_registries(fleet)])
         show(table, title="pdreg status", watch=args.watch)
         return 0
     except KeyboardInterrupt:

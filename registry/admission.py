@@ -126,6 +126,11 @@ class Admission:
                        "another registry)", member_id, end - now)
         return True
 
+    def lift_ban(self, member_id: str) -> None:
+        """The store no longer holds a ban on `member_id` (an operator removed it)."""
+        if self._bans.pop(member_id, None) is not None:
+            logger.warning("[registry] ban id=%s lifted", member_id)
+
     def _room_for(self, member_id: str, now: float) -> bool:
         self._bans = {i: end for i, end in self._bans.items() if end > now}
         return len(self._bans) < MAX_BANS or member_id in self._bans

@@ -83,11 +83,14 @@ class ControlChannel:
         self.membership = membership
         self.stats = stats
         self.epoch = epoch
-        self.token = token.encode()
-        self._token_key = sessions.token_key(token) if token else b""
-        # Beyond loopback, snapshots go only to holders of the fleet or admin token.
-        self._sync_keys = [sessions.token_key(t) for t in (token, admin_token) if t] \
-            if syncs_need_token and token else []
+        # Each of `token` and `admin_token` may hold several tokens, one per line: all
+        # are accepted (old and new, while they rotate).
+        tokens = sessions.token_lines(token)
+        self._token_keys = [sessions.token_key(t) for t in tokens]
+        # Beyond loopback, snapshots go only to holders of a fleet or admin token.
+        readers = (*tokens, *sessions.token_lines(admin_token))
+        self._sync_keys = [sessions.token_key(t) for t in readers] \
+            if syncs_need_token and tokens else []
         self.events_port = 0  # announced in replies, set once bound
         self.http_port = 0
         self._encoder = make_encoder()
@@ -188,10 +191,10 @@ class ControlChannel:
 
     def _on_register(self, identity: bytes, message: Register, payload: bytes,
                      now: float) -> Outcome | None:
-        outcome = self._register(message, now)
+        outcome, key = self._register(message, now)
         self.stats.count_registration(outcome)
-        if outcome.session and self._token_key:
-            self._reply_sealed(identity, outcome, message.nonce)
+        if outcome.session and key:
+            self._reply_sealed(identity, outcome, message.nonce, key)
             return None
         return outcome
 
@@ -241,25 +244,37 @@ class ControlChannel:
     def _on_sync(self, identity: bytes, message: Sync, payload: bytes, now: float) -> None:
         self._send_snapshot(identity, message, now)
 
-    def _register(self, message: Register, now: float) -> Outcome:
-        if self.token:
+    def _register(self, message: Register, now: float) -> tuple[Outcome, bytes]:
+        """The outcome, and the key of the fleet token the Register proved (b"" without
+        tokens): the reply's session is sealed with that same one."""
+        key = b""
+        if self._token_keys:
             # The token never travels: a Register proves it (see registry.sessions). One
             # sent in clear is refused too, so no client keeps leaking it.
             if message.token:
                 return refused("bad or missing token (a token sent in clear is refused: "
-                               "the Register's proof carries it)", Refusal.TOKEN)
-            unsealed = self._encoder.encode(msgspec.structs.replace(message, proof=NO_PROOF))
-            if not hmac.compare_digest(sessions.register_proof(self._token_key, unsealed),
-                                       message.proof):
-                return refused("bad or missing token", Refusal.TOKEN)
+                               "the Register's proof carries it)", Refusal.TOKEN), key
+            key = self._proved_with(message)
+            if not key:
+                return refused("bad or missing token", Refusal.TOKEN), key
         if message.protocol_version != PROTOCOL_VERSION:
             return refused(f"protocol version {message.protocol_version}; this registry "
-                           f"speaks {PROTOCOL_VERSION}", Refusal.VERSION)
+                           f"speaks {PROTOCOL_VERSION}", Refusal.VERSION), key
         problem = validate_spec(message.spec)
         if problem is not None:
-            return refused(problem, Refusal.INVALID)
+            return refused(problem, Refusal.INVALID), key
         return self.membership.register(message.spec, message.state, message.load, now,
-                                        nonce=message.nonce)
+                                        nonce=message.nonce), key
+
+    def _proved_with(self, message: Register) -> bytes:
+        """The token key whose proof `message` carries, or b"". Every key is tried, so
+        which one matched is not timed."""
+        unsealed = self._encoder.encode(msgspec.structs.replace(message, proof=NO_PROOF))
+        matched = b""
+        for key in self._token_keys:
+            if hmac.compare_digest(sessions.register_proof(key, unsealed), message.proof):
+                matched = key
+        return matched
 
     def _send_snapshot(self, identity: bytes, sync: Sync, now: float) -> None:
         if sync.protocol_version != PROTOCOL_VERSION:
@@ -314,7 +329,8 @@ class ControlChannel:
             self._ok_reply = (interval, payload)
         self._send(identity, payload)
 
-    def _reply_sealed(self, identity: bytes, outcome: Outcome, nonce: bytes) -> None:
+    def _reply_sealed(self, identity: bytes, outcome: Outcome, nonce: bytes,
+                      key: bytes) -> None:
         """An accepted Register's reply, its session sealed with the fleet token: whoever
         replays the Register gets bytes it cannot open."""
         salt = sessions.new_salt()
@@ -322,7 +338,7 @@ class ControlChannel:
                       heartbeat_interval_s=self.membership.timing.heartbeat_interval_s,
                       reason=outcome.reason, events_port=self.events_port,
                       http_port=self.http_port, session_salt=salt,
-                      session=sessions.seal_session(self._token_key, nonce, salt,
+                      session=sessions.seal_session(key, nonce, salt,
                                                     outcome.session),
                       drain=outcome.drain)
         self._send(identity, self._encoder.encode(reply))

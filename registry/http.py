@@ -1,45 +1,37 @@
 """The registry's HTTP side: members, health, metrics, admin actions, OpenAPI.
 
 Reads only `published` (an immutable snapshot the loop swaps) and, for /metrics and
-/healthz, `figures` (the membership's counts, copied by the loop); admin actions are
-submitted to the loop, which stays the only writer. Depends on what `RegistryHandle`
+/healthz, `figures` (the membership's counts, copied by the loop); admin actions go to
+the store and reach the loop, which stays the only writer, from there
+(`registry.http_admin`). Depends on what `RegistryHandle`
 names, not on the server module: arrows run server -> http, never back.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
-import hmac
-import ipaddress
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from collections.abc import Mapping
+from typing import Annotated, Any, Protocol
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from registry.admission import MAX_BAN_S
 from registry.dashboard import dashboard_router
 from registry.fleet_stats import FleetFigures
+from registry.http_admin import StoreHandle, admin_routes, store_routes
+from registry.http_auth import Access
 from registry.http_guard import BodyLimit
 from registry.kv_reports import KvSummary, kv_index_json
 from registry.metrics import LoopStats, make_metrics_registry
 from registry.published import Published
+from registry.sessions import token_lines
+from registry.store.metrics import StoreCollector
 from registry.views import matches, member_json
-from wire.protocol import ReplyStatus, parse_role
-
-if TYPE_CHECKING:
-    from registry.membership import Membership
-    from registry.outcome import Outcome
-
-ADMIN_TIMEOUT_S = 5.0
+from wire.protocol import parse_role
 
 
-class RegistryHandle(Protocol):
+class RegistryHandle(StoreHandle, Protocol):
     """What the HTTP side needs of the registry (`registry.server.RegistryServer`)."""
 
     stats: LoopStats
@@ -50,56 +42,37 @@ class RegistryHandle(Protocol):
     def figures(self) -> FleetFigures: ...
     @property
     def kv_index(self) -> Mapping[str, KvSummary]: ...
-    def submit(self, action: Callable[[Membership, float], Outcome]) -> Future[Outcome]: ...
     def loop_stall_s(self) -> float: ...
     def loop_stall_limit_s(self) -> float: ...
 
 
 def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str = "",
                exposed: bool = False) -> FastAPI:
-    """The registry's HTTP app.
-
-    Who may do what (the threat model in docs/security.md):
-    - admin actions (drain, evict): the admin token when one is set; without one, only
-      clients on this machine (a loopback peer). Never a browser: a request carrying
-      `Origin` or a cross-site `Sec-Fetch-Site` is refused, so no web page an operator
-      visits can fire one (CSRF), not even through DNS rebinding.
-    - reads (members, bans, dashboard): with `exposed` (bound beyond loopback) and a
-      fleet token, the fleet or admin token, as `Authorization: Bearer T` or as the
-      password of HTTP Basic (so a browser prompts for it once and the dashboard works).
-      /healthz and /metrics stay open for probes and Prometheus.
-    """
+    """The registry's HTTP app: health and metrics (open), members (readers), admin
+    actions (operators), the dashboard (readers). Who may do what: `registry.http_auth`."""
     app = FastAPI(title="pdreg registry", version="2",
                   description="Live membership of a prefill/decode serving fleet.")
+    access = Access.of(admin_tokens=token_lines(admin_token),
+                       read_tokens=token_lines(read_token), exposed=exposed)
+    reader = [Depends(access.require_reader)]
+    app.include_router(health_routes(server))
+    app.include_router(member_routes(server), dependencies=reader)
+    app.include_router(store_routes(server), dependencies=reader)
+    app.include_router(admin_routes(server), dependencies=[Depends(access.require_admin)])
+    app.include_router(dashboard_router(lambda: server.published, lambda: server.kv_index),
+                       dependencies=reader)
+    # Outermost: a body is refused before anything reads it (no endpoint takes one).
+    app.add_middleware(BodyLimit)
+    return app
+
+
+def health_routes(server: RegistryHandle) -> APIRouter:
+    """/healthz for probes and /metrics for Prometheus: open to anyone who can connect."""
+    routes = APIRouter()
     metrics_registry = make_metrics_registry(server.stats, lambda: server.figures)
-    readers = [t.encode() for t in (read_token, admin_token) if t] if exposed else []
+    metrics_registry.register(StoreCollector(server.store_stats))
 
-    def require_admin(request: Request) -> None:
-        _refuse_browsers(request)
-        if not admin_token:
-            if not _from_loopback(request):
-                raise HTTPException(403, "admin actions from another machine need the "
-                                         "registry's --admin-token")
-            return
-        if not _token_matches(request, [admin_token.encode()]):
-            raise HTTPException(401, "admin token required: Authorization: Bearer <token>")
-
-    def require_reader(request: Request) -> None:
-        if readers and not _token_matches(request, readers):
-            raise HTTPException(401, "the fleet token is required: Authorization: Bearer "
-                                     "<token>", headers={"WWW-Authenticate": 'Basic '
-                                                         'realm="pdreg registry"'})
-
-    reader = [Depends(require_reader)]
-
-    async def run_on_loop(action: Any) -> Outcome:
-        future = server.submit(action)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), ADMIN_TIMEOUT_S)
-        except TimeoutError:
-            raise HTTPException(503, "registry loop did not answer in time") from None
-
-    @app.get("/healthz", responses={503: {"description": "the registry loop is stuck"}})
+    @routes.get("/healthz", responses={503: {"description": "the registry loop is stuck"}})
     def healthz() -> JSONResponse:
         """200 while the loop turns; 503 once it has not for several heartbeat intervals.
 
@@ -118,7 +91,18 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
             return JSONResponse(body, status_code=503)
         return JSONResponse(body)
 
-    @app.get("/v1/members", dependencies=reader)
+    @routes.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    return routes
+
+
+def member_routes(server: RegistryHandle) -> APIRouter:
+    """What the registry holds: members (the same JSON as `pdreg status --json`), bans."""
+    routes = APIRouter()
+
+    @routes.get("/v1/members")
     def list_members(
         role: Annotated[str | None, Query(description="prefill, decode, mixed, api_server")] = None,
         model: str | None = None,
@@ -138,7 +122,7 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
         return [_with_kv(member_json(record, now), kv) for record in members
                 if matches(record, role=wanted_role, model=model, state=state)]
 
-    @app.get("/v1/members/{member_id}", dependencies=reader)
+    @routes.get("/v1/members/{member_id}")
     def get_member(member_id: str) -> dict[str, Any]:
         members = server.published.members
         for record in members:
@@ -147,26 +131,7 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
                                 kv_index_json(members, server.kv_index))
         raise HTTPException(404, f"no member {member_id!r}")
 
-    @app.post("/v1/members/{member_id}/drain", dependencies=[Depends(require_admin)])
-    async def drain_member(member_id: str) -> Any:
-        def drain(membership: Membership, now: float) -> Outcome:
-            return membership.drain(member_id)
-
-        return _admin_result(await run_on_loop(drain), member_id, "draining")
-
-    @app.delete("/v1/members/{member_id}", dependencies=[Depends(require_admin)])
-    async def evict_member(
-        member_id: str,
-        ban: Annotated[float, Query(ge=0, le=MAX_BAN_S, description=(
-            "seconds during which the id may not register again (0: no ban)"))] = 0.0,
-    ) -> Any:
-        def evict(membership: Membership, now: float) -> Outcome:
-            return membership.evict(member_id, now, ban_s=ban)
-
-        return _admin_result(await run_on_loop(evict), member_id,
-                             f"evicted, banned for {ban:g}s" if ban else "evicted")
-
-    @app.get("/v1/bans", dependencies=reader)
+    @routes.get("/v1/bans")
     def bans() -> list[dict[str, Any]]:
         """Ids an operator evicted with a ban (here, or at another registry: the banned
         member passed it on), and the seconds each ban has left."""
@@ -175,15 +140,7 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
         return [{"id": member_id, "seconds_left": round(max(0.0, left - elapsed), 1)}
                 for member_id, left in published.banned]
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
-
-    app.include_router(dashboard_router(lambda: server.published, lambda: server.kv_index),
-                       dependencies=reader)
-    # Outermost: a body is refused before anything reads it (no endpoint takes one).
-    app.add_middleware(BodyLimit)
-    return app
+    return routes
 
 
 def _with_kv(member: dict[str, Any], kv: dict[str, dict[str, object]]) -> dict[str, Any]:
@@ -192,47 +149,3 @@ def _with_kv(member: dict[str, Any], kv: dict[str, dict[str, object]]) -> dict[s
     if shown is not None:
         member["kv_index"] = shown
     return member
-
-
-def _refuse_browsers(request: Request) -> None:
-    """403 for what a web page can send: browsers set `Origin` on every POST and DELETE
-    (and `Sec-Fetch-Site`); pdreg, curl and scripts set neither."""
-    site = request.headers.get("sec-fetch-site", "none")
-    if "origin" in request.headers or site != "none":
-        raise HTTPException(403, "admin actions are not taken from web pages (a request "
-                                 "with Origin or Sec-Fetch-Site); use pdreg drain/evict "
-                                 "or curl")
-
-
-def _from_loopback(request: Request) -> bool:
-    host = request.client.host if request.client else ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _token_matches(request: Request, tokens: list[bytes]) -> bool:
-    """Whether `Authorization` carries one of `tokens` (Bearer, or Basic's password)."""
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    given = value.strip().encode()
-    if scheme.lower() == "basic":
-        try:
-            given = base64.b64decode(given, validate=True).partition(b":")[2]
-        except (binascii.Error, ValueError):
-            return False
-    elif scheme.lower() != "bearer":
-        return False
-    # Every token compared, in constant time each: which one matched is not timed either.
-    matched = False
-    for token in tokens:
-        matched |= hmac.compare_digest(given, token)
-    return matched
-
-
-def _admin_result(outcome: Outcome, member_id: str, done: str) -> JSONResponse:
-    if outcome.status is ReplyStatus.OK:
-        return JSONResponse({"id": member_id, "result": done})
-    status = 404 if outcome.status is ReplyStatus.UNKNOWN else 409
-    return JSONResponse({"detail": outcome.reason}, status_code=status)

@@ -26,19 +26,14 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from registry.admission import MAX_MEMBERS, Limits
-from registry.coalesce import PAUSE_S as COALESCE_PAUSE_S
 from registry.coalesce import Coalescer
+from registry.config import DEFAULT_MAX_MEMBERS, RegistryConfig
 from registry.control import BATCH_MAX_MESSAGES, ControlChannel
-from registry.deadband import MAX_AGE_INTERVALS as LOAD_MAX_AGE_INTERVALS
-from registry.deadband import MAX_AGE_S as LOAD_MAX_AGE_S
-from registry.deadband import Deadband
-from registry.detector import HEARTBEAT_INTERVAL_S, DetectorConfig
 from registry.fleet_stats import FleetFigures
 from registry.kv_reports import KvSummary
 from registry.membership import Membership, Outcome
@@ -46,10 +41,17 @@ from registry.metrics import PER_MEMBER_SERIES_MAX, LoopStats
 from registry.on_demand import OnDemand
 from registry.published import Published
 from registry.publisher import Publisher
-from registry.security import CurveServer, ServerCurve, is_loopback
+from registry.security import CurveServer, is_loopback
+from registry.store.metrics import StoreStats
+from registry.store.records import RegistryEntry
+from registry.store.sync import StoreSync, open_store
+from registry.store.url import parse_store_url
 from serving.lifecycle import ServingThread, ShutdownState
 from wire.limits import MAX_MESSAGE_BYTES
 from wire.protocol import MemberRecord, ReplyStatus, control_decoder
+
+__all__ = ["DEFAULT_MAX_MEMBERS", "HARD_MESSAGE_CAP_BYTES", "SNAPSHOT_PERIOD_S",
+           "RegistryConfig", "RegistryServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,18 +69,21 @@ SNAPSHOT_MIN_PERIOD_S = 0.02
 SNAPSHOT_COST_FACTOR = 10.0
 SNAPSHOT_WAIT_S = 1.0
 SNAPSHOT_REFRESH_SLICE = 2048  # stale records rebuilt per loop turn before a build (~2 ms)
+# At start, how long the registry waits for its store to say what it holds before it
+# serves anyway (an etcd that is down must not keep membership down).
+STORE_START_WAIT_S = 5.0
 class _HasVersion(Protocol):
     @property
     def version(self) -> int: ...
 
 
 _Versioned = TypeVar("_Versioned", bound=_HasVersion)
+_Result = TypeVar("_Result")
 _ON_DEMAND = {"max_age_s": SNAPSHOT_PERIOD_S, "min_gap_s": SNAPSHOT_MIN_PERIOD_S,
               "cost_factor": SNAPSHOT_COST_FACTOR, "wait_s": SNAPSHOT_WAIT_S}
 # /metrics reads `figures` instead: counts the membership keeps as members change, copied
 # on demand by the same rules (a reader sees every change acknowledged before its read),
 # at O(roles x models x heartbeat slots), not O(members), and without a snapshot.
-DEFAULT_MAX_MEMBERS = MAX_MEMBERS  # --max-members (registry.admission says why)
 HARD_MESSAGE_CAP_BYTES = 4 * MAX_MESSAGE_BYTES  # libzmq drops the peer beyond this
 # /healthz answers 503 once the loop has not turned for this many heartbeat intervals
 # (at least HEALTHZ_MIN_STALL_S): the loop wakes every tick (<= 0.1 s), so that long
@@ -89,48 +94,10 @@ _HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-@dataclass(frozen=True, slots=True)
-class RegistryConfig:
-    host: str = "127.0.0.1"
-    port: int = 7600
-    events_port: int = 7601
-    http_port: int = 7680  # -1 disables HTTP
-    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
-    lease_s: float = 3.0
-    token: str = ""  # registrations must carry it when set
-    admin_token: str = ""  # drain/evict must carry it when set
-    max_members: int = DEFAULT_MAX_MEMBERS
-    max_members_per_model: int = 0  # 0: only the total cap
-    curve: ServerCurve | None = None  # CURVE on both ZeroMQ sockets when set
-    tls_cert: str = ""  # with tls_key: HTTPS on the HTTP side (uvicorn's certificate/key)
-    tls_key: str = ""
-    # A load change inside its deadband goes out at most this late (0: every change at
-    # once); see registry.deadband.
-    load_max_age_s: float = LOAD_MAX_AGE_S
-    load_max_age_intervals: float = LOAD_MAX_AGE_INTERVALS  # or this many intervals, if longer
-    io_threads: int = 1  # libzmq I/O threads: the PUB fan-out to many routers uses them
-    # Under a high message rate the loop pauses this long between turns (registry.coalesce;
-    # 0: never).
-    coalesce_s: float = COALESCE_PAUSE_S
-
-    def deadband(self) -> Deadband:
-        return Deadband(max_age_s=self.load_max_age_s,
-                        max_age_intervals=self.load_max_age_intervals)
-
-    def detector(self) -> DetectorConfig:
-        return DetectorConfig(heartbeat_interval_s=self.heartbeat_interval_s,
-                              lease_s=self.lease_s,
-                              tick_period_s=min(0.1, self.heartbeat_interval_s / 4))
-
-    def limits(self) -> Limits:
-        return Limits(max_members=self.max_members,
-                      max_members_per_model=self.max_members_per_model)
-
-
 @dataclass(slots=True)
 class _AdminRequest:
-    action: Callable[[Membership, float], Outcome]
-    done: Future[Outcome] = field(default_factory=Future)
+    action: Callable[[Membership, float], Any]
+    done: Future[Any] = field(default_factory=Future)
 
 
 class RegistryServer:
@@ -140,6 +107,10 @@ class RegistryServer:
         self.config = config or RegistryConfig()
         self.epoch = secrets.randbits(62)
         self.stats = LoopStats()
+        self.store_url = parse_store_url(self.config.store)
+        self.store_stats = StoreStats(kind=self.store_url.kind.value)
+        self._store = open_store(self.store_url, self.config.store_options, self.store_stats)
+        self.store: StoreSync | None = None  # set by start(), once the ports are known
         self._membership = Membership(self.epoch, self.config.detector(),
                                       limits=self.config.limits(),
                                       wall_offset=time.time() - time.monotonic(),
@@ -208,6 +179,7 @@ class RegistryServer:
                                        ).start()
             self.http_port = self._http.port
         self._channel.events_port, self._channel.http_port = self.events_port, self.http_port
+        self._start_store()
         self._snapshot.built(self._publisher.snapshot(self._membership, time.monotonic()),
                              time.monotonic())
         self._turned_at = time.monotonic()
@@ -215,15 +187,36 @@ class RegistryServer:
                                              daemon=True)
         self._loop_thread.start()
         logger.info("[registry] serving control=%s events=%d http=%s epoch=%d curve=%s "
-                    "token=%s", self.control_address, self.events_port,
+                    "token=%s store=%s", self.control_address, self.events_port,
                     self.http_url or "off", self.epoch, "on" if self._curve else "off",
-                    "on" if self.config.token else "off")
+                    "on" if self.config.token else "off", self.store_url)
         return self
+
+    def _start_store(self) -> None:
+        """Start following the store, and apply what it holds before the loop takes its
+        first message: a cordoned or drained member that registers at once is held as
+        such from its first record. A store that does not answer within STORE_START_WAIT_S
+        delays nothing further (its intents apply when it does)."""
+        host = _url_host(self.config.advertised_host())
+        scheme = "https" if self.config.tls_cert else "http"
+        own = RegistryEntry(id=self.config.registry_id or f"{host}:{self.control_port}",
+                            control=f"{host}:{self.control_port}",
+                            events_port=self.events_port,
+                            http=f"{scheme}://{host}:{self.http_port}" if self._http else "",
+                            epoch=self.epoch, started_at=time.time())
+        self.store = StoreSync(self._store, self.submit, own, self.store_stats).start()
+        if not self.store.wait_loaded(STORE_START_WAIT_S):
+            logger.warning("[registry] store %s did not answer within %.0fs; serving "
+                           "without its intents until it does", self.store_url,
+                           STORE_START_WAIT_S)
+        self._process_admin(time.monotonic())  # the loop is not running yet: apply here
 
     def close(self) -> None:
         if self._state is ShutdownState.STOPPED:
             return
         logger.info("[shutdown] registry: start")
+        if self.store is not None:
+            self.store.close()  # first: this registry leaves the replica set at once
         self._state = ShutdownState.REQUESTED
         self._wake()
         if self._loop_thread is not None:
@@ -292,8 +285,9 @@ class RegistryServer:
         return max(HEALTHZ_MIN_STALL_S,
                    HEALTHZ_STALL_INTERVALS * self._snapshot.value.heartbeat_interval_s)
 
-    def submit(self, action: Callable[[Membership, float], Outcome]) -> Future[Outcome]:
-        """Run `action(membership, now)` on the loop thread (admin actions)."""
+    def submit(self, action: Callable[[Membership, float], _Result]) -> Future[_Result]:
+        """Run `action(membership, now)` on the loop thread (admin actions, the store's
+        changes, questions the HTTP side asks of membership)."""
         request = _AdminRequest(action)
         if self._state is not ShutdownState.RUNNING:
             request.done.set_result(Outcome(ReplyStatus.REJECTED, "registry shutting down"))
@@ -318,10 +312,8 @@ class RegistryServer:
         coalescer = Coalescer(self.config.coalesce_s)
         while self._state is ShutdownState.RUNNING:
             handled = 0
-            # 1) Poll until the next deadline (never forever).
-            # (No `next_pulse`: the pulse rides on the first digest at or after it. As a
-            # deadline of its own it came due before the digest and the loop spun, turning
-            # without waiting, until the digest did: up to 0.1 s every interval.)
+            # 1) Poll until the next deadline (never forever). The pulse is no deadline
+            # of its own: it rides on the first digest at or after it.
             deadline = min(membership.next_deadline(now), next_digest,
                            snapshot.due_at(), figures.due_at())
             # Rounded up: pyzmq truncates to whole milliseconds (a 0 would spin).

@@ -26,7 +26,7 @@ from wire.protocol import Sync
 
 __all__ = ["NONCE_BYTES", "PROOF_BYTES", "SESSION_BYTES", "new_nonce", "new_session",
            "open_session", "prove_sync", "register_proof", "seal", "seal_session",
-           "sync_proof", "token_key", "verify"]
+           "sync_proof", "token_key", "token_lines", "verify"]
 
 SESSION_BYTES: Final = 32  # 256 random bits per member and registry
 NONCE_BYTES: Final = 16
@@ -113,3 +113,9 @@ def seal_session(key: bytes, nonce: bytes, salt: bytes, session: bytes) -> bytes
 
 
 open_session = seal_session  # XOR with the same pad: sealing twice opens
+
+
+def token_lines(text: str) -> list[str]:
+    """The tokens in `text`, one per line: a registry accepts every one of them (the old
+    and the new while they rotate); a client sends the first (`pdreg.args.secret_of`)."""
+    return [line.strip() for line in text.splitlines() if line.strip()]

@@ -22,6 +22,7 @@ def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:
         "model": spec.model,
         "state": record.state.name.lower(),
         "suspect": record.suspect,
+        "cordoned": record.cordoned,
         "routable": record.routable,
         "incarnation": spec.incarnation,
         "protocol": spec.protocol,

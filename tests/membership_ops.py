@@ -19,6 +19,7 @@ from registry import sessions
 from registry.admission import Limits
 from registry.detector import DetectorConfig
 from registry.membership import Membership, Outcome
+from registry.store.records import CordonIntent, DrainIntent, EvictIntent, IntentKind
 from wire.protocol import (
     Bye,
     ByeReason,
@@ -134,6 +135,12 @@ ops = st.one_of(
     st.builds(Op, st.just("report"), st.sampled_from(IDS), st.integers(1, 4)),
     st.builds(Op, st.just("drain"), st.sampled_from(IDS)),
     st.builds(Op, st.just("evict"), st.sampled_from(IDS)),
+    # What the store's watch brings (registry.store): intents an operator set anywhere.
+    st.builds(Op, st.just("store_drain"), st.sampled_from(IDS), st.integers(1, 4)),
+    st.builds(Op, st.just("store_evict"), st.sampled_from(IDS), st.integers(1, 4)),
+    st.builds(Op, st.just("cordon"), st.sampled_from(IDS)),
+    st.builds(Op, st.just("uncordon"), st.sampled_from(IDS)),
+    st.builds(Op, st.just("store_reload"), st.sampled_from(IDS)),  # holds one cordon only
     st.builds(Op, st.just("wait"), dt=st.floats(0.01, 2.0)),
 )
 
@@ -151,6 +158,11 @@ def apply(m: Fleet, op: Op, now: float) -> float:
         m.drain(op.member)
     elif op.kind == "evict":
         m.evict(op.member, now)
+    elif op.kind == "store_reload":
+        m.reload_intents({(IntentKind.CORDON, op.member): CordonIntent(at=now)}, now)
+    elif op.kind in _INTENTS:
+        kind, intent = _INTENTS[op.kind](op, now)
+        m.apply_intent(kind, op.member, intent, now)
     else:
         end = now + op.dt
         ticks(m, now, end)
@@ -159,6 +171,16 @@ def apply(m: Fleet, op: Op, now: float) -> float:
     return now
 
 
+_INTENTS = {
+    "store_drain": lambda op, now: (IntentKind.DRAIN,
+                                    DrainIntent(incarnation=op.incarnation, at=now)),
+    "store_evict": lambda op, now: (IntentKind.EVICT,
+                                    EvictIntent(incarnation=op.incarnation, at=now)),
+    "cordon": lambda op, now: (IntentKind.CORDON, CordonIntent(at=now)),
+    "uncordon": lambda op, now: (IntentKind.CORDON, None),
+}
+
+
 def essence(record: MemberRecord) -> tuple:
     """What events must reproduce (load travels in digests, not events)."""
-    return (record.spec, record.state, record.suspect)
+    return (record.spec, record.state, record.suspect, record.cordoned)

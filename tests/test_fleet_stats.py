@@ -68,14 +68,15 @@ def counted_problems(m: Membership) -> list[str]:
     for e in m._members.values():
         key = (e.spec.role, e.spec.model)
         members[key] += 1
-        states[(*key, state_key(e.state, e.suspect))] += 1
+        states[(*key, state_key(e.shown_state, e.suspect))] += 1
         slot = slot_of(e.heartbeat_at)
         if slot < stats.folded_below:
             older[key] += 1
         else:
             slots[(*key, slot)] += 1
         sums[key] += micros(e.heartbeat_at)
-        if (e.beat_us, e.counted) != (micros(e.heartbeat_at), state_key(e.state, e.suspect)):
+        if (e.beat_us, e.counted) != (micros(e.heartbeat_at),
+                                      state_key(e.shown_state, e.suspect)):
             problems.append(f"{e.spec.id} remembers {e.beat_us} us, key {e.counted}")
         if stats.groups.get(key) is not e.group:
             problems.append(f"{e.spec.id} counted in another group")

@@ -341,9 +341,8 @@ class Reply(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_default
     events_port: int = 0
     http_port: int = 0
     session: Session = b""  # set only on an accepted Register: the member's session secret
-    # Several registries: what an operator told one of them must reach all. The member
-    # carries it, since every registry hears from it (and a restarted one, at once):
-    # `drain`: an operator drained this member here; it announces DRAINING everywhere.
+    # What an operator told this registry, carried by the member to every registry (the
+    # only way without a shared store): `drain`: it announces DRAINING everywhere.
     drain: bool = False
     # `banned_s`: a Register refused because an operator banned this id here, for this
     # long; the member says a `BannedBye` to every registry and stops registering.
@@ -361,6 +360,7 @@ class MemberRecord(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     load: Load = Load()
     registered_at: UnixTime = 0.0  # unix time the registry accepted this incarnation
     heartbeat_at: UnixTime = 0.0  # unix time of the last heartbeat (registry clock)
+    cordoned: bool = False  # an operator's cordon: out of routing, shown as DRAINING
 
     @property
     def id(self) -> str:
