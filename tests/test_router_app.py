@@ -16,9 +16,9 @@ from standins_engines import tokens_for
 from standins_fleet import Fleet, LoopThread, live_member
 
 from pdreg.testing import wait_until
-from router.http import upstream
 from router.adapters import default_adapters
 from router.guard import LOOPBACK_ALLOW
+from router.http import upstream
 from router.service import RouterConfig, RouterServer
 from wire.protocol import Handshake, MemberState, Role
 
