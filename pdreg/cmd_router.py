@@ -181,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
-        spec = api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL)
+        # With --metrics-port, /metrics is there only: advertise it for the planner.
+        spec = api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL,
+                               metrics_port=server.metrics_port)
         member_id = spec.id
         if not args.no_register:
             agent = Agent(spec, registries=args.registry, token=token,

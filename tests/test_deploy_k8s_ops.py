@@ -183,8 +183,9 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
         ("pdreg-registry", registry.ports["events"]): {"pdreg-router", "planner"},
         ("pdreg-registry", registry.ports["http"]): {"operator", "pdreg-prometheus"},
         ("pdreg-router", router.ports["http"]): set(pods),
-        # /metrics names members and engine URLs: Prometheus only.
-        ("pdreg-router", router.ports["metrics"]): {"pdreg-prometheus"},
+        # /metrics names members and engine URLs: Prometheus, and the planner, which
+        # reads the routers' latency there.
+        ("pdreg-router", router.ports["metrics"]): {"pdreg-prometheus", "planner"},
         (decode, engine.ports["http"]): {"pdreg-router", "pdreg-prometheus", prefill, decode},
         # KV transfer: NIXL's side channel, SGLang's bootstrap, Mooncake's data ports
         (decode, 5600): {prefill, decode},
