@@ -1,9 +1,11 @@
-"""deploy/keda stays honest: rendered by kubectl's own kustomize (the vLLM overlay plus
-the planner and the ScaledObjects), the planner's command line parses with the real CLI,
-runs as the image's numeric user with the Secrets it reads, listens where its probes and
-scrape annotations look, and may reach the registry and the routers' metrics port under the NetworkPolicies, KEDA falls back to the current replicas, Prometheus keeps its data on a claim; each
-ScaledObject scales a Deployment of the same rendering on a gauge the planner really
-exposes, for that Deployment's model and role, within the planner's own bounds."""
+"""deploy/keda, the production overlay, stays honest: rendered by kubectl's own kustomize
+(the vLLM overlay plus the planner and the ScaledObjects), the planner's command line
+parses with the real CLI, runs as the image's numeric user with the Secrets it reads,
+listens where its probes and scrape annotations look, and may reach the registry and the
+routers' metrics port under the NetworkPolicies; each ScaledObject scales a Deployment of
+the same rendering on a gauge the planner really exposes, for that Deployment's model and
+role, within the planner's own bounds, and falls back to the current replicas; Prometheus
+keeps its data on a claim."""
 
 from __future__ import annotations
 
