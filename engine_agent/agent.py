@@ -53,7 +53,7 @@ from wire.protocol import (
     reply_decoder,
     role_name,
 )
-from wire.validation import url_host, validate_spec
+from wire.validation import validate_spec
 
 __all__ = [
     "BACKOFF_MAX_S", "Agent", "api_server_spec", "backoff_delay_s", "default_member_id",
@@ -79,19 +79,13 @@ def new_incarnation() -> int:
     return time.time_ns()
 
 
-def api_server_spec(advertise_host: str, port: int, protocol: str, *,
-                    metrics_port: int | None = None) -> MemberSpec:
+def api_server_spec(advertise_host: str, port: int, protocol: str) -> MemberSpec:
     """The member a router or planner registers as: an `api_server` serving HTTP on
-    `advertise_host:port`, no model of its own, a fresh incarnation. `metrics_port`: its
-    /metrics is on that port instead (a router's --metrics-port), which it advertises,
-    so the planner scrapes what the member serves rather than guessing."""
-    host = url_host(advertise_host)
-    metrics = f"http://{host}:{metrics_port}/metrics" if metrics_port else ""
+    `advertise_host:port`, no model of its own, a fresh incarnation."""
     return MemberSpec(
         id=default_member_id(Role.API_SERVER, advertise_host, port),
         incarnation=new_incarnation(), role=Role.API_SERVER, model="", protocol=protocol,
-        endpoints=Endpoints(http=f"http://{host}:{port}", metrics=metrics),
-        started_at=time.time())
+        endpoints=Endpoints(http=f"http://{advertise_host}:{port}"), started_at=time.time())
 
 
 class Agent:

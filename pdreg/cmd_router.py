@@ -15,6 +15,8 @@ import signal
 import sys
 import threading
 
+import msgspec
+
 from engine_agent.agent import Agent, api_server_spec
 from pdreg.args import (
     API_KEY,
@@ -41,7 +43,8 @@ from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
 from router.service import DRAIN_DELAY_S, DRAIN_TIMEOUT_S, RouterConfig, RouterServer, settle_heap
 from router.warmup import WARM_CONNECTIONS
-from wire.protocol import ROUTER_PROTOCOL, MemberState
+from wire.protocol import ROUTER_PROTOCOL, MemberSpec, MemberState
+from wire.validation import url_host
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +184,9 @@ def run(args: argparse.Namespace) -> int:
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
-        # With --metrics-port, /metrics is there only: advertise it for the planner.
-        spec = api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL,
-                               metrics_port=server.metrics_port)
+        spec = _advertising_metrics(
+            api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL),
+            args.advertise_host or args.host, server.metrics_port)
         member_id = spec.id
         if not args.no_register:
             agent = Agent(spec, registries=args.registry, token=token,
@@ -208,6 +211,17 @@ def run(args: argparse.Namespace) -> int:
             server.close()
         view.close()
     return 0
+
+
+def _advertising_metrics(spec: MemberSpec, host: str, metrics_port: int | None
+                         ) -> MemberSpec:
+    """With --metrics-port, /metrics is on that port only: the spec says where, so the
+    planner scrapes what the router serves (without it, the API address serves it)."""
+    if not metrics_port:
+        return spec
+    url = f"http://{url_host(host)}:{metrics_port}/metrics"
+    return msgspec.structs.replace(
+        spec, endpoints=msgspec.structs.replace(spec.endpoints, metrics=url))
 
 
 def _tokenizer_flag(value: str) -> tuple[str, str]:
