@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint test-vllm test-sglang test-image bench clean deploy-tools
+.PHONY: venv demo test lint test-vllm test-sglang test-image test-cluster image bench clean \
+	deploy-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,3 +84,16 @@ deploy-tools:
 # the router, and the image's HEALTHCHECK against each process. Times each part.
 test-image: venv deploy-tools
 	$(BIN)/python tests/image/check_image.py
+
+# The rendered manifests run as processes (tests/cluster/check_cluster.py): the production
+# overlay (deploy/keda) under an operator's overlay that sets the pod network; every
+# Deployment's and StatefulSet's own command, args, env and ports, each pod on a
+# loopback address of its own (127.77.0.0/16), sim engines in vLLM's and SGLang's
+# places behind the manifests' own sidecars, Debian's Prometheus with the rendered
+# scrape config; KEDA played on the ScaledObjects' own queries, load driven until the
+# counts go up and the fleet follows, a Prometheus outage (KEDA keeps the current
+# count; the new Prometheus has the old data on its claim), back down when the load
+# stops; an operator's status and drain; every connection checked against the rendered
+# NetworkPolicies (strace); then the SGLang overlay as rendered. About 4 minutes.
+test-cluster: venv deploy-tools
+	$(BIN)/python tests/cluster/check_cluster.py

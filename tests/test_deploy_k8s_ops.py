@@ -64,10 +64,14 @@ OPERATORS = "pdreg-operators"
 SECRETS = K8S / "secrets"
 
 
+ALLOWLIST = "pdreg-allowed-clients"  # written by generate.sh: every allowed client key
+
+
 def _secret_keys() -> dict[str, set[str]]:
-    """Secret name -> keys, from deploy/k8s/secrets/kustomization.yaml's generators."""
+    """Secret name -> keys, from deploy/k8s/secrets/kustomization.yaml's generators, and
+    the allowlist generate.sh writes (one client key at first)."""
     kustomization = load_yaml(SECRETS / "kustomization.yaml")[0]
-    keys = {}
+    keys = {ALLOWLIST: {"client.key"}}
     for generator in kustomization["secretGenerator"]:
         keys[generator["name"]] = {entry.partition("=")[0] if "=" in entry
                                    else Path(entry).name for entry in generator["files"]}
@@ -75,12 +79,15 @@ def _secret_keys() -> dict[str, set[str]]:
 
 
 def _mounted_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """Path in the container -> (Secret, key), for every Secret file mounted."""
+    """Path in the container -> (Secret, key), for every Secret file mounted; a Secret
+    mounted whole (no items: every key it has) is (Secret, "*") at its mount path."""
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     files = {}
     for mount in container.get("volumeMounts", []):
         secret = volumes[mount["name"]].get("secret")
-        if secret:
+        if secret and "items" not in secret:
+            files[mount["mountPath"]] = (secret["secretName"], "*")
+        elif secret:
             for item in secret["items"]:
                 files[f"{mount['mountPath']}/{item['path']}"] = (secret["secretName"],
                                                                   item["key"])
@@ -102,15 +109,16 @@ def test_every_credential_is_a_mounted_secret_file(overlay: str) -> None:
     for pod, container in pdreg_containers(overlay):
         files = _mounted_files(pod, container)
         for secret, key in files.values():
-            assert key in keys[secret], f"{container['name']}: {secret}/{key} is not generated"
+            assert key == "*" or key in keys[secret], \
+                f"{container['name']}: {secret}/{key} is not generated"
         argv = container_argv(container)
         args = build_parser().parse_args(argv)
         for attribute, key in CREDENTIALS[argv[0]].items():
             path = getattr(args, attribute)
             assert files.get(path, (None, None))[1] == key, f"{argv[0]}: {attribute}={path}"
         if argv[0] == "registry":
-            allowed = {p.rpartition("/")[0]: k for p, (_, k) in files.items()}
-            assert allowed[args.allowed_clients] == "client.key"
+            # Every allowed client key at once (a rotation has two): the whole Secret.
+            assert files[args.allowed_clients] == (ALLOWLIST, "*")
         else:
             env = env_of(container)
             assert files[env["PDREG_REGISTRY_PUBLIC_KEY"]][1] == "registry.key"
@@ -118,7 +126,7 @@ def test_every_credential_is_a_mounted_secret_file(overlay: str) -> None:
         # Nothing a process does not need: the router never sees the admin token.
         mounted = {key for _, key in files.values()}
         needed = set(CREDENTIALS[argv[0]].values()) | (
-            {"client.key"} if argv[0] == "registry" else {"registry.key", "client.key_secret"})
+            {"*"} if argv[0] == "registry" else {"registry.key", "client.key_secret"})
         assert mounted == needed, f"{argv[0]} mounts {sorted(mounted - needed)} it does not use"
     for deployment in workloads(overlay):
         for container in pod_spec(deployment)["containers"]:
@@ -179,7 +187,7 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
     registry, router, engine = pods["pdreg-registry"], pods["pdreg-router"], pods[decode]
     expected = {  # (target, port): who may connect
         ("pdreg-registry", registry.ports["control"]): {prefill, decode, "pdreg-router",
-                                                        "planner"},
+                                                        "planner", "operator"},
         ("pdreg-registry", registry.ports["events"]): {"pdreg-router", "planner"},
         ("pdreg-registry", registry.ports["http"]): {"operator", "pdreg-prometheus"},
         ("pdreg-router", router.ports["http"]): set(pods),

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -60,6 +59,7 @@ from deploy_support import (  # noqa: E402  (after the path that finds it)
     compose,
     compose_command,
     flag,
+    generate_secrets,
     is_pdreg,
     pod_spec,
     pyproject_packages,
@@ -246,23 +246,6 @@ class Process:
 # --- Secrets and pod specs, as the kubelet would lay them out ---------------------------
 
 
-def generate_secrets(directory: Path) -> dict[str, dict[str, bytes]]:
-    """The Secrets deploy/k8s/secrets makes (its generate.sh, its secretGenerator), from
-    credentials generated into DIRECTORY instead of files/."""
-    pdreg = Path(sys.executable).parent / "pdreg"
-    sh([str(K8S / "secrets/generate.sh"), str(directory)], env={**os.environ, "PDREG": str(pdreg)})
-    kustomization = yaml.safe_load((K8S / "secrets/kustomization.yaml").read_text())
-    secrets: dict[str, dict[str, bytes]] = {}
-    for generator in kustomization["secretGenerator"]:
-        data = {}
-        for entry in generator["files"]:
-            key, _, path = entry.rpartition("=")
-            relative = Path(path).relative_to("files")
-            data[key or relative.name] = (directory / relative).read_bytes()
-        secrets[generator["name"]] = data
-    return secrets
-
-
 def volume_mounts(pod: dict[str, Any], container: dict[str, Any],
                   secrets: dict[str, dict[str, bytes]], scratch: Path) -> list[Mount]:
     """CONTAINER's volumeMounts as host directories: each Secret volume's items written
@@ -289,15 +272,21 @@ def volume_mounts(pod: dict[str, Any], container: dict[str, Any],
     return mounts
 
 
-def container_env(container: dict[str, Any]) -> dict[str, str]:
-    """CONTAINER's env as the kubelet sets it: downward-API fields filled in and
-    $(NAME) references to earlier variables expanded."""
+def container_env(container: dict[str, Any],
+                  config_maps: dict[str, dict[str, Any]] | None = None) -> dict[str, str]:
+    """CONTAINER's env as the kubelet sets it: downward-API fields and ConfigMap keys
+    (of CONFIG_MAPS, by name) filled in and $(NAME) references to earlier variables
+    expanded."""
     env: dict[str, str] = {}
     for item in container.get("env", []):
+        source = item.get("valueFrom", {})
         if "value" in item:
             env[item["name"]] = expand(item["value"], env)
-        elif "fieldRef" in item.get("valueFrom", {}):
-            env[item["name"]] = DOWNWARD[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "fieldRef" in source:
+            env[item["name"]] = DOWNWARD[source["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in source and config_maps is not None:
+            ref = source["configMapKeyRef"]
+            env[item["name"]] = str(config_maps[ref["name"]]["data"][ref["key"]])
     return env
 
 
@@ -419,7 +408,7 @@ def check_help(image: Image) -> None:
 
 
 def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
-    secrets = generate_secrets(scratch / "credentials")
+    _, secrets = generate_secrets(scratch / "credentials")
     docs = render(K8S / OVERLAY)
     workloads = {**by_name(docs, "Deployment"), **by_name(docs, "StatefulSet")}
     registry_pod = pod_spec(workloads["pdreg-registry"])
@@ -463,15 +452,15 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
             cluster.wait_http(engine, "/health")
 
         # The router: its manifest's args and env, port moved, pointed at the registry.
-        argv, ports = with_ports([expand(str(a), container_env(router_container))
-                                  for a in router_container["args"]],
+        router_env = container_env(router_container, by_name(docs, "ConfigMap"))
+        argv, ports = with_ports([expand(str(a), router_env) for a in router_container["args"]],
                                  ("--port", "--metrics-port"))
         # The engines answer on loopback here, where a cluster has its pod network: the
         # manifest's allowance plus loopback.
         argv = replaced(argv, "--allow-upstream",
                         f"{flag(argv, '--allow-upstream')},127.0.0.0/8")
         router = cluster.run(
-            "router", argv, {**container_env(router_container), "PDREG_REGISTRY": registry_address},
+            "router", argv, {**router_env, "PDREG_REGISTRY": registry_address},
             volume_mounts(router_pod, router_container, secrets, scratch / "volumes"),
             ports["--port"])
         cluster.wait_http(router, "/health")
