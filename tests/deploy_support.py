@@ -258,7 +258,8 @@ def dockerfile_stages() -> list[list[dict[str, Any]]]:
     for instruction in json.loads(result.stdout):
         if instruction["cmd"] == "FROM":
             stages.append([])
-        stages[-1].append(instruction)
+        if stages:  # an ARG before the first FROM is global (the base): no stage's
+            stages[-1].append(instruction)
     return stages
 
 

@@ -81,10 +81,10 @@ def test_overlay_passes_kubernetes_validate_strict(overlay: str, version: str,
 def test_overlay_holds_the_whole_fleet_in_one_namespace(overlay: str) -> None:
     docs = render(K8S / overlay)
     kinds = sorted({doc["kind"] for doc in docs})
-    # No PersistentVolumeClaim: each engine pod's model cache is its own (ephemeral).
-    assert kinds == ["ConfigMap", "Deployment", "Namespace", "NetworkPolicy",
-                     "PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount",
-                     "StatefulSet"]
+    # One PersistentVolumeClaim, the model cache, and the Job that fills it.
+    assert kinds == ["ConfigMap", "Deployment", "Job", "Namespace", "NetworkPolicy",
+                     "PersistentVolumeClaim", "PodDisruptionBudget", "Role", "RoleBinding",
+                     "Service", "ServiceAccount", "StatefulSet"]
     [namespace] = objects(docs, "Namespace")
     assert namespace["metadata"]["name"] == NAMESPACE
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"

@@ -34,7 +34,8 @@ KEDA = Peer("keda-operator (keda)", PolicyPod("keda", {"app": "keda-operator"}))
 CLIENT = Peer("client (outside)", PolicyPod("ingress", {"app": "load-balancer"}))
 PROMPT = "Tell me about disaggregated serving. " * 7  # ~270 prompt tokens with the salt
 MAX_TOKENS = 24
-ORDER = ("pdreg-registry", "pdreg-prometheus", "pdreg-router", "pdreg-planner")
+ORDER = ("pdreg-registry", "pdreg-prometheus", "pdreg-router", "pdreg-planner",
+         "pdreg-model-download")
 
 
 def log(message: str) -> None:
@@ -73,9 +74,24 @@ class Fleet:
             pods = [self.kubelet.new_pod(name, i if stateful else None) for i in range(count)]
             for pod in pods:
                 self.kubelet.start(pod)
+            if workload["kind"] == "Job":
+                self.wait_complete(pods, timeout_s)
+                log(f"job {name} completed")
+                continue
             self._publish_targets()
             self.wait_ready(pods, timeout_s)
             log(f"started {name}: {', '.join(f'{p.name} at {p.ip}' for p in pods)}")
+
+    def wait_complete(self, pods: list[Pod], timeout_s: float) -> None:
+        """A Job's pods: every container exits 0; the pods are then done."""
+        for pod in pods:
+            for container in pod.containers:
+                assert container.proc is not None
+                code = container.proc.wait(timeout_s)
+                if code != 0:
+                    raise SystemExit(f"test-cluster: job {pod.name}/{container.name} "
+                                     f"failed ({code}): {container.log.read_text()[-2000:]}")
+            pod.terminating_since = time.monotonic()  # completed: not a live pod
 
     def wait_ready(self, pods: list[Pod], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

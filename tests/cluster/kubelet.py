@@ -16,8 +16,9 @@ goes to names the pod it reaches. The rest is what a kubelet does:
 - stop: every container's preStop hook, then SIGTERM, SIGKILL after the grace period.
 
 Images are not run: a pdreg container runs `python -m pdreg ARGS` (the image's
-ENTRYPOINT), and others run what `stand_ins` says (a sim engine for vLLM or SGLang,
-Debian's Prometheus). Every process runs under `strace -e trace=connect`, so the
+ENTRYPOINT) or its own `command` with this Python, and others run what `stand_ins`
+says (a sim engine for vLLM or SGLang, Debian's Prometheus). Init containers run to
+completion first, in order. Every process runs under `strace -e trace=connect`, so the
 connections each pod makes can be checked against the NetworkPolicies afterwards.
 """
 
@@ -66,6 +67,7 @@ class Pod:
     labels: dict[str, str]
     ports: dict[str, int]  # named container ports
     grace_s: float
+    init: list[Container] = field(default_factory=list)  # run to completion, in order
     containers: list[Container] = field(default_factory=list)
     hooks: list[subprocess.Popen[bytes]] = field(default_factory=list)
     terminating_since: float | None = None
@@ -106,7 +108,7 @@ class Kubelet:
         self.stand_ins = stand_ins
         self.namespace = next(d["metadata"]["name"] for d in docs if d["kind"] == "Namespace")
         self.workloads = {d["metadata"]["name"]: d for d in docs
-                          if d["kind"] in ("Deployment", "StatefulSet")}
+                          if d["kind"] in ("Deployment", "StatefulSet", "Job")}
         self.config_maps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
         self.services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         self.pods: dict[str, Pod] = {}  # every pod ever started, by name (gone ones too)
@@ -164,16 +166,21 @@ class Kubelet:
                   float(spec.get("terminationGracePeriodSeconds", 30)))
         self.pods[name] = pod
         mounts_root = self.work / "pods" / name
-        for container in spec["containers"]:
-            mounts = self._volumes(spec, container, mounts_root / container["name"])
-            pod.containers.append(self._container(pod, container, mounts))
+        for key, into in (("initContainers", pod.init), ("containers", pod.containers)):
+            for container in spec.get(key, []):
+                mounts = self._volumes(spec, container, mounts_root / container["name"])
+                into.append(self._container(pod, container, mounts))
         return pod
 
     def _container(self, pod: Pod, spec: dict[str, Any], mounts: dict[str, Path]) -> Container:
         env = self._env(pod, spec, mounts)
         args = [self._local(pod, _expand(str(a), env), mounts) for a in spec.get("args", [])]
         image = image_name(spec["image"])
-        if image == "pdreg":
+        if image == "pdreg" and spec.get("command"):  # its Python, another program
+            command = [sys.executable if c in ("python", "python3") else
+                       self._local(pod, _expand(str(c), env), mounts) for c in spec["command"]]
+            argv = [*command, *args]
+        elif image == "pdreg":
             argv = [sys.executable, "-m", "pdreg", *args]  # the image's ENTRYPOINT
         else:
             argv = self.stand_ins[image](pod, spec, args, env, mounts)
@@ -255,8 +262,17 @@ class Kubelet:
             mounts[mount["mountPath"]] = local
         return mounts
 
-    def start(self, pod: Pod) -> None:
-        """Start every container of POD. From the main thread (children die with it)."""
+    def start(self, pod: Pod, init_timeout_s: float = 120.0) -> None:
+        """Run POD's init containers, one after the other, to success; then start every
+        container. From the main thread (children die with it)."""
+        for init in pod.init:
+            with init.log.open("ab") as log:
+                result = subprocess.run(traced(init.argv, init.trace), stdout=log,
+                                        stderr=subprocess.STDOUT, env=_process_env(init.env),
+                                        timeout=init_timeout_s)
+            if result.returncode != 0:
+                raise SystemExit(f"{pod.name}: init container {init.name} failed "
+                                 f"({result.returncode}):\n{init.log.read_text()[-2000:]}")
         for container in pod.containers:
             with container.log.open("ab") as log:
                 container.proc = subprocess.Popen(

@@ -1,5 +1,7 @@
 """What runs where the manifests name an image that cannot run here.
 
+- the model-download Job (in the engine's image): the mark its script leaves once the
+  cache is filled, which the engine pods' init containers wait for; no download.
 - `vllm-openai`, `sglang`: the reference engine with its sim backend (`pdreg engine
   --backend sim --no-register`), serving what the pod's sidecar reads of vLLM or SGLang
   (/health or /ready, /metrics, /v1/models, /server_info) and speaking the handshake of
@@ -36,6 +38,8 @@ SIM = {"prefill_s_per_token": 0.006, "decode_s_per_token": 0.03, "max_running": 
 def _engine(protocol: str) -> StandIn:
     def run(pod: Pod, spec: dict[str, Any], args: list[str], env: dict[str, str],
             mounts: dict[str, Path]) -> list[str]:
+        if "pdreg.io/role" not in pod.labels:  # the model-download Job, in the image
+            return _download(spec, mounts)
         role = pod.labels["pdreg.io/role"]
         argv = [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "engine",
                 "--role", role, "--backend", "sim", "--no-register",
@@ -50,6 +54,19 @@ def _engine(protocol: str) -> StandIn:
             argv += ["--bootstrap-port", flag(args, "--disaggregation-bootstrap-port")]
         return argv
     return run
+
+
+def _download(spec: dict[str, Any], mounts: dict[str, Path]) -> list[str]:
+    """The model-download Job leaves what its script leaves, the mark the engine pods
+    wait for, without the download (no model hub here)."""
+    script = next(part for part in spec["command"] if ".pdreg-filled" in part)
+    mark = re.search(r'"(/[^"]+\.pdreg-filled)"', script)
+    assert mark, script
+    inside = mark.group(1)
+    mount = next(m for m in sorted(mounts, key=len, reverse=True) if inside.startswith(m + "/"))
+    local = mounts[mount] / inside[len(mount) + 1:]
+    return [sys.executable, "-c", "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text("
+            "sys.argv[2])", str(local), str(spec["command"][-1])]
 
 
 def _prometheus(targets: Path, interval_s: float) -> StandIn:

@@ -4,9 +4,12 @@ No container daemon and no container registry are needed, only root and buildah:
 
 1. base   the Dockerfile's FROM (python:3.11-slim), built locally behind a stamp
           (tests/image/build-base.sh);
-2. build  `buildah bud --isolation chroot` of deploy/Dockerfile, as a user builds it, with
-          the package indexes this machine's pip uses passed as PIP_INDEX_URL /
-          PIP_EXTRA_INDEX_URL (a local file:// index served over loopback meanwhile);
+2. build  deploy/Dockerfile as `make image` builds it (deploy/build_image.py: `buildah
+          bud --isolation chroot`, the package indexes this machine's pip uses passed as
+          PIP_INDEX_URL / PIP_EXTRA_INDEX_URL), with BASE = that local base (the
+          Dockerfile pins the official one by digest; no registry to pull it from here);
+          every package from the hashed locks (pip --require-hashes);
+   archive the OCI archive `make image` writes: its reported digest is its manifest's;
 3. run    the image's rootfs mounted (`buildah mount`); each process runs in it the way
           a pod's container does: its own PID and mount namespaces, chroot, the image's
           USER (10001:10001), ENV and WORKDIR, a read-only root with an emptyDir /tmp,
@@ -28,8 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import http.server
+import hashlib
 import json
 import os
 import re
@@ -37,10 +39,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
-import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,11 +50,11 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "deploy")]
 
+from build_image import build, write_archive  # noqa: E402
 from deploy_support import (  # noqa: E402  (after the path that finds it)
     COMPOSE_ENV,
-    DEPLOY,
     K8S,
     by_name,
     compose,
@@ -103,68 +104,31 @@ def sh(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 # --- build ------------------------------------------------------------------------------
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def served_index(directory: Path) -> Iterator[str]:
-    """A file:// package index (DIRECTORY/simple, links relative to DIRECTORY) served over
-    HTTP on 127.0.0.1 for the build's pip: chroot isolation shares this network, not
-    this disk. Yields the index URL."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def pip_index_args(stack: contextlib.ExitStack) -> list[str]:
-    """--build-arg for the indexes this machine's pip uses (env first, then pip's config):
-    http(s) as they are, a local file://.../simple index served over loopback while the
-    build runs."""
-    args = []
-    for name, key in (("PIP_INDEX_URL", "global.index-url"),
-                      ("PIP_EXTRA_INDEX_URL", "global.extra-index-url")):
-        value = os.environ.get(name)
-        if value is None:
-            got = subprocess.run([sys.executable, "-m", "pip", "config", "get", key],
-                                 capture_output=True, text=True)
-            value = got.stdout.strip() if got.returncode == 0 else ""
-        urls = []
-        for url in value.split():
-            local = Path(urllib.parse.urlsplit(url).path)
-            if url.startswith(("http://", "https://")):
-                urls.append(url)
-            elif url.startswith("file://") and local.name == "simple" and local.is_dir():
-                urls.append(stack.enter_context(served_index(local.parent)))
-        if urls:
-            args += ["--build-arg", f"{name}={' '.join(urls)}"]
-    shown = " ".join(args[1::2]) or "pip's default"
-    log(f"pip index for the build: {shown}")
-    return args
+BASE_STAND_IN = "docker.io/library/python:3.11-slim"  # what build-base.sh commits
 
 
 def build_image(image: str) -> None:
-    with contextlib.ExitStack() as stack:
-        result = subprocess.run(
-            # --no-cache: buildah's layer cache does not key a RUN on what it bind-mounts
-            # from another stage, so a cached install step would keep the previous wheel.
-            # --format docker: OCI image configs have no HEALTHCHECK.
-            ["buildah", "bud", "--isolation", "chroot", "--format", "docker",
-             "--pull=never", "--no-cache", "-f", str(DEPLOY / "Dockerfile"),
-             "--ignorefile", str(DEPLOY / "Dockerfile.dockerignore"),
-             *pip_index_args(stack), "-t", image, str(REPO)],
-            capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise SystemExit(f"buildah bud failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
-    # The image this replaced is left untagged: drop it, or every run keeps one more.
-    subprocess.run(["buildah", "rmi", "--prune"], capture_output=True)
+    """deploy/Dockerfile built as `make image` builds it, on the local stand-in for its
+    digest-pinned base (no registry here to pull that from)."""
+    build(image, base=BASE_STAND_IN, pull="never")
+
+
+def check_archive(image: str, scratch: Path) -> str:
+    """`make image`'s OCI archive of IMAGE: the digest it reports is the manifest's
+    content address, and the manifest names the image's config and layers."""
+    archive, digest = write_archive(image, scratch / "archive")
+    with tarfile.open(archive) as tar:
+        index = json.load(tar.extractfile("index.json"))  # type: ignore[arg-type]
+        [entry] = index["manifests"]
+        algorithm, _, hexdigest = entry["digest"].partition(":")
+        blob = tar.extractfile(f"blobs/{algorithm}/{hexdigest}")
+        manifest = blob.read() if blob is not None else b""
+    if entry["digest"] != digest or hashlib.sha256(manifest).hexdigest() != hexdigest:
+        raise SystemExit(f"OCI archive {archive}: digest {digest}, index says "
+                         f"{entry['digest']}")
+    layers = json.loads(manifest)["layers"]
+    log(f"OCI archive {archive.name}: {len(layers)} layers, digest {digest}")
+    return digest
 
 
 def image_config(image: str) -> dict[str, Any]:
@@ -534,6 +498,8 @@ def main() -> int:
         sh([str(REPO / "tests/image/build-base.sh")], timeout=900)
     with timed("image build", times):
         build_image(args.image)
+    with timed("OCI archive", times), tempfile.TemporaryDirectory() as archives:
+        check_archive(args.image, Path(archives))
     config = image_config(args.image)
     container = sh(["buildah", "from", "--pull-never", args.image]).stdout.strip()
     try:
