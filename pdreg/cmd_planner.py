@@ -98,13 +98,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "CMD is split like a shell would")
     e.add_argument("--exec-timeout", type=_positive, default=60.0, metavar="S",
                    help="kill the hook after this long")
+    _add_router_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape-timeout", type=_positive, default=2.0, metavar="S",
                    help="per-router /metrics timeout")
     p.add_argument("--router-stale-after", type=float, default=STALE_AFTER_S, metavar="S",
                    help="a router that cannot be read keeps its last figures this long, "
                         "then is left out (the others decide); with none readable, "
                         "nothing scales down")
-    p.set_defaults(func=run)
 
 
 def config_from(args: argparse.Namespace) -> PlannerConfig:

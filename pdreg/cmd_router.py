@@ -184,9 +184,7 @@ def run(args: argparse.Namespace) -> int:
             view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
-        spec = _advertising_metrics(
-            api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL),
-            args.advertise_host or args.host, server.metrics_port)
+        spec = _router_spec(args.advertise_host or args.host, server)
         member_id = spec.id
         if not args.no_register:
             agent = Agent(spec, registries=args.registry, token=token,
@@ -213,13 +211,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _advertising_metrics(spec: MemberSpec, host: str, metrics_port: int | None
-                         ) -> MemberSpec:
-    """With --metrics-port, /metrics is on that port only: the spec says where, so the
-    planner scrapes what the router serves (without it, the API address serves it)."""
-    if not metrics_port:
+def _router_spec(host: str, server: RouterServer) -> MemberSpec:
+    """The router's registration. With --metrics-port, /metrics is on that port only:
+    the spec says where, so the planner scrapes what the router serves."""
+    spec = api_server_spec(host, server.port, ROUTER_PROTOCOL)
+    if not server.metrics_port:
         return spec
-    url = f"http://{url_host(host)}:{metrics_port}/metrics"
+    url = f"http://{url_host(host)}:{server.metrics_port}/metrics"
     return msgspec.structs.replace(
         spec, endpoints=msgspec.structs.replace(spec.endpoints, metrics=url))
 

@@ -181,8 +181,7 @@ def container_argv(container: dict[str, Any]) -> list[str]:
     """pdreg's argv as the kubelet passes it: `$(VAR)` of a variable the container takes
     from a ConfigMap is expanded (the router's `--allow-upstream $(POD_CIDRS)`); those
     from the downward API (`$(POD_IP)`) stay as written, which the tests check."""
-    # The image's ENTRYPOINT is ["pdreg"]: args are pdreg's argv.
-    assert container.get("command") in (None, ["pdreg"]), container["name"]
+    assert container.get("command") in (None, ["pdreg"]), container["name"]  # ENTRYPOINT
     values = {}
     for item in container.get("env", []):
         ref = item.get("valueFrom", {}).get("configMapKeyRef")
@@ -197,8 +196,7 @@ _VAR_REF = re.compile(r"\$\((\w+)\)")
 
 @functools.cache
 def _config_map_value(name: str, key: str) -> str:
-    """A key of the ConfigMap NAME as the overlays render it (a generated name carries
-    the hash of its content, so it names one value)."""
+    """KEY of ConfigMap NAME as the overlays render it (a generated name names a value)."""
     for overlay in (*(K8S / o for o in OVERLAYS), DEPLOY / "keda"):
         for doc in objects(render(overlay), "ConfigMap"):
             if doc["metadata"]["name"] == name:
@@ -220,10 +218,8 @@ def k8s_processes(overlay: str) -> list[PdregProcess]:
 
 
 def generate_secrets(work: Path) -> tuple[Path, dict[str, dict[str, bytes]]]:
-    """deploy/k8s/secrets as an operator makes it, in a copy under WORK: generate.sh
-    (`PDREG` = this interpreter's pdreg), then the Secrets kubectl's kustomize renders
-    from the files. Returns the credential files' directory (what operators hold) and
-    each Secret's data, decoded."""
+    """deploy/k8s/secrets as an operator makes it, in a copy under WORK: generate.sh, then
+    the Secrets kubectl's kustomize renders. (The files operators hold, each Secret.)"""
     secrets = work / "secrets"
     shutil.copytree(K8S / "secrets", secrets, ignore=shutil.ignore_patterns("files"))
     shutil.copytree(K8S / "namespace", work / "namespace")

@@ -79,6 +79,36 @@ def routers_standing(text: str) -> dict[str, float]:
             if line.startswith("pdreg_planner_routers{")}
 
 
+def decided(url: str, prefill: int, *, holding: bool, read: int, left_out: int) -> bool:
+    """The planner at URL asks for PREFILL prefills (holding or not), with READ routers
+    read and LEFT_OUT left out."""
+    plan, text = planner_figures(url)
+    rows = {d["role"]: d for d in plan["decisions"]}
+    standing = routers_standing(text)
+    return ("prefill" in rows and rows["prefill"]["desired"] == prefill
+            and rows["prefill"]["holding"] is holding
+            and standing.get("read") == read and standing.get("left_out") == left_out)
+
+
+def ticks(url: str) -> float:
+    text = planner_figures(url)[1]
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("pdreg_planner_ticks_total")))
+
+
+def check_advertised(registry: RegistryServer, split: dict[str, Any],
+                     plain: dict[str, Any]) -> None:
+    """The router with --metrics-port advertises where its page is, and its API port
+    serves none; the other advertises nothing: its page is on its API port."""
+    advertised = registry.members()[split["id"]].spec.endpoints.metrics
+    assert advertised.startswith("http://127.0.0.1:") and advertised.endswith("/metrics")
+    assert advertised != f"{split['url']}/metrics"
+    assert httpx.get(f"{split['url']}/metrics", timeout=5.0).status_code == 404
+    assert "pdreg_router_requests" in httpx.get(advertised, timeout=5.0).text
+    assert registry.members()[plain["id"]].spec.endpoints.metrics == ""
+    assert "pdreg_router_requests" in httpx.get(f"{plain['url']}/metrics", timeout=5.0).text
+
+
 def test_planner_scrapes_what_routers_advertise_and_leaves_out_the_dead(
         registry_factory: Any, started: Started) -> None:
     # A long lease: a killed router stays a member (registered, unreadable), as one
@@ -88,63 +118,47 @@ def test_planner_scrapes_what_routers_advertise_and_leaves_out_the_dead(
     split, split_ready = started.pdreg("router", "--registry", address, "--port", "0",
                                        "--metrics-port", "0", "--drain-delay", "0")
     plain, plain_ready = started.pdreg("router", "--registry", address, "--port", "0",
-                                   "--drain-delay", "0")
+                                       "--drain-delay", "0")
     busy = Busy()
     agents = [engine(registry, "prefill-a", Role.PREFILL, busy),
               engine(registry, "decode-a", Role.DECODE, Busy(Load()))]
     try:
         assert wait_until(lambda: {split_ready["id"], plain_ready["id"]}
                           <= set(registry.members()), WAIT_S)
-        # The router with --metrics-port advertises where its page is; the API port
-        # serves none. The other advertises nothing: its page is on its API port.
-        advertised = registry.members()[split_ready["id"]].spec.endpoints.metrics
-        assert advertised.startswith("http://127.0.0.1:") and advertised.endswith("/metrics")
-        assert advertised != f"{split_ready['url']}/metrics"
-        assert httpx.get(f"{split_ready['url']}/metrics", timeout=5.0).status_code == 404
-        assert "pdreg_router_requests" in httpx.get(advertised, timeout=5.0).text
-        assert registry.members()[plain_ready["id"]].spec.endpoints.metrics == ""
-
+        check_advertised(registry, split_ready, plain_ready)
         planner, planner_ready = started.pdreg(
             "planner", "--registry", address, "--port", "0", "--interval", "0.2",
             "--scale-down-window", "0", "--router-stale-after", str(STALE_AFTER_S))
         url = planner_ready["url"]
-
-        def decided(prefill: int, *, holding: bool, read: int, left_out: int) -> bool:
-            plan, text = planner_figures(url)
-            rows = {d["role"]: d for d in plan["decisions"]}
-            standing = routers_standing(text)
-            return ("prefill" in rows and rows["prefill"]["desired"] == prefill
-                    and rows["prefill"]["holding"] is holding
-                    and standing.get("read") == read and standing.get("left_out") == left_out)
-
         # Both routers read, nothing held: (4 + 4) / 4 = 2.0 vs 0.7 -> 3 prefills.
-        assert wait_until(lambda: decided(3, holding=False, read=2, left_out=0), WAIT_S), \
-            planner_figures(url)
+        assert wait_until(lambda: decided(url, 3, holding=False, read=2, left_out=0),
+                          WAIT_S), planner_figures(url)
         assert not planner_figures(url)[0]["problems"]
 
         # The router with the metrics port dies: left out past the bound; the other
         # decides, and the idle fleet scales down on its word.
         split.send_signal(signal.SIGKILL)
         busy.load = Load()
-        assert wait_until(lambda: decided(1, holding=False, read=1, left_out=1), WAIT_S), \
-            planner_figures(url)
+        assert wait_until(lambda: decided(url, 1, holding=False, read=1, left_out=1),
+                          WAIT_S), planner_figures(url)
         problems = planner_figures(url)[0]["problems"]
         assert any(split_ready["id"] in p for p in problems), problems
 
         # Load again, then the last router dies: while busy the rule still asks for 3
-        # (up is allowed); once idle, the count is held.
+        # (up is allowed); once idle, the count is held, round after round.
         busy.load = Load(running=4, waiting=4)
-        assert wait_until(lambda: decided(3, holding=False, read=1, left_out=1), WAIT_S)
+        assert wait_until(lambda: decided(url, 3, holding=False, read=1, left_out=1), WAIT_S)
         plain.send_signal(signal.SIGKILL)
-        assert wait_until(lambda: decided(3, holding=False, read=0, left_out=2), WAIT_S)
+        assert wait_until(lambda: decided(url, 3, holding=False, read=0, left_out=2), WAIT_S)
         busy.load = Load()
-        assert wait_until(lambda: decided(3, holding=True, read=0, left_out=2), WAIT_S), \
-            json.dumps(planner_figures(url)[0]["decisions"])
-        plan, _ = planner_figures(url)
-        prefill = next(d for d in plan["decisions"] if d["role"] == "prefill")
+        assert wait_until(lambda: decided(url, 3, holding=True, read=0, left_out=2),
+                          WAIT_S), json.dumps(planner_figures(url)[0]["decisions"])
+        prefill = next(d for d in planner_figures(url)[0]["decisions"]
+                       if d["role"] == "prefill")
         assert "no scale-down" in prefill["why"], prefill
-        time.sleep(1.0)  # rounds go on: still held
-        assert decided(3, holding=True, read=0, left_out=2)
+        later = ticks(url) + 5
+        assert wait_until(lambda: ticks(url) >= later, WAIT_S)
+        assert decided(url, 3, holding=True, read=0, left_out=2)
         planner.send_signal(signal.SIGTERM)
         assert stop_process(planner, 20.0) == 0
     finally:

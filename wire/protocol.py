@@ -130,16 +130,13 @@ class Endpoints(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     `kv_host`/`kv_port` is the KV side of the P/D handshake: vLLM's NIXL side channel,
     the reference engine's KV server. `bootstrap_port` is SGLang's bootstrap server on
     `kv_host` (or on the HTTP host when `kv_host` is empty). Port 0 means "none".
-    `metrics` is the member's Prometheus page when it is not `{http}/metrics` (a router
-    started with --metrics-port serves it on a port of its own); "" means there. Old
-    members omit it, and old readers ignore it (a map, not an array).
     """
 
     http: Url
     kv_host: Host = ""
     kv_port: Port = 0
     bootstrap_port: Port = 0
-    metrics: Url = ""
+    metrics: Url = ""  # its /metrics URL when not {http}/metrics (--metrics-port); "": there
 
 
 class Parallel(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -466,8 +463,7 @@ def event_decoder() -> msgspec.msgpack.Decoder[Event]:
 # --- P/D handshakes (appended by the router's owner; one definition for every part) ------
 
 
-# The `protocol` of a router's api_server member: what it speaks to its clients. The
-# planner finds the routers whose metrics it reads by it.
+# A router's api_server `protocol` (what it speaks to clients): the planner finds routers by it.
 ROUTER_PROTOCOL: Final = "openai"
 
 
