@@ -163,7 +163,7 @@ def test_keda_falls_back_to_the_current_replicas_not_a_fixed_count() -> None:
 
 def test_prometheus_keeps_its_data_on_a_claim_in_the_production_overlay() -> None:
     docs = rendered()
-    [claim] = objects("PersistentVolumeClaim").values()
+    claim = objects("PersistentVolumeClaim")["pdreg-prometheus-data"]
     assert claim["metadata"]["namespace"] == NAMESPACE
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     deployment = workloads_by_name(docs)["pdreg-prometheus"]
