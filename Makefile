@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint test-vllm test-sglang test-image bench clean deploy-tools
+.PHONY: venv demo test lint test-vllm test-sglang test-image test-cluster image lock bench \
+	clean deploy-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,3 +84,28 @@ deploy-tools:
 # the router, and the image's HEALTHCHECK against each process. Times each part.
 test-image: venv deploy-tools
 	$(BIN)/python tests/image/check_image.py
+
+# deploy/Dockerfile built with buildah, tagged VERSION-gCOMMIT, written to build/image/ as
+# an OCI archive; prints its digest and the commands that push it and pin the manifests
+# to it (deploy/build_image.py). BASE=IMAGE builds on another base than the Dockerfile's
+# digest-pinned python:3.11-slim: where no registry can be reached, the stand-in
+# tests/image/build-base.sh makes (BASE=docker.io/library/python:3.11-slim).
+image:
+	$(PYTHON) deploy/build_image.py $(if $(BASE),--base $(BASE))
+
+# deploy/requirements*.lock from PyPI, hashed, at the versions the suite runs with.
+lock: venv
+	PYTHON=$(PYTHON) deploy/lock.sh
+
+# The rendered manifests run as processes (tests/cluster/check_cluster.py): the production
+# overlay (deploy/keda) under an operator's overlay that sets the pod network; every
+# Deployment's and StatefulSet's own command, args, env and ports, each pod on a
+# loopback address of its own (127.77.0.0/16), sim engines in vLLM's and SGLang's
+# places behind the manifests' own sidecars, Debian's Prometheus with the rendered
+# scrape config; KEDA played on the ScaledObjects' own queries, load driven until the
+# counts go up and the fleet follows, a Prometheus outage (KEDA keeps the current
+# count; the new Prometheus has the old data on its claim), back down when the load
+# stops; an operator's status and drain; every connection checked against the rendered
+# NetworkPolicies (strace); then the SGLang overlay as rendered. About 4 minutes.
+test-cluster: venv deploy-tools
+	$(BIN)/python tests/cluster/check_cluster.py

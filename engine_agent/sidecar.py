@@ -51,6 +51,7 @@ from wire.protocol import (
     Parallel,
     Role,
 )
+from wire.validation import url_host
 
 __all__ = ["Sidecar", "SidecarConfig", "default_protocol"]
 
@@ -287,7 +288,7 @@ class Sidecar:
             model=cfg.model or metadata.model,
             protocol=protocol,
             endpoints=Endpoints(
-                http=f"{engine.scheme}://{_url_host(advertise_host)}:{engine_port}",
+                http=f"{engine.scheme}://{url_host(advertise_host)}:{engine_port}",
                 kv_host=kv_host, kv_port=kv_port, bootstrap_port=bootstrap_port),
             parallel=Parallel(tp_size=metadata.tp_size, dp_size=metadata.dp_size),
             capacity=cfg.capacity,
@@ -371,7 +372,3 @@ def _int_env(name: str, default: int) -> int:
     except ValueError:
         logger.warning("[sidecar] ignoring %s=%r: not a port number", name, text)
         return default
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

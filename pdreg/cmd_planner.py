@@ -19,6 +19,7 @@ from pdreg.args import (
     client_curve_of,
     secret_of,
 )
+from planner.freshness import STALE_AFTER_S
 from planner.inputs import PLANNER_PROTOCOL
 from planner.rule import Bounds, RuleConfig
 from planner.service import PlannerServer
@@ -97,9 +98,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "CMD is split like a shell would")
     e.add_argument("--exec-timeout", type=_positive, default=60.0, metavar="S",
                    help="kill the hook after this long")
+    _add_router_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape-timeout", type=_positive, default=2.0, metavar="S",
                    help="per-router /metrics timeout")
-    p.set_defaults(func=run)
+    p.add_argument("--router-stale-after", type=float, default=STALE_AFTER_S, metavar="S",
+                   help="a router that cannot be read keeps its last figures this long, "
+                        "then is left out (the others decide); with none readable, "
+                        "nothing scales down")
 
 
 def config_from(args: argparse.Namespace) -> PlannerConfig:
@@ -115,6 +124,7 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
         rule=rule, interval_s=args.interval, load_window_s=args.load_window,
         latency_quantile=args.latency_quantile,
         default_capacity=args.default_capacity, scrape_timeout_s=args.scrape_timeout,
+        router_stale_after_s=args.router_stale_after,
         models=frozenset(_planned_models(args)), exec_argv=tuple(shlex.split(args.exec_command)),
         exec_timeout_s=args.exec_timeout)
 

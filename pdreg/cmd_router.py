@@ -15,6 +15,8 @@ import signal
 import sys
 import threading
 
+import msgspec
+
 from engine_agent.agent import Agent, api_server_spec
 from pdreg.args import (
     API_KEY,
@@ -52,7 +54,8 @@ from router.quarantine import QUARANTINE_S
 from router.service import RouterServer, settle_heap
 from router.warmup import WARM_CONNECTIONS
 from serving.http_server import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S
-from wire.protocol import ROUTER_PROTOCOL, MemberState
+from wire.protocol import ROUTER_PROTOCOL, MemberSpec, MemberState
+from wire.validation import url_host
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         server = RouterServer(config, view).start()
         logger.info("[router] upstream %s", UpstreamPolicy.build(args.allow_upstream)
                     .describe())
-        spec = api_server_spec(args.advertise_host or args.host, server.port, ROUTER_PROTOCOL)
+        spec = _router_spec(args.advertise_host or args.host, server)
         member_id = spec.id
         if not args.no_register:
             agent = Agent(spec, registries=args.registry, token=token,
@@ -224,6 +227,17 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
                                latency_decay_s=args.latency_decay),
         kv=KvOptions(tokenizers=tuple(args.tokenizer),
                      disagg_min_uncached_tokens=args.disagg_min_uncached_tokens))
+
+
+def _router_spec(host: str, server: RouterServer) -> MemberSpec:
+    """The router's registration. With --metrics-port, /metrics is on that port only:
+    the spec says where, so the planner scrapes what the router serves."""
+    spec = api_server_spec(host, server.port, ROUTER_PROTOCOL)
+    if not server.metrics_port:
+        return spec
+    url = f"http://{url_host(host)}:{server.metrics_port}/metrics"
+    return msgspec.structs.replace(
+        spec, endpoints=msgspec.structs.replace(spec.endpoints, metrics=url))
 
 
 def _tokenizer_flag(value: str) -> tuple[str, str]:

@@ -102,6 +102,11 @@ class Window:
         for series in [k for k, s in self._samples.items() if s[-1][0] < now - self.span_s]:
             del self._samples[series]
 
+    def forget_source(self, source: Hashable) -> None:
+        """Drop every series of SOURCE (a router left out of the decision)."""
+        for series in [k for k in self._samples if k[0] == source]:
+            del self._samples[series]
+
     def delta(self, key: Hashable, now: float) -> tuple[Cumulative, float] | None:
         """The series summed over sources, newest minus baseline, and the span it covers.
 

@@ -9,10 +9,11 @@ and error kinds by fixed enums.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from planner.freshness import Standing
 from planner.rule import Decision, RoleSignals, RuleConfig
 
 __all__ = ["PlannerMetrics"]
@@ -53,8 +54,12 @@ class PlannerMetrics:
                                  (*mr, "direction", "reason"), registry=r)
         self.input_errors = Counter("pdreg_planner_input_errors",
                                     "Bad inputs by kind (router_unreachable, "
-                                    "router_bad_metrics, suspect_member, registry_away, "
-                                    "refused_model)", ("kind",), registry=r)
+                                    "router_bad_metrics, no_router_readable, "
+                                    "suspect_member, registry_away, refused_model)",
+                                    ("kind",), registry=r)
+        self.routers = Gauge("pdreg_planner_routers", "Routers by standing: read this "
+                             "round, stale (unread, last figures still count) or left out "
+                             "(unread past --router-stale-after)", ("standing",), registry=r)
         self.exec_runs = Counter("pdreg_planner_exec", "--exec hook runs by result "
                                  "(ok, failed, timeout)", ("result",), registry=r)
         self.ticks = Counter("pdreg_planner_ticks", "Planning rounds", registry=r)
@@ -81,6 +86,10 @@ class PlannerMetrics:
                 _remove(gauge, (decision.model,))
             else:
                 gauge.labels(decision.model).set(value)
+
+    def set_routers(self, counts: Mapping[Standing, int]) -> None:
+        for standing, count in counts.items():
+            self.routers.labels(standing.value).set(count)
 
     def forget_models(self, keep: Iterable[str]) -> None:
         """Remove the series of models no longer planned."""

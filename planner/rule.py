@@ -24,6 +24,8 @@ Every tick, per (model, role):
    are not up yet): scale up only to the lowest recommendation of the last up-window,
    down only to the highest of the last down-window. A spike shorter than the up-window
    scales nothing up; a lull shorter than the down-window scales nothing down.
+4. When the caller says the inputs cannot justify a scale-down (no router readable:
+   latency unknown), the count may rise but not fall below the one last asked for.
 """
 
 from __future__ import annotations
@@ -190,7 +192,11 @@ class Planner:
         state.last = decision
         return decision
 
-    def decide(self, model: str, role: Role, signals: RoleSignals, now: float) -> Decision:
+    def decide(self, model: str, role: Role, signals: RoleSignals, now: float, *,
+               no_scale_down: str = "") -> Decision:
+        """The rule. `no_scale_down`: why the inputs cannot justify fewer replicas (the
+        routers' latency is unknown); then the count may rise, never fall below the one
+        last asked for, and the decision says it is holding."""
         cfg = self.config
         bounds = cfg.bounds(role)
         state = self._states.setdefault((model, role), _RoleState())
@@ -227,7 +233,13 @@ class Planner:
             window = cfg.scale_up_window_s if direction == "up" else cfg.scale_down_window_s
             why = (f"{why}; scale-{direction} window ({window:g} s) keeps {desired}")
             reason = Reason.STABILIZING
-        decision = Decision(model, role, current, desired, recommended, reason, why, now)
+        holding = False
+        if no_scale_down and desired < asked:
+            why = (f"holding {asked}, no scale-down: {no_scale_down} (the rule says "
+                   f"{desired}: {why})")
+            desired, reason, holding = asked, Reason.HOLD, True
+        decision = Decision(model, role, current, desired, recommended, reason, why, now,
+                            holding=holding)
         state.last = decision
         return decision
 

@@ -20,6 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from planner.histogram import Cumulative
+from wire.protocol import Endpoints
 
 __all__ = ["MAX_BODY_BYTES", "RouterFigures", "ScrapeError", "fetch_metrics",
            "metrics_url", "parse_router_metrics"]
@@ -46,25 +47,29 @@ class RouterFigures:
     requests: dict[str, float] = field(default_factory=dict)
 
 
-def metrics_url(http_endpoint: str) -> str:
-    """The router's /metrics URL; refuses what a planner must never fetch.
+def metrics_url(endpoints: Endpoints) -> str:
+    """Where the router serves /metrics: the URL it advertises (`endpoints.metrics`, a
+    router with --metrics-port), else its API address (older routers, or one without
+    --metrics-port). Refuses what a planner must never fetch.
 
-    A member's address comes from its registration. Link-local addresses (cloud metadata
+    A member's addresses come from its registration. Link-local addresses (cloud metadata
     services live there) are refused, so a registered member cannot point the planner at
     them.
     """
-    parts = urlsplit(http_endpoint)
+    advertised = endpoints.metrics
+    url = advertised or endpoints.http
+    parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ScrapeError(f"router address {http_endpoint!r} is not http(s)://host:port")
+        raise ScrapeError(f"router address {url!r} is not http(s)://host:port")
     try:
         address = ipaddress.ip_address(parts.hostname)
     except ValueError:
         address = None
     if address is not None and (address.is_link_local or address.is_multicast
                                 or address.is_unspecified):
-        raise ScrapeError(f"router address {http_endpoint!r} is link-local, multicast or "
+        raise ScrapeError(f"router address {url!r} is link-local, multicast or "
                           "unspecified: not scraped")
-    return f"{parts.scheme}://{parts.netloc}/metrics"
+    return advertised or f"{parts.scheme}://{parts.netloc}/metrics"
 
 
 async def fetch_metrics(client: httpx.AsyncClient, url: str) -> str:

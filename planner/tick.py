@@ -1,14 +1,17 @@
 """One planning round: read membership, scrape the routers, decide, publish, call the hook.
 
     1) Membership -> per (model, role) fleets; the routers to scrape
-    2) Scrape every router at once (bounded time); feed the latency and rate windows
+    2) Scrape every router at once (bounded time), at the /metrics URL it advertises;
+       feed the latency and rate windows; each router is read, stale or left out
     3) Per (model, role): hold on bad input, else decide with the pure rule
     4) Publish metrics and the plan; log and count changes; reconcile the --exec hook
 
-Bad input never raises out of a round: a router that cannot be read holds every
-decision (its latency would be missing from the quantiles), a suspect member holds its
-role's, a registry that went away holds everything. Each is counted by kind, and the
-plan and `pdreg_planner_holding` say so.
+Bad input never raises out of a round. A router that cannot be read keeps its last
+figures for --router-stale-after, then is left out (planner/freshness.py): the planner
+decides from the others. With routers registered and none readable, latency is unknown:
+roles may scale up on load, never down. A suspect member holds its role's decision, a
+registry that went away holds everything. Each is counted by kind, and the plan and
+`pdreg_planner_holding` say so.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Protocol
 
 import httpx
 
+from planner.freshness import STALE_AFTER_S, Change, RouterFreshness, Standing, can_scale_down
 from planner.histogram import Cumulative, Window, quantile
 from planner.hook import ExecHook, HookStatus
 from planner.inputs import RoleFleet, fleet_of, routers_of
@@ -54,6 +58,7 @@ class PlannerConfig:
     latency_quantile: float = 0.9
     default_capacity: int = 0
     scrape_timeout_s: float = 2.0
+    router_stale_after_s: float = STALE_AFTER_S  # an unread router's figures count this long
     models: frozenset[str] = frozenset()  # empty: every model
     exec_argv: tuple[str, ...] = ()
     exec_timeout_s: float = 60.0
@@ -63,6 +68,8 @@ class PlannerConfig:
             raise ValueError("the latency quantile must be between 0 and 1")
         if self.interval_s <= 0 or self.scrape_timeout_s <= 0:
             raise ValueError("the interval and the scrape timeout must be positive")
+        if self.router_stale_after_s < 0:
+            raise ValueError("the router staleness bound must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,7 @@ class PlanningLoop:
         span = config.rule.latency_window_s or config.interval_s
         self.latency = Window(max(span, config.interval_s))
         self.load = LoadMeans(config.load_window_s)
+        self.freshness = RouterFreshness(config.router_stale_after_s)
         self.hook = ExecHook(config.exec_argv, config.exec_timeout_s,
                              lambda r: self.metrics.exec_runs.labels(r).inc()) \
             if config.exec_argv else None
@@ -119,25 +127,14 @@ class PlanningLoop:
                             and not link.epoch)
 
         # 2) Routers
-        routers = routers_of(members)
-        if len(routers) > MAX_ROUTERS:
-            self._error("too_many_routers", problems,
-                        f"{len(routers)} routers; scraping the first {MAX_ROUTERS}")
-            routers = routers[:MAX_ROUTERS]
-        for router, failure in zip(routers, await self._scrape(client, routers, now),
-                                   strict=True):
-            if failure:
-                kind, why = failure
-                self._error(kind, problems, f"router {router.id}: {why}")
-                global_hold = global_hold or f"router {router.id} unreadable ({why})"
-        self.latency.forget(now)
+        no_scale_down = await self._read_routers(client, routers_of(members), now, problems)
 
         # 3) Decide, 4) publish
         entries = []
         for model, roles in sorted(fleet.models.items()):
             for role, role_fleet in roles.items():
                 entries.append(self._plan_role(model, role, role_fleet, global_hold, now,
-                                               problems))
+                                               problems, no_scale_down))
         self._forget_gone(set(fleet.models),
                           {(e.decision.model, e.decision.role) for e in entries})
         self.metrics.ticks.inc()
@@ -146,8 +143,51 @@ class PlanningLoop:
                          time.time() if wall_now is None else wall_now)
         return self.plan
 
+    async def _read_routers(self, client: httpx.AsyncClient, routers: list[LiveMember],
+                            now: float, problems: list[str]) -> str:
+        """Scrape every router; classify each (read, stale, left out). Returns why the
+        round must not scale down ("" when it may)."""
+        if len(routers) > MAX_ROUTERS:
+            self._error("too_many_routers", problems,
+                        f"{len(routers)} routers; scraping the first {MAX_ROUTERS}")
+            routers = routers[:MAX_ROUTERS]
+        standings = []
+        for router, failure in zip(routers, await self._scrape(client, routers, now),
+                                   strict=True):
+            key = (router.id, router.record.spec.incarnation)
+            standing, change = self.freshness.observe(key, failure is None, now)
+            standings.append(standing)
+            if failure:
+                kind, why = failure
+                self._error(kind, problems, f"router {router.id}: {why}")
+            if standing is Standing.LEFT_OUT:
+                self.latency.forget_source(key)  # decide from the others
+            if change is not None:
+                self._log_router_change(router.id, change, failure[1] if failure else "")
+        self.freshness.forget_except((r.id, r.record.spec.incarnation) for r in routers)
+        self.metrics.set_routers(self.freshness.counts())
+        self.latency.forget(now)
+        if can_scale_down(standings):
+            return ""
+        why = (f"no router read within {self.freshness.stale_after_s:g} s: the latency "
+               "users get is unknown")
+        self._error("no_router_readable", problems, why)
+        return why
+
+    def _log_router_change(self, router_id: str, change: Change, why: str) -> None:
+        unread = "never read" if change.unread_s is None else f"unread for {change.unread_s:.0f}s"
+        if change.after is Standing.LEFT_OUT:
+            logger.warning("[planner] router left out id=%s (%s, bound %.0fs): deciding from "
+                           "the other routers: %s", router_id, unread,
+                           self.freshness.stale_after_s, why)
+        elif change.after is Standing.STALE:
+            logger.info("[planner] router stale id=%s: its last figures count for up to "
+                        "%.0fs: %s", router_id, self.freshness.stale_after_s, why)
+        else:
+            logger.info("[planner] router read again id=%s", router_id)
+
     def _plan_role(self, model: str, role: Role, fleet: RoleFleet, global_hold: str,
-                   now: float, problems: list[str]) -> PlanEntry:
+                   now: float, problems: list[str], no_scale_down: str = "") -> PlanEntry:
         key = (model, role)
         hold = global_hold
         if fleet.unsure:
@@ -162,7 +202,8 @@ class PlanningLoop:
         else:
             signals = self._signals_for(model, role, fleet, now)
             self._signals[key] = signals
-            decision = self.planner.decide(model, role, signals, now)
+            decision = self.planner.decide(model, role, signals, now,
+                                           no_scale_down=no_scale_down)
         self.metrics.publish(decision, None if hold else signals)
         if previous is None or previous.desired != decision.desired:
             direction = ("up" if previous is None or decision.desired > previous.desired
@@ -203,7 +244,7 @@ class PlanningLoop:
         async def one(router: LiveMember) -> tuple[str, str] | None:
             source = (router.id, router.record.spec.incarnation)
             try:
-                url = metrics_url(router.record.spec.endpoints.http)
+                url = metrics_url(router.record.spec.endpoints)
                 text = await asyncio.wait_for(fetch_metrics(client, url),
                                               self.config.scrape_timeout_s)
             except (ScrapeError, TimeoutError) as exc:

@@ -88,6 +88,34 @@ def hardening_errors(pod: Mapping[str, Any], container: Mapping[str, Any],
     return problems
 
 
+# --- Pod Security Standards: baseline -------------------------------------------------
+
+# What "baseline" lets a container add (Pod Security Standards, "Capabilities").
+BASELINE_CAPABILITIES = frozenset({"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER",
+                                   "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE", "SETFCAP",
+                                   "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"})
+
+
+def baseline_violations(pod: Mapping[str, Any]) -> list[str]:
+    """What a namespace enforcing Pod Security "baseline" refuses in POD (the checks its
+    admission applies that these manifests could meet: host namespaces, hostPath
+    volumes, privileged containers, added capabilities, host ports)."""
+    problems = [f"spec.{key}" for key in ("hostNetwork", "hostPID", "hostIPC")
+                if pod.get(key)]
+    problems += [f"volume {v['name']}: hostPath" for v in pod.get("volumes", [])
+                 if "hostPath" in v]
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        name = container["name"]
+        security = container.get("securityContext", {})
+        if security.get("privileged"):
+            problems.append(f"{name}: privileged")
+        added = set(security.get("capabilities", {}).get("add", []))
+        problems += [f"{name}: capability {c}" for c in sorted(added - BASELINE_CAPABILITIES)]
+        problems += [f"{name}: hostPort {p['hostPort']}" for p in container.get("ports", [])
+                     if p.get("hostPort")]
+    return problems
+
+
 # --- NetworkPolicy ----------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ needs one skips and says how to install it; in CI (CI=true) it fails instead.
 from __future__ import annotations
 
 import argparse
+import base64
 import functools
 import json
 import os
@@ -177,9 +178,30 @@ def metrics_port(kind: str, args: argparse.Namespace) -> int:
 
 
 def container_argv(container: dict[str, Any]) -> list[str]:
-    # The image's ENTRYPOINT is ["pdreg"]: args are pdreg's argv.
-    assert container.get("command") in (None, ["pdreg"]), container["name"]
-    return [str(arg) for arg in container["args"]]
+    """pdreg's argv as the kubelet passes it: `$(VAR)` of a variable the container takes
+    from a ConfigMap is expanded (the router's `--allow-upstream $(POD_CIDRS)`); those
+    from the downward API (`$(POD_IP)`) stay as written, which the tests check."""
+    assert container.get("command") in (None, ["pdreg"]), container["name"]  # ENTRYPOINT
+    values = {}
+    for item in container.get("env", []):
+        ref = item.get("valueFrom", {}).get("configMapKeyRef")
+        if ref:
+            values[item["name"]] = _config_map_value(ref["name"], ref["key"])
+    return [_VAR_REF.sub(lambda m: values.get(m.group(1), m.group(0)), str(arg))
+            for arg in container["args"]]
+
+
+_VAR_REF = re.compile(r"\$\((\w+)\)")
+
+
+@functools.cache
+def _config_map_value(name: str, key: str) -> str:
+    """KEY of ConfigMap NAME as the overlays render it (a generated name names a value)."""
+    for overlay in (*(K8S / o for o in OVERLAYS), DEPLOY / "keda"):
+        for doc in objects(render(overlay), "ConfigMap"):
+            if doc["metadata"]["name"] == name:
+                return str(doc["data"][key])
+    raise AssertionError(f"no ConfigMap {name} in the renderings")
 
 
 def k8s_processes(overlay: str) -> list[PdregProcess]:
@@ -190,6 +212,29 @@ def k8s_processes(overlay: str) -> list[PdregProcess]:
                 where = f"k8s/{overlay}:{deployment['metadata']['name']}/{container['name']}"
                 found.append(PdregProcess(where, container_argv(container)))
     return found
+
+
+# --- credentials ------------------------------------------------------------------------
+
+
+def generate_secrets(work: Path) -> tuple[Path, dict[str, dict[str, bytes]]]:
+    """deploy/k8s/secrets as an operator makes it, in a copy under WORK: generate.sh, then
+    the Secrets kubectl's kustomize renders. (The files operators hold, each Secret.)"""
+    secrets = work / "secrets"
+    shutil.copytree(K8S / "secrets", secrets, ignore=shutil.ignore_patterns("files"))
+    shutil.copytree(K8S / "namespace", work / "namespace")
+    result = run_tool([str(secrets / "generate.sh")], cwd=work,
+                      env={**os.environ, "PDREG": f"{sys.executable} -m pdreg"})
+    assert result.returncode == 0, f"generate.sh:\n{result.stdout}{result.stderr}"
+    return secrets / "files", rendered_secrets(secrets)
+
+
+def rendered_secrets(directory: Path) -> dict[str, dict[str, bytes]]:
+    """Each Secret `kubectl kustomize DIRECTORY` renders: name -> key -> bytes."""
+    result = run_tool([tool("kubectl"), "kustomize", str(directory)])
+    assert result.returncode == 0, f"kubectl kustomize {directory}:\n{result.stderr}"
+    return {doc["metadata"]["name"]: {k: base64.b64decode(v) for k, v in doc["data"].items()}
+            for doc in yaml.safe_load_all(result.stdout) if doc and doc["kind"] == "Secret"}
 
 
 # --- the image ---------------------------------------------------------------------
@@ -209,7 +254,8 @@ def dockerfile_stages() -> list[list[dict[str, Any]]]:
     for instruction in json.loads(result.stdout):
         if instruction["cmd"] == "FROM":
             stages.append([])
-        stages[-1].append(instruction)
+        if stages:  # an ARG before the first FROM is global (the base): no stage's
+            stages[-1].append(instruction)
     return stages
 
 

@@ -7,9 +7,11 @@ loopback instead). Kubernetes: tests/test_deploy_k8s.py.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import runpy
+import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -108,6 +110,58 @@ def test_dockerfile_copies_only_what_the_context_keeps() -> None:
         keep = f"!{source}/" if (REPO / source).is_dir() else f"!{source}"
         assert keep in ignore, f"{source} is copied but the .dockerignore drops it"
     assert packages <= {src for group in sources for src in group}
+
+
+_LOCKED = re.compile(r"^([a-z0-9][a-z0-9._-]*)==(\S+) \\$", re.M)
+_HASH = re.compile(r"--hash=sha256:[0-9a-f]{64}")
+
+
+def _lock(name: str) -> dict[str, str]:
+    """A pip-compile lock: package -> version; every package carries sha256 hashes."""
+    text = (DEPLOY / name).read_text()
+    blocks = re.split(r"\n(?=[a-z0-9])", text[text.index("\n" + _LOCKED.search(text)[1]):])
+    for block in blocks:
+        if _LOCKED.match(block.strip()):
+            assert _HASH.search(block), f"{name}: {block.splitlines()[0]} has no hash"
+    return dict(_LOCKED.findall(text))
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_dockerfile_pins_its_base_by_digest_and_installs_only_hashed_files() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE=(\S+)$", text, re.M)
+    assert base and re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", base[1])
+    assert all(stage[0]["value"][0] == "${BASE}" for stage in dockerfile_stages())
+    runs = [i["value"][0] for stage in dockerfile_stages() for i in stage if i["cmd"] == "RUN"]
+    installs = [part for run in runs for part in re.split(r"&&", run) if "pip install" in part]
+    assert installs
+    for install in installs:
+        # From a lock, hash-checked; or pdreg's own wheel, built here, nothing more.
+        assert ("--require-hashes" in install and "--no-deps" in install) or \
+            re.search(r"--no-deps /wheels/pdreg-\*\.whl", install), install
+    [wheel] = [run for run in runs if "pip wheel" in run]
+    assert "--no-build-isolation" in wheel  # the backend comes from the build lock
+
+
+def test_the_locks_pin_every_dependency_at_the_tested_versions() -> None:
+    """deploy/requirements.lock (deploy/lock.sh, from PyPI): every dependency of
+    pyproject.toml, hashed, at the version this test suite runs with."""
+    with (REPO / "pyproject.toml").open("rb") as file:
+        project = tomllib.load(file)
+    runtime = _lock("requirements.lock")
+    declared = {_name(r) for r in project["project"]["dependencies"]}
+    assert declared <= set(runtime), declared - set(runtime)
+    for package, version in runtime.items():
+        assert importlib.metadata.version(package) == version, package
+    engine = _lock("requirements-engine.lock")
+    assert {_name(r) for r in project["project"]["optional-dependencies"]["engine"]} <= set(
+        engine)
+    assert all(engine[p] == v for p, v in runtime.items())  # the same, plus torch's
+    build = _lock("requirements-build.lock")
+    assert {_name(r) for r in project["build-system"]["requires"]} <= set(build)
 
 
 # --- the image's HEALTHCHECK picks each process's liveness endpoint -------------------

@@ -6,6 +6,8 @@ Prometheus bounded by size. (The image itself is built and run by `make test-ima
 from __future__ import annotations
 
 import re
+import runpy
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -40,8 +42,8 @@ KEDA = DEPLOY / "keda"
 
 
 def _containers(docs: list[dict]) -> list[dict]:
-    return [c for d in docs if d["kind"] in ("Deployment", "StatefulSet")
-            for c in pod_spec(d)["containers"]]
+    return [c for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")
+            for c in [*pod_spec(d).get("initContainers", []), *pod_spec(d)["containers"]]]
 
 
 def _setup_version(script: str, variable: str) -> str:
@@ -79,13 +81,45 @@ def test_every_image_is_pinned_and_used_when_present(overlay: str) -> None:
                     assert tag == f"v{_setup_version(script, variable)}", image
 
 
+def test_make_image_tags_by_version_and_commit() -> None:
+    """A new commit is a new tag: a node never keeps a stale image under an old name."""
+    build_image = runpy.run_path(str(DEPLOY / "build_image.py"))
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    tag = build_image["image_tag"]()
+    assert re.fullmatch(rf"{re.escape(version)}-g[0-9a-f]{{12}}(-dirty)?", tag), tag
+
+
+@overlays
+def test_the_image_make_image_prints_pins_every_pdreg_container(overlay: str,
+                                                                 tmp_path: Path) -> None:
+    """The images component as `kustomize edit set image pdreg=REGISTRY/pdreg:TAG@DIGEST`
+    leaves it (newName, newTag, digest): every pdreg container, init containers too,
+    runs that registry's image by digest; nothing else changes."""
+    reference = ("registry.example.com/team/pdreg", "0.1.0-g0123456789ab",
+                 "sha256:" + "5" * 64)
+    copied = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copied, ignore=shutil.ignore_patterns(".env", "files"))
+    path = copied / "k8s/images/kustomization.yaml"
+    component = yaml.safe_load(path.read_text())
+    [entry] = [i for i in component["images"] if i["name"] == "pdreg"]
+    entry.update(newName=reference[0], newTag=reference[1], digest=reference[2])
+    path.write_text(yaml.safe_dump(component))
+    before = _containers(render(K8S / overlay))
+    after = _containers(render(copied / "k8s" / overlay))
+    assert len(before) == len(after)
+    pinned = f"{reference[0]}:{reference[1]}@{reference[2]}"
+    for old, new in zip(before, after, strict=True):
+        assert new["image"] == (pinned if is_pdreg(old) else old["image"]), new["name"]
+
+
 @overlays
 def test_engine_probes_are_routes_of_the_pinned_version(overlay: str) -> None:
     """SGLang's probes use /ready, which its servers before 0.5 answer with 404: the
     pinned version serves it (make test-sglang runs that version)."""
     docs = render(K8S / overlay)
     for container in _containers(docs):
-        if is_pdreg(container) or "prometheus" in container["image"]:
+        if is_pdreg(container) or "prometheus" in container["image"] or \
+                container["name"] == "download":  # the model-download Job serves nothing
             continue
         paths = {container[p]["httpGet"]["path"] for p in
                  ("startupProbe", "readinessProbe", "livenessProbe") if p in container}

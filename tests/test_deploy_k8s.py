@@ -8,6 +8,7 @@ line parsed by pdreg's own CLI. No cluster: what needs one is listed in deploy/R
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import re
 import shutil
@@ -58,6 +59,7 @@ from deploy_support import (
 
 from engine_agent.probes import SGLANG_GAUGES, VLLM_GAUGES
 from pdreg.cli import build_parser
+from router.guard import parse_networks
 
 # --- rendered and valid -----------------------------------------------------------------
 
@@ -79,10 +81,10 @@ def test_overlay_passes_kubernetes_validate_strict(overlay: str, version: str,
 def test_overlay_holds_the_whole_fleet_in_one_namespace(overlay: str) -> None:
     docs = render(K8S / overlay)
     kinds = sorted({doc["kind"] for doc in docs})
-    # No PersistentVolumeClaim: each engine pod's model cache is its own (ephemeral).
-    assert kinds == ["ConfigMap", "Deployment", "Namespace", "NetworkPolicy",
-                     "PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount",
-                     "StatefulSet"]
+    # One PersistentVolumeClaim, the model cache, and the Job that fills it.
+    assert kinds == ["ConfigMap", "Deployment", "Job", "Namespace", "NetworkPolicy",
+                     "PersistentVolumeClaim", "PodDisruptionBudget", "Role", "RoleBinding",
+                     "Service", "ServiceAccount", "StatefulSet"]
     [namespace] = objects(docs, "Namespace")
     assert namespace["metadata"]["name"] == NAMESPACE
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
@@ -255,7 +257,8 @@ def test_services_reach_listening_ports(overlay: str) -> None:
     docs = render(K8S / overlay)
     deployments = list(workloads_by_name(docs).values())
     services = by_name(docs, "Service")
-    assert services.keys() == {"pdreg-registry", "pdreg-router", "pdreg-prometheus"}
+    assert services.keys() == {"pdreg-registry", "pdreg-registry-http", "pdreg-router",
+                               "pdreg-prometheus"}
     for name, service in services.items():
         [pod] = [pod_spec(d) for d in deployments
                  if selector_matches({"matchLabels": service["spec"]["selector"]},
@@ -288,6 +291,43 @@ def test_services_reach_listening_ports(overlay: str) -> None:
 
 
 # --- drain and locality -----------------------------------------------------------------
+
+
+def _router_networks(docs: list[dict[str, Any]]) -> tuple[str, str]:
+    """(the ConfigMap the router's POD_CIDRS comes from, its value)."""
+    [router] = pod_spec(by_name(docs, "Deployment")["pdreg-router"])["containers"]
+    ref = env_of(router)["POD_CIDRS"]["configMapKeyRef"]
+    assert router["args"][router["args"].index("--allow-upstream") + 1] == "$(POD_CIDRS)"
+    return ref["name"], str(by_name(docs, "ConfigMap")[ref["name"]]["data"][ref["key"]])
+
+
+@overlays
+def test_allow_upstream_is_the_pod_network_one_parameter_sets(overlay: str,
+                                                              tmp_path: Path) -> None:
+    """--allow-upstream comes from POD_CIDRS (IPv4 and IPv6) in one ConfigMap, which an
+    operator's overlay sets; its name carries the value's hash, so a change rolls the
+    routers onto the new ranges."""
+    docs = render(K8S / overlay)
+    name, default = _router_networks(docs)
+    networks = [ipaddress.ip_network(n) for n in parse_networks(default)]
+    assert {n.version for n in networks} == {4, 6}
+    # The usual pod pools are in it: RFC 1918, carrier-grade NAT, unique-local IPv6.
+    for address in ("10.244.1.5", "100.64.3.2", "172.20.0.9", "192.168.7.1", "fd00:10:244::7"):
+        assert any(ipaddress.ip_address(address) in n for n in networks), address
+    assert build_parser().parse_args(container_argv(
+        pod_spec(by_name(docs, "Deployment")["pdreg-router"])["containers"][0])
+        ).allow_upstream == default
+
+    copied = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copied, ignore=shutil.ignore_patterns(".env", "files"))
+    mine = tmp_path / "my-cluster"
+    mine.mkdir()
+    (mine / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [f"../deploy/k8s/{overlay}"],
+        "configMapGenerator": [{"name": "pdreg-network", "behavior": "merge",
+                                "literals": ["POD_CIDRS=10.244.0.0/16,2001:db8:42::/56"]}]}))
+    new_name, value = _router_networks(render(mine))
+    assert value == "10.244.0.0/16,2001:db8:42::/56" and new_name != name
 
 
 @overlays

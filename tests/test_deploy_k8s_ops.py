@@ -35,7 +35,6 @@ from deploy_support import (
     by_name,
     container_argv,
     engine_deployment,
-    engine_pair,
     env_of,
     is_pdreg,
     load_yaml,
@@ -64,10 +63,14 @@ OPERATORS = "pdreg-operators"
 SECRETS = K8S / "secrets"
 
 
+ALLOWLIST = "pdreg-allowed-clients"  # written by generate.sh: every allowed client key
+
+
 def _secret_keys() -> dict[str, set[str]]:
-    """Secret name -> keys, from deploy/k8s/secrets/kustomization.yaml's generators."""
+    """Secret name -> keys, from deploy/k8s/secrets/kustomization.yaml's generators, and
+    the allowlist generate.sh writes (one client key at first)."""
     kustomization = load_yaml(SECRETS / "kustomization.yaml")[0]
-    keys = {}
+    keys = {ALLOWLIST: {"client.key"}}
     for generator in kustomization["secretGenerator"]:
         keys[generator["name"]] = {entry.partition("=")[0] if "=" in entry
                                    else Path(entry).name for entry in generator["files"]}
@@ -75,12 +78,15 @@ def _secret_keys() -> dict[str, set[str]]:
 
 
 def _mounted_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """Path in the container -> (Secret, key), for every Secret file mounted."""
+    """Path in the container -> (Secret, key), for every Secret file mounted; a Secret
+    mounted whole (no items: every key it has) is (Secret, "*") at its mount path."""
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     files = {}
     for mount in container.get("volumeMounts", []):
         secret = volumes[mount["name"]].get("secret")
-        if secret:
+        if secret and "items" not in secret:
+            files[mount["mountPath"]] = (secret["secretName"], "*")
+        elif secret:
             for item in secret["items"]:
                 files[f"{mount['mountPath']}/{item['path']}"] = (secret["secretName"],
                                                                   item["key"])
@@ -102,15 +108,16 @@ def test_every_credential_is_a_mounted_secret_file(overlay: str) -> None:
     for pod, container in pdreg_containers(overlay):
         files = _mounted_files(pod, container)
         for secret, key in files.values():
-            assert key in keys[secret], f"{container['name']}: {secret}/{key} is not generated"
+            assert key == "*" or key in keys[secret], \
+                f"{container['name']}: {secret}/{key} is not generated"
         argv = container_argv(container)
         args = build_parser().parse_args(argv)
         for attribute, key in CREDENTIALS[argv[0]].items():
             path = getattr(args, attribute)
             assert files.get(path, (None, None))[1] == key, f"{argv[0]}: {attribute}={path}"
         if argv[0] == "registry":
-            allowed = {p.rpartition("/")[0]: k for p, (_, k) in files.items()}
-            assert allowed[args.allowed_clients] == "client.key"
+            # Every allowed client key at once (a rotation has two): the whole Secret.
+            assert files[args.allowed_clients] == (ALLOWLIST, "*")
         else:
             env = env_of(container)
             assert files[env["PDREG_REGISTRY_PUBLIC_KEY"]][1] == "registry.key"
@@ -118,7 +125,7 @@ def test_every_credential_is_a_mounted_secret_file(overlay: str) -> None:
         # Nothing a process does not need: the router never sees the admin token.
         mounted = {key for _, key in files.values()}
         needed = set(CREDENTIALS[argv[0]].values()) | (
-            {"client.key"} if argv[0] == "registry" else {"registry.key", "client.key_secret"})
+            {"*"} if argv[0] == "registry" else {"registry.key", "client.key_secret"})
         assert mounted == needed, f"{argv[0]} mounts {sorted(mounted - needed)} it does not use"
     for deployment in workloads(overlay):
         for container in pod_spec(deployment)["containers"]:
@@ -183,8 +190,9 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
         ("pdreg-registry", registry.ports["events"]): {"pdreg-router", "planner"},
         ("pdreg-registry", registry.ports["http"]): {"operator", "pdreg-prometheus"},
         ("pdreg-router", router.ports["http"]): set(pods),
-        # /metrics names members and engine URLs: Prometheus only.
-        ("pdreg-router", router.ports["metrics"]): {"pdreg-prometheus"},
+        # /metrics names members and engine URLs: Prometheus, and the planner, which
+        # reads the routers' latency there.
+        ("pdreg-router", router.ports["metrics"]): {"pdreg-prometheus", "planner"},
         (decode, engine.ports["http"]): {"pdreg-router", "pdreg-prometheus", prefill, decode},
         # KV transfer: NIXL's side channel, SGLang's bootstrap, Mooncake's data ports
         (decode, 5600): {prefill, decode},
@@ -230,31 +238,6 @@ def test_engines_spread_over_zones_and_nodes(overlay: str) -> None:
             assert selector_matches(constraint["labelSelector"], pod_labels(deployment))
             # Soft: a fleet on one node still schedules.
             assert constraint["whenUnsatisfiable"] == "ScheduleAnyway"
-
-
-@overlays
-def test_engine_pods_have_gpu_shared_memory_and_the_model_cache(overlay: str) -> None:
-    docs = render(K8S / overlay)
-    claims = by_name(docs, "PersistentVolumeClaim")
-    for role in ("prefill", "decode"):
-        pod = pod_spec(engine_deployment(overlay, role))
-        server, _ = engine_pair(overlay, role)
-        volumes = {v["name"]: v for v in pod["volumes"]}
-        mounts = {m["mountPath"]: volumes[m["name"]] for m in server["volumeMounts"]}
-        assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
-        # Default: a volume of the pod's own, ReadWriteOnce (every cluster offers it);
-        # fsGroup applied only when the volume's root does not have it yet.
-        template = mounts["/models"]["ephemeral"]["volumeClaimTemplate"]["spec"]
-        assert template["accessModes"] == ["ReadWriteOnce"]
-        assert not claims, "a shared claim by default: ReadWriteMany is the option"
-        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
-        assert env_of(server)["HF_HOME"].startswith("/models/")
-        assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    for deployment in objects(docs, "Deployment"):
-        for container in pod_spec(deployment)["containers"]:
-            resources = container["resources"]
-            assert resources["requests"]["cpu"] and resources["requests"]["memory"]
-            assert resources["limits"]["memory"], container["name"]
 
 
 # --- monitoring ---------------------------------------------------------------------
@@ -374,27 +357,3 @@ def test_engine_prestop_hook_matches_labels(tmp_path: Path) -> None:
                  ['sglang:http_requests_active{method="POST"}', "sglang:num_running_reqs"]]
     assert script["busy"](text, selectors) == 2.0
     assert script["busy"](text.replace("2.0", "0.0"), selectors) == 0.0
-
-
-@overlays
-def test_shared_model_cache_is_one_readwritemany_claim(overlay: str, tmp_path: Path) -> None:
-    """The shared-model-cache component: every engine pod mounts one RWX claim instead
-    of its own volume; nothing else changes."""
-    copied = tmp_path / "deploy"
-    shutil.copytree(DEPLOY, copied, ignore=shutil.ignore_patterns(".env", "files"))
-    path = copied / "k8s" / overlay / "kustomization.yaml"
-    kustomization = yaml.safe_load(path.read_text())
-    kustomization["components"].append("../shared-model-cache")
-    path.write_text(yaml.safe_dump(kustomization))
-    docs = render(copied / "k8s" / overlay)
-    [claim] = objects(docs, "PersistentVolumeClaim")
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-    assert claim["metadata"]["namespace"] == NAMESPACE
-    for role in ("prefill", "decode"):
-        deployment = by_name(docs, "Deployment")[f"{overlay}-{role}"]
-        volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
-        assert volumes["model-cache"] == {
-            "name": "model-cache",
-            "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
-    plain = render(K8S / overlay)
-    assert len(objects(docs, "Deployment")) == len(objects(plain, "Deployment"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -37,6 +37,7 @@ from deploy_support import (
     env_of,
     env_value,
     flag,
+    generate_secrets,
     grafana_to_promql,
     is_pdreg,
     pod_spec,
@@ -340,13 +341,6 @@ def test_image_healthcheck_fails_when_the_endpoint_does_not_answer() -> None:
 # --- the Kubernetes credential layout, used for real -------------------------------------
 
 
-def _generate_secrets(directory: Path) -> Path:
-    subprocess.run([str(K8S / "secrets/generate.sh"), str(directory)], check=True,
-                   timeout=60, capture_output=True,
-                   env={**os.environ, "PDREG": f"{sys.executable} -m pdreg"})
-    return directory
-
-
 def _pdreg_container(overlay: str, deployment: str) -> tuple[dict[str, Any], dict[str, Any]]:
     pod = pod_spec(workloads_by_name(render(K8S / overlay))[deployment])
     [container] = [c for c in pod["containers"] if is_pdreg(c)]
@@ -360,12 +354,11 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
             if isinstance(value, str) or "configMapKeyRef" in value}
 
 
-def _local_paths(pod: dict[str, Any], container: dict[str, Any], files: Path,
-                 work: Path) -> dict[str, str]:
-    """Each Secret directory the container mounts, built locally from the generated
-    files with just the items the manifest mounts: container path -> local path."""
-    generated = {p.name: p for p in files.iterdir() if p.is_file()}
-    generated |= {p.name: p for p in (files / "curve").iterdir()}
+def _local_paths(pod: dict[str, Any], container: dict[str, Any],
+                 secrets: Mapping[str, Mapping[str, bytes]], work: Path) -> dict[str, str]:
+    """Each Secret directory the container mounts, built locally from the rendered
+    Secrets with the items the manifest mounts (every key where it names none):
+    container path -> local path."""
     volumes = {v["name"]: v for v in pod["volumes"]}
     mapping = {}
     for mount in container["volumeMounts"]:
@@ -374,10 +367,16 @@ def _local_paths(pod: dict[str, Any], container: dict[str, Any], files: Path,
             continue
         local = work / container["name"] / mount["name"]
         local.mkdir(parents=True)
-        for item in secret["items"]:
-            (local / item["path"]).write_bytes(generated[item["key"]].read_bytes())
+        data = secrets[secret["secretName"]]
+        for item in secret.get("items") or [{"key": k, "path": k} for k in data]:
+            (local / item["path"]).write_bytes(data[item["key"]])
         mapping[mount["mountPath"]] = str(local)
     return mapping
+
+
+def _expanded(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) in ARGV (the router's $(POD_CIDRS), $(POD_IP))."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in argv]
 
 
 def _swap_paths(value: str, mapping: Mapping[str, str]) -> str:
@@ -393,7 +392,7 @@ def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
     as the sidecars are, each given only the Secret files its manifest mounts and the
     one PDREG_REGISTRY value: the engines register over CURVE with the fleet token at
     both registries, and the router serves clients that hold the API key and no others."""
-    files = _generate_secrets(tmp_path / "generated")
+    files, secrets = generate_secrets(tmp_path / "generated")
     loopback = Loopback()
     processes = Processes(tmp_path)
     registries = workloads_by_name(render(K8S / "vllm"))["pdreg-registry"]
@@ -402,9 +401,10 @@ def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
         for name in (*sorted(names), "pdreg-router"):
             pod, container = _pdreg_container(
                 "vllm", "pdreg-registry" if name in names else name)
-            mapping = _local_paths(pod, container, files, tmp_path / name)
-            argv = [_swap_paths(a, mapping).replace("$(POD_IP)", "127.0.0.1")
-                    for a in loopback.argv(name, container_argv(container))]
+            mapping = _local_paths(pod, container, secrets, tmp_path / name)
+            argv = [_swap_paths(a, mapping) for a in loopback.argv(
+                name, _expanded(container_argv(container),
+                                {**_env(container), "POD_IP": "127.0.0.1"}))]
             env = {k: _swap_paths(loopback.value(v, names), mapping)
                    for k, v in _env(container).items()}
             processes.start(name, argv, env)
@@ -414,7 +414,7 @@ def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
                                   WAIT_S), name
         # Reference engines with the sidecar's credentials (a real vLLM cannot run here).
         pod, sidecar = _pdreg_container("vllm", "vllm-decode")
-        mapping = _local_paths(pod, sidecar, files, tmp_path / "engines")
+        mapping = _local_paths(pod, sidecar, secrets, tmp_path / "engines")
         env = {k: _swap_paths(loopback.value(v, names), mapping)
                for k, v in _env(sidecar).items()}
         assert env["PDREG_REGISTRY"].count(",") == len(names) - 1, env["PDREG_REGISTRY"]

@@ -1,9 +1,11 @@
-"""deploy/keda stays honest: rendered by kubectl's own kustomize (the vLLM overlay plus
-the planner and the ScaledObjects), the planner's command line parses with the real CLI,
-runs as the image's numeric user with the Secrets it reads, listens where its probes and
-scrape annotations look, and may reach the registry under the base NetworkPolicy; each
-ScaledObject scales a Deployment of the same rendering on a gauge the planner really
-exposes, for that Deployment's model and role, within the planner's own bounds."""
+"""deploy/keda, the production overlay, stays honest: rendered by kubectl's own kustomize
+(the vLLM overlay plus the planner and the ScaledObjects), the planner's command line
+parses with the real CLI, runs as the image's numeric user with the Secrets it reads,
+listens where its probes and scrape annotations look, and may reach the registry and the
+routers' metrics port under the NetworkPolicies; each ScaledObject scales a Deployment of
+the same rendering on a gauge the planner really exposes, for that Deployment's model and
+role, within the planner's own bounds, and falls back to the current replicas; Prometheus
+keeps its data on a claim."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import re
 from typing import Any
 
 from deploy_policy import (
+    Pod,
     hardening_errors,
+    ingress_allowed,
     run_as_non_root_errors,
-    selector_matches,
     unreadable_files,
 )
 from deploy_support import (
@@ -22,9 +25,11 @@ from deploy_support import (
     by_name,
     image_user,
     image_user_spec,
+    named_ports,
     pod_labels,
     pod_spec,
     render,
+    workloads_by_name,
 )
 
 from pdreg.cli import build_parser
@@ -112,12 +117,65 @@ def test_planner_pod_runs_as_the_images_user_with_its_secrets() -> None:
         assert path and any(path.startswith(m + "/") for m in mounted), path
 
 
-def test_network_policy_lets_the_planner_reach_the_registry() -> None:
-    labels = pod_labels(objects("Deployment")["pdreg-planner"])
-    policy = objects("NetworkPolicy")["pdreg-registry"]
-    allowed = [rule for rule in policy["spec"]["ingress"]
-               if any("podSelector" in peer and "namespaceSelector" not in peer
-                      and selector_matches(peer["podSelector"], labels)
-                      for peer in rule["from"])]
-    assert {port["port"] for rule in allowed for port in rule["ports"]} == {
-        "control", "events"}
+def _pods() -> dict[str, Pod]:
+    docs = rendered()
+    return {name: Pod(NAMESPACE, pod_labels(d), named_ports(pod_spec(d)))
+            for name, d in workloads_by_name(docs).items()}
+
+
+def test_network_policy_lets_the_planner_reach_the_registry_and_the_routers_metrics() -> None:
+    """The planner registers and watches (registry control and events), and reads every
+    router's /metrics on the port the router advertises (--metrics-port); nothing else."""
+    policies = objects("NetworkPolicy").values()
+    pods = _pods()
+    planner, registry, router = pods["pdreg-planner"], pods["pdreg-registry"], pods["pdreg-router"]
+    reach = {(target, port): ingress_allowed(policies, planner, pods[target], number)
+             for target, port, number in [
+                 ("pdreg-registry", "control", registry.ports["control"]),
+                 ("pdreg-registry", "events", registry.ports["events"]),
+                 ("pdreg-registry", "http", registry.ports["http"]),
+                 ("pdreg-router", "metrics", router.ports["metrics"]),
+                 ("pdreg-router", "http", router.ports["http"]),
+                 ("vllm-prefill", "http", pods["vllm-prefill"].ports["http"])]}
+    assert reach == {("pdreg-registry", "control"): True, ("pdreg-registry", "events"): True,
+                     ("pdreg-registry", "http"): False, ("pdreg-router", "metrics"): True,
+                     ("pdreg-router", "http"): True, ("vllm-prefill", "http"): False}
+    # Prometheus scrapes the planner; KEDA's namespace queries Prometheus.
+    keda = Pod("keda", {"app": "keda-operator"})
+    prometheus = pods["pdreg-prometheus"]
+    assert ingress_allowed(policies, prometheus, planner, planner.ports["http"])
+    assert ingress_allowed(policies, keda, prometheus, prometheus.ports["http"])
+    assert not ingress_allowed(policies, keda, planner, planner.ports["http"])
+
+
+def test_keda_falls_back_to_the_current_replicas_not_a_fixed_count() -> None:
+    """After failed queries (Prometheus or the planner gone) the fleet stays as it is:
+    KEDA's `fallback.behavior: currentReplicas` (KEDA 2.17+), which KEDA applies only to
+    AverageValue metrics; "no data" must count as a failure, never as 0 replicas."""
+    for name, obj in objects("ScaledObject").items():
+        fallback = obj["spec"]["fallback"]
+        assert fallback["behavior"] == "currentReplicas", name
+        assert fallback["failureThreshold"] >= 1 and fallback["replicas"] >= 1, name
+        (trigger,) = obj["spec"]["triggers"]
+        assert trigger["metricType"] == "AverageValue", name
+        assert trigger["metadata"]["ignoreNullValues"] == "false", name
+
+
+def test_prometheus_keeps_its_data_on_a_claim_in_the_production_overlay() -> None:
+    docs = rendered()
+    claim = objects("PersistentVolumeClaim")["pdreg-prometheus-data"]
+    assert claim["metadata"]["namespace"] == NAMESPACE
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    deployment = workloads_by_name(docs)["pdreg-prometheus"]
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # one RWO volume
+    pod = pod_spec(deployment)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [data] = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/prometheus"]
+    assert volumes[data["name"]] == {"name": data["name"], "persistentVolumeClaim": {
+        "claimName": claim["metadata"]["name"]}}
+    args = pod["containers"][0]["args"]
+    assert "--storage.tsdb.path=/prometheus" in args
+    retention_gb = float(next(a for a in args if a.startswith("--storage.tsdb.retention.size="))
+                         .split("=")[1].removesuffix("GB"))
+    assert retention_gb < float(claim["spec"]["resources"]["requests"]["storage"]
+                                .removesuffix("Gi")), "retention must leave room for the WAL"

@@ -15,7 +15,7 @@ from planner.inputs import fleet_of, routers_of
 from planner.scrape import ScrapeError, metrics_url, parse_router_metrics
 from planner.smoothing import LoadMeans, MeanLoad
 from router.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S, RouterMetrics
-from wire.protocol import Load, MemberState, Role
+from wire.protocol import Endpoints, Load, MemberState, Role
 
 INF = math.inf
 
@@ -140,11 +140,28 @@ def test_a_bad_page_is_an_error_not_a_crash(page: str) -> None:
     ("file:///etc/passwd", False),
 ])
 def test_metrics_url_refuses_what_a_member_must_not_point_at(url: str, ok: bool) -> None:
-    if ok:
-        assert metrics_url(url).endswith("/metrics")
-    else:
-        with pytest.raises(ScrapeError):
-            metrics_url(url)
+    """Whether it advertises the URL itself (`metrics`) or only its API address."""
+    for endpoints in (Endpoints(http=url), Endpoints(http="http://10.0.0.5:8000",
+                                                     metrics=f"{url}/metrics")):
+        if ok:
+            assert metrics_url(endpoints).endswith("/metrics")
+        else:
+            with pytest.raises(ScrapeError):
+                metrics_url(endpoints)
+
+
+@pytest.mark.parametrize(("endpoints", "expected"), [
+    # A router with --metrics-port advertises where its page is: that is what is read.
+    (Endpoints(http="http://10.0.0.5:8000", metrics="http://10.0.0.5:9100/metrics"),
+     "http://10.0.0.5:9100/metrics"),
+    # An older router (or one without --metrics-port) serves it on its API port.
+    (Endpoints(http="http://10.0.0.5:8000"), "http://10.0.0.5:8000/metrics"),
+    (Endpoints(http="http://[fd00::5]:8000", metrics="http://[fd00::5]:9100/metrics"),
+     "http://[fd00::5]:9100/metrics"),
+])
+def test_metrics_url_is_the_advertised_one_else_the_api_address(
+        endpoints: Endpoints, expected: str) -> None:
+    assert metrics_url(endpoints) == expected
 
 
 # --- membership ---------------------------------------------------------------------------

@@ -31,7 +31,6 @@ FAST_RULE = RuleConfig(scale_down_window_s=0.0, latency_window_s=1.0,
 
 @pytest.fixture
 def router_metrics() -> Iterator[FakeRouterMetrics]:
-    """A real HTTP server answering /metrics as a router does (what the planner scrapes)."""
     with FakeRouterMetrics() as server:
         yield server
 
@@ -127,32 +126,67 @@ def test_itl_is_the_mean_gap_of_the_window(router_metrics: FakeRouterMetrics) ->
     assert shown and float(shown.group(1)) == pytest.approx(0.068)
 
 
-def test_an_unreachable_router_holds_every_decision_and_says_so(
+def test_a_router_that_cannot_be_read_is_left_out_and_the_others_decide(
         router_metrics: FakeRouterMetrics) -> None:
+    """Router A stops answering: within --router-stale-after its last figures still
+    count; past it, A is left out (a metric, a log line) and B's figures decide. Nothing
+    freezes: the idle fleet scales down on B's word."""
+    with FakeRouterMetrics() as other:
+        view = HandView()
+        members = fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8))
+        router_b = member("router-b", Role.API_SERVER, model="", protocol="openai",
+                          http=other.url)
+        view.set(*members, router_b)
+        config = PlannerConfig(rule=FAST_RULE, load_window_s=0.0, router_stale_after_s=5.0)
+        loop = PlanningLoop(config, view)
+        assert entry(rounds(loop, [0.0]), Role.PREFILL).decision.desired == 3
+        router_metrics.status = 500
+        view.set(*fleet(router_metrics.url, prefill_load=Load()), router_b)  # idle now
+        stale = rounds(loop, [1.0])
+        assert entry(stale, Role.PREFILL).decision.desired == 1
+        assert not any(e.decision.holding for e in stale.entries)
+        assert any("router-a" in p and "HTTP 500" in p for p in stale.problems)
+        assert 'pdreg_planner_routers{standing="stale"} 1.0' in loop.metrics.render().decode()
+
+        left_out = rounds(loop, [7.0])
+        assert not any(e.decision.holding for e in left_out.entries)
+        text = loop.metrics.render().decode()
+        assert 'pdreg_planner_routers{standing="left_out"} 1.0' in text
+        assert 'pdreg_planner_routers{standing="read"} 1.0' in text
+        assert 'pdreg_planner_input_errors_total{kind="router_unreachable"} 2.0' in text
+
+        router_metrics.status, router_metrics.body = 200, b"garbage {{{"
+        rounds(loop, [8.0])
+        assert 'kind="router_bad_metrics"' in loop.metrics.render().decode()
+
+        router_metrics.body = None
+        recovered = rounds(loop, [9.0])
+        assert not recovered.problems
+        assert 'pdreg_planner_routers{standing="read"} 2.0' in loop.metrics.render().decode()
+
+
+def test_with_no_router_readable_load_scales_up_but_nothing_scales_down(
+        router_metrics: FakeRouterMetrics, caplog: pytest.LogCaptureFixture) -> None:
     view = HandView()
     view.set(*fleet(router_metrics.url, prefill_load=Load(running=8, waiting=8)))
-    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0), view)
+    loop = PlanningLoop(PlannerConfig(rule=FAST_RULE, load_window_s=0.0,
+                                      router_stale_after_s=0.5), view)
     assert entry(rounds(loop, [0.0]), Role.PREFILL).decision.desired == 3
     router_metrics.status = 500
-    view.set(*fleet(router_metrics.url, prefill_load=Load()))  # idle now, but the router is dark
-    held = rounds(loop, [1.0])
-    for role in (Role.PREFILL, Role.DECODE):
-        assert entry(held, role).decision.holding
-    assert entry(held, Role.PREFILL).decision.desired == 3
-    assert any("router-a" in p and "HTTP 500" in p for p in held.problems)
+    view.set(*fleet(router_metrics.url, prefill_load=Load()))  # idle, but the only router is dark
+    with caplog.at_level("INFO", logger="planner.tick"):
+        held = rounds(loop, [1.0])
+    assert any("router left out id=router-a" in r.message for r in caplog.records)
+    prefill = entry(held, Role.PREFILL).decision
+    assert (prefill.desired, prefill.holding) == (3, True)
+    assert "no scale-down" in prefill.why and "latency users get is unknown" in prefill.why
     text = loop.metrics.render().decode()
     assert 'pdreg_planner_holding{model="tiny",role="prefill"} 1.0' in text
-    assert 'pdreg_planner_input_errors_total{kind="router_unreachable"} 1.0' in text
-
-    router_metrics.status, router_metrics.body = 200, b"garbage {{{"
-    garbled = rounds(loop, [2.0])
-    assert entry(garbled, Role.PREFILL).decision.holding
-    assert 'kind="router_bad_metrics"' in loop.metrics.render().decode()
-
-    router_metrics.body = None
-    recovered = rounds(loop, [3.0])
-    assert not recovered.problems
-    assert entry(recovered, Role.PREFILL).decision.desired == 1
+    assert 'pdreg_planner_input_errors_total{kind="no_router_readable"} 1.0' in text
+    # Busier than ever: the registry's load figures still scale prefills up.
+    view.set(*fleet(router_metrics.url, prefill_load=Load(running=24, waiting=24)))
+    busier = entry(rounds(loop, [2.0]), Role.PREFILL).decision
+    assert busier.desired == 8 and not busier.holding
 
 
 def test_a_suspect_member_holds_its_role_only(router_metrics: FakeRouterMetrics) -> None:

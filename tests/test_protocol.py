@@ -170,6 +170,14 @@ def test_ids_are_strict(member_id):
     ({"endpoints": Endpoints(http="http://[fe80::1]:80")}, "link-local"),
     ({"endpoints": Endpoints(http="http://h:1", kv_host="169.254.1.1")}, "link-local"),
     ({"endpoints": Endpoints(http="http://user:pw@h:1")}, "credentials"),
+    # The advertised /metrics URL (a router's --metrics-port) is held to the same rules.
+    ({"endpoints": Endpoints(http="http://h:1", metrics="ftp://h:2/metrics")},
+     "endpoints.metrics"),
+    ({"endpoints": Endpoints(http="http://h:1", metrics="http://169.254.169.254/m")},
+     "link-local"),
+    ({"endpoints": Endpoints(http="http://h:1", metrics="http://u:p@h:2/metrics")},
+     "credentials"),
+    ({"endpoints": Endpoints(http="http://h:1", metrics="http://h:2/metrics?x=1")}, "query"),
     ({"model": "a\x00b"}, "printable"),
     ({"model": "line\nbreak"}, "printable"),
     ({"labels": {"zone": "a\x1b[31m"}}, "printable"),
@@ -180,6 +188,26 @@ def test_semantic_validation(change, problem):
     bad = msgspec.structs.replace(SPEC, **change)
     assert problem in (validate_spec(bad) or "")
     assert validate_spec(SPEC) is None
+
+
+def test_a_spec_without_a_metrics_url_is_what_old_members_send():
+    """`metrics` is optional and omitted when empty: an old member's spec decodes as
+    before, and a new one's decodes where the field is unknown (a map, not an array)."""
+    assert "metrics" not in msgspec.to_builtins(SPEC.endpoints)
+    advertised = msgspec.structs.replace(
+        SPEC, endpoints=Endpoints(http="http://10.0.0.5:8100",
+                                  metrics="http://10.0.0.5:9100/metrics"))
+    assert validate_spec(advertised) is None
+
+    class OldEndpoints(msgspec.Struct, frozen=True, omit_defaults=True):
+        http: str
+        kv_host: str = ""
+        kv_port: int = 0
+        bootstrap_port: int = 0
+
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(advertised.endpoints),
+                                 type=OldEndpoints)
+    assert old.http == "http://10.0.0.5:8100"
 
 
 def test_encoder_never_pickles():

@@ -136,6 +136,7 @@ class Endpoints(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     kv_host: Host = ""
     kv_port: Port = 0
     bootstrap_port: Port = 0
+    metrics: Url = ""  # its /metrics URL when not {http}/metrics (--metrics-port); "": there
 
 
 class Parallel(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -462,8 +463,7 @@ def event_decoder() -> msgspec.msgpack.Decoder[Event]:
 # --- P/D handshakes (appended by the router's owner; one definition for every part) ------
 
 
-# The `protocol` of a router's api_server member: what it speaks to its clients. The
-# planner finds the routers whose metrics it reads by it.
+# A router's api_server `protocol` (what it speaks to clients): the planner finds routers by it.
 ROUTER_PROTOCOL: Final = "openai"
 
 

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from wire.protocol import MemberSpec, Role
 
-__all__ = ["validate_member_id", "validate_spec"]
+__all__ = ["url_host", "validate_member_id", "validate_spec"]
 
 # The whole text must match (`\Z`; `$` would let a trailing newline through). Ids: no `/`
 # (they are URL path segments in the HTTP API), nothing a terminal or log would misread.
@@ -55,23 +55,16 @@ def validate_spec(spec: MemberSpec) -> str | None:
         return problem
     if not _PROTOCOL_OK.fullmatch(spec.protocol):
         return f"protocol {spec.protocol!r} must be lower-case letters, digits and ._-"
-    url = spec.endpoints.http
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"endpoints.http {url!r} is not a URL: {exc}"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"endpoints.http {url!r} must be http(s)://host[:port]"
-    if not _HOST_OK.fullmatch(parts.hostname) or not url.isprintable():
-        return f"endpoints.http {url!r} has an invalid host"
-    if port == 0:
-        return f"endpoints.http {url!r} has port 0"
-    if parts.query or parts.fragment or parts.username or parts.password:
-        return f"endpoints.http {url!r} must not carry a query or fragment or credentials"
-    for host in (parts.hostname, spec.endpoints.kv_host):
-        if _is_link_local(host):
-            return f"address {host!r} is link-local (instance metadata lives there)"
+    problem = _problem_with_http_url("endpoints.http", spec.endpoints.http)
+    if spec.endpoints.metrics:
+        # Scraped by the planner (and named to Prometheus): the same rules as `http`.
+        problem = problem or _problem_with_http_url("endpoints.metrics",
+                                                    spec.endpoints.metrics)
+    if problem:
+        return problem
+    if _is_link_local(spec.endpoints.kv_host):
+        return (f"address {spec.endpoints.kv_host!r} is link-local (instance metadata "
+                "lives there)")
     if spec.role is not Role.API_SERVER and not spec.model:
         return "model must be set for engine roles"
     p = spec.parallel
@@ -87,6 +80,32 @@ def validate_spec(spec: MemberSpec) -> str | None:
         if not spec.kv_events.topic.isprintable():
             return "kv_events.topic must be printable text"
     return None
+
+
+def _problem_with_http_url(name: str, url: str) -> str | None:
+    """An advertised HTTP address: http(s)://host[:port][/path], no credentials, query
+    or fragment, never link-local."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"{name} {url!r} is not a URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{name} {url!r} must be http(s)://host[:port]"
+    if not _HOST_OK.fullmatch(parts.hostname) or not url.isprintable():
+        return f"{name} {url!r} has an invalid host"
+    if port == 0:
+        return f"{name} {url!r} has port 0"
+    if parts.query or parts.fragment or parts.username or parts.password:
+        return f"{name} {url!r} must not carry a query or fragment or credentials"
+    if _is_link_local(parts.hostname):
+        return f"address {parts.hostname!r} is link-local (instance metadata lives there)"
+    return None
+
+
+def url_host(host: str) -> str:
+    """HOST as it goes into a URL: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _problem_with_zmq_endpoint(name: str, address: str) -> str | None:

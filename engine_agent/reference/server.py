@@ -2,8 +2,9 @@
 
 aiohttp.web on the event loop; request bodies are decoded and responses encoded with
 msgspec. Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-and for sglang-router / vllm-router start-up: /server_info (/get_server_info),
-/model_info (/get_model_info), /version, /health_generate.
+/ready (SGLang's readiness, for a sidecar or a pod probe that asks it), and for
+sglang-router / vllm-router start-up: /server_info (/get_server_info), /model_info
+(/get_model_info), /version, /health_generate.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class EngineServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
-        for path in ("/health", "/health_generate"):
+        # /ready: SGLang's cheap readiness check, which its pods' probes and the sidecar
+        # ask first (they fall back to /health only on 404).
+        for path in ("/health", "/health_generate", "/ready"):
             app.router.add_get(path, self.health)
         for path in ("/server_info", "/get_server_info"):
             app.router.add_get(path, self.server_info)

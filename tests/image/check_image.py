@@ -4,9 +4,12 @@ No container daemon and no container registry are needed, only root and buildah:
 
 1. base   the Dockerfile's FROM (python:3.11-slim), built locally behind a stamp
           (tests/image/build-base.sh);
-2. build  `buildah bud --isolation chroot` of deploy/Dockerfile, as a user builds it, with
-          the package indexes this machine's pip uses passed as PIP_INDEX_URL /
-          PIP_EXTRA_INDEX_URL (a local file:// index served over loopback meanwhile);
+2. build  deploy/Dockerfile as `make image` builds it (deploy/build_image.py: `buildah
+          bud --isolation chroot`, the package indexes this machine's pip uses passed as
+          PIP_INDEX_URL / PIP_EXTRA_INDEX_URL), with BASE = that local base (the
+          Dockerfile pins the official one by digest; no registry to pull it from here);
+          every package from the hashed locks (pip --require-hashes);
+   archive the OCI archive `make image` writes: its reported digest is its manifest's;
 3. run    the image's rootfs mounted (`buildah mount`); each process runs in it the way
           a pod's container does: its own PID and mount namespaces, chroot, the image's
           USER (10001:10001), ENV and WORKDIR, a read-only root with an emptyDir /tmp,
@@ -28,8 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import http.server
+import hashlib
 import json
 import os
 import re
@@ -37,29 +39,28 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
-import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "deploy")]
 
+from build_image import build, write_archive  # noqa: E402
 from deploy_support import (  # noqa: E402  (after the path that finds it)
     COMPOSE_ENV,
-    DEPLOY,
     K8S,
     by_name,
     compose,
     compose_command,
     flag,
+    generate_secrets,
     is_pdreg,
     pod_spec,
     pyproject_packages,
@@ -103,68 +104,31 @@ def sh(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 # --- build ------------------------------------------------------------------------------
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def served_index(directory: Path) -> Iterator[str]:
-    """A file:// package index (DIRECTORY/simple, links relative to DIRECTORY) served over
-    HTTP on 127.0.0.1 for the build's pip: chroot isolation shares this network, not
-    this disk. Yields the index URL."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def pip_index_args(stack: contextlib.ExitStack) -> list[str]:
-    """--build-arg for the indexes this machine's pip uses (env first, then pip's config):
-    http(s) as they are, a local file://.../simple index served over loopback while the
-    build runs."""
-    args = []
-    for name, key in (("PIP_INDEX_URL", "global.index-url"),
-                      ("PIP_EXTRA_INDEX_URL", "global.extra-index-url")):
-        value = os.environ.get(name)
-        if value is None:
-            got = subprocess.run([sys.executable, "-m", "pip", "config", "get", key],
-                                 capture_output=True, text=True)
-            value = got.stdout.strip() if got.returncode == 0 else ""
-        urls = []
-        for url in value.split():
-            local = Path(urllib.parse.urlsplit(url).path)
-            if url.startswith(("http://", "https://")):
-                urls.append(url)
-            elif url.startswith("file://") and local.name == "simple" and local.is_dir():
-                urls.append(stack.enter_context(served_index(local.parent)))
-        if urls:
-            args += ["--build-arg", f"{name}={' '.join(urls)}"]
-    shown = " ".join(args[1::2]) or "pip's default"
-    log(f"pip index for the build: {shown}")
-    return args
+BASE_STAND_IN = "docker.io/library/python:3.11-slim"  # what build-base.sh commits
 
 
 def build_image(image: str) -> None:
-    with contextlib.ExitStack() as stack:
-        result = subprocess.run(
-            # --no-cache: buildah's layer cache does not key a RUN on what it bind-mounts
-            # from another stage, so a cached install step would keep the previous wheel.
-            # --format docker: OCI image configs have no HEALTHCHECK.
-            ["buildah", "bud", "--isolation", "chroot", "--format", "docker",
-             "--pull=never", "--no-cache", "-f", str(DEPLOY / "Dockerfile"),
-             "--ignorefile", str(DEPLOY / "Dockerfile.dockerignore"),
-             *pip_index_args(stack), "-t", image, str(REPO)],
-            capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise SystemExit(f"buildah bud failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
-    # The image this replaced is left untagged: drop it, or every run keeps one more.
-    subprocess.run(["buildah", "rmi", "--prune"], capture_output=True)
+    """deploy/Dockerfile built as `make image` builds it, on the local stand-in for its
+    digest-pinned base (no registry here to pull that from)."""
+    build(image, base=BASE_STAND_IN, pull="never")
+
+
+def check_archive(image: str, scratch: Path) -> str:
+    """`make image`'s OCI archive of IMAGE: the digest it reports is the manifest's
+    content address, and the manifest names the image's config and layers."""
+    archive, digest = write_archive(image, scratch / "archive")
+    with tarfile.open(archive) as tar:
+        index = json.load(tar.extractfile("index.json"))  # type: ignore[arg-type]
+        [entry] = index["manifests"]
+        algorithm, _, hexdigest = entry["digest"].partition(":")
+        blob = tar.extractfile(f"blobs/{algorithm}/{hexdigest}")
+        manifest = blob.read() if blob is not None else b""
+    if entry["digest"] != digest or hashlib.sha256(manifest).hexdigest() != hexdigest:
+        raise SystemExit(f"OCI archive {archive}: digest {digest}, index says "
+                         f"{entry['digest']}")
+    layers = json.loads(manifest)["layers"]
+    log(f"OCI archive {archive.name}: {len(layers)} layers, digest {digest}")
+    return digest
 
 
 def image_config(image: str) -> dict[str, Any]:
@@ -246,23 +210,6 @@ class Process:
 # --- Secrets and pod specs, as the kubelet would lay them out ---------------------------
 
 
-def generate_secrets(directory: Path) -> dict[str, dict[str, bytes]]:
-    """The Secrets deploy/k8s/secrets makes (its generate.sh, its secretGenerator), from
-    credentials generated into DIRECTORY instead of files/."""
-    pdreg = Path(sys.executable).parent / "pdreg"
-    sh([str(K8S / "secrets/generate.sh"), str(directory)], env={**os.environ, "PDREG": str(pdreg)})
-    kustomization = yaml.safe_load((K8S / "secrets/kustomization.yaml").read_text())
-    secrets: dict[str, dict[str, bytes]] = {}
-    for generator in kustomization["secretGenerator"]:
-        data = {}
-        for entry in generator["files"]:
-            key, _, path = entry.rpartition("=")
-            relative = Path(path).relative_to("files")
-            data[key or relative.name] = (directory / relative).read_bytes()
-        secrets[generator["name"]] = data
-    return secrets
-
-
 def volume_mounts(pod: dict[str, Any], container: dict[str, Any],
                   secrets: dict[str, dict[str, bytes]], scratch: Path) -> list[Mount]:
     """CONTAINER's volumeMounts as host directories: each Secret volume's items written
@@ -289,15 +236,21 @@ def volume_mounts(pod: dict[str, Any], container: dict[str, Any],
     return mounts
 
 
-def container_env(container: dict[str, Any]) -> dict[str, str]:
-    """CONTAINER's env as the kubelet sets it: downward-API fields filled in and
-    $(NAME) references to earlier variables expanded."""
+def container_env(container: dict[str, Any],
+                  config_maps: dict[str, dict[str, Any]] | None = None) -> dict[str, str]:
+    """CONTAINER's env as the kubelet sets it: downward-API fields and ConfigMap keys
+    (of CONFIG_MAPS, by name) filled in and $(NAME) references to earlier variables
+    expanded."""
     env: dict[str, str] = {}
     for item in container.get("env", []):
+        source = item.get("valueFrom", {})
         if "value" in item:
             env[item["name"]] = expand(item["value"], env)
-        elif "fieldRef" in item.get("valueFrom", {}):
-            env[item["name"]] = DOWNWARD[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "fieldRef" in source:
+            env[item["name"]] = DOWNWARD[source["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in source and config_maps is not None:
+            ref = source["configMapKeyRef"]
+            env[item["name"]] = str(config_maps[ref["name"]]["data"][ref["key"]])
     return env
 
 
@@ -419,7 +372,7 @@ def check_help(image: Image) -> None:
 
 
 def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
-    secrets = generate_secrets(scratch / "credentials")
+    _, secrets = generate_secrets(scratch / "credentials")
     docs = render(K8S / OVERLAY)
     workloads = {**by_name(docs, "Deployment"), **by_name(docs, "StatefulSet")}
     registry_pod = pod_spec(workloads["pdreg-registry"])
@@ -463,15 +416,15 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
             cluster.wait_http(engine, "/health")
 
         # The router: its manifest's args and env, port moved, pointed at the registry.
-        argv, ports = with_ports([expand(str(a), container_env(router_container))
-                                  for a in router_container["args"]],
+        router_env = container_env(router_container, by_name(docs, "ConfigMap"))
+        argv, ports = with_ports([expand(str(a), router_env) for a in router_container["args"]],
                                  ("--port", "--metrics-port"))
         # The engines answer on loopback here, where a cluster has its pod network: the
         # manifest's allowance plus loopback.
         argv = replaced(argv, "--allow-upstream",
                         f"{flag(argv, '--allow-upstream')},127.0.0.0/8")
         router = cluster.run(
-            "router", argv, {**container_env(router_container), "PDREG_REGISTRY": registry_address},
+            "router", argv, {**router_env, "PDREG_REGISTRY": registry_address},
             volume_mounts(router_pod, router_container, secrets, scratch / "volumes"),
             ports["--port"])
         cluster.wait_http(router, "/health")
@@ -545,6 +498,8 @@ def main() -> int:
         sh([str(REPO / "tests/image/build-base.sh")], timeout=900)
     with timed("image build", times):
         build_image(args.image)
+    with timed("OCI archive", times), tempfile.TemporaryDirectory() as archives:
+        check_archive(args.image, Path(archives))
     config = image_config(args.image)
     container = sh(["buildah", "from", "--pull-never", args.image]).stdout.strip()
     try:
