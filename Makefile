@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 .PHONY: venv demo test lint test-vllm test-sglang test-image test-cluster image lock bench \
 	clean deploy-tools
 
-$(STAMP): pyproject.toml
+# The runtime dependencies install at the versions deploy/requirements.lock pins (the
+# image's), so the suite always tests what the image ships, whatever PyPI released since.
+$(STAMP): pyproject.toml deploy/requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	sed -n 's/^\([A-Za-z0-9_.-]*==[^ ]*\).*/\1/p' deploy/requirements.lock > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

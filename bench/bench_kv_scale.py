@@ -247,7 +247,7 @@ class Router:
 
     def summary(self) -> dict[str, object]:
         index = self.index
-        gaps, replays, losses = index.totals()
+        gaps, replays, losses = index.published.totals()
         return {"blocks_indexed": index.total_blocks(),
                 "index_states": {s.value: sum(m.state is s for m in index.members.values())
                                  for s in IndexState},

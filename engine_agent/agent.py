@@ -110,8 +110,8 @@ class Agent:
         self._kv_reports: queue.SimpleQueue[list[KvIndexEntry]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stop_lock = threading.Lock()
-        # A socket pair, not os.pipe(): once closed, a late wake-up fails on the object
-        # instead of writing to a descriptor number the process may have reused.
+        # A socket pair, not os.pipe(): once closed (under `_stop_lock`, which sends take),
+        # a late wake-up fails on the object, not on a descriptor the process reused.
         self._wake_rx, self._wake_tx = socket.socketpair()
         self._wake_rx.setblocking(False)
         self._wake_tx.setblocking(False)
@@ -303,8 +303,7 @@ class Agent:
         for link in plan.links:
             if link.socket is not None:
                 poller.register(link.socket, zmq.POLLIN)
-        # Rounded up: pyzmq truncates to whole milliseconds, and a 0 would spin the loop
-        # through the last millisecond before every heartbeat.
+        # Rounded up: pyzmq truncates to whole ms (a 0 spins the last ms before a beat).
         events = dict(poller.poll(math.ceil(max(0.0, plan.timeout_s) * 1000)))
         if wake_fd in events:
             self._drain_wake()
@@ -423,7 +422,7 @@ class Agent:
 
     def _wake(self) -> None:
         # A full buffer means a wake-up is pending anyway; a closed one means we stopped.
-        with contextlib.suppress(OSError):
+        with self._stop_lock, contextlib.suppress(OSError):
             self._wake_tx.send(b"\0")
 
     def _drain_wake(self) -> None:
@@ -431,5 +430,6 @@ class Agent:
             self._wake_rx.recv(4096)
 
     def _close_wake(self) -> None:
-        self._wake_rx.close()
-        self._wake_tx.close()
+        with self._stop_lock:
+            self._wake_rx.close()
+            self._wake_tx.close()

@@ -14,9 +14,10 @@ import zmq
 
 from registry import sessions
 from registry.security import ClientCurve
+from wire.limits import MAX_NAME_CHARS
 from wire.protocol import Snapshot, Sync, make_encoder, reply_decoder
 
-__all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "http_base", "parse_registries",
+__all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "http_base", "parse_models", "parse_registries",
            "request_snapshot"]
 
 DEFAULT_REGISTRY = "127.0.0.1:7600"
@@ -79,3 +80,15 @@ def http_base(address: str, snapshot: Snapshot, scheme: str = "http") -> str:
     if not snapshot.http_port:
         raise RuntimeError(f"registry {address} runs without HTTP")
     return f"{scheme}://{address.rpartition(':')[0]}:{snapshot.http_port}"
+
+
+def parse_models(text: str) -> tuple[str, ...]:
+    """`A,B` -> ("A", "B"): the models a view subscribes to (empty: every model).
+
+    Raises ValueError on a name no member could have (the registry refuses those)."""
+    models = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    for model in models:
+        if len(model) > MAX_NAME_CHARS or not model.isprintable():
+            raise ValueError(f"model {model[:40]!r}: at most {MAX_NAME_CHARS} printable "
+                             f"characters")
+    return models

@@ -4,11 +4,12 @@ Per registry the view keeps one link through these states:
 
     SYNCING   Sync sent on the DEALER; events already arriving on the SUB are buffered
     LIVE      snapshot applied; events applied in version order; digests refresh loads
-    AWAY      nothing heard for a few intervals: the last view is kept, Sync retried
+    AWAY      silent past its lease: out of the merge, Sync retried
 
 Subscribe first, then ask for the snapshot (ZeroMQ Guide ch. 5). What a link holds and
-how snapshots and events apply to it is `registry.replica.Replica`, pure state; this
-module owns the sockets, the timers and the merge of several registries.
+how snapshots and events apply to it is `registry.replica.Replica`, and how several
+registries make one view is `registry.merge.Merge`, both pure state; this module owns
+the sockets and the timers.
 
 A view syncs once on start: the first snapshot names the event port, so the view
 subscribes then and applies that same snapshot. A change published before the
@@ -39,13 +40,15 @@ from registry.addresses import (
     DEFAULT_REGISTRY,
     REGISTRY_ENV,
     http_base,
+    parse_models,
     parse_registries,
     request_snapshot,
 )
 from registry.frozen_map import FrozenMap
+from registry.merge import Merge
 from registry.replica import Applied, LiveMember, Replica
 from registry.security import ClientCurve
-from wire.limits import MAX_NAME_CHARS
+from registry.teardown import Teardown
 from wire.protocol import (
     Event,
     Reply,
@@ -64,10 +67,9 @@ __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "LinkState", "LinkStatus", "LiveM
 logger = logging.getLogger(__name__)
 
 SYNC_TIMEOUT_S = 1.0  # no snapshot by then: new socket, try again
+THREAD_STOP_TIMEOUT_S = 10.0  # close() waits this long for the view thread
 SYNC_BACKOFF_MAX_S = 2.0
 EVENTS_RCVHWM = 100_000
-AWAY_AFTER_INTERVALS = 3.0  # registry silent this long (pulses come every interval): away
-MIN_AWAY_AFTER_S = 1.0
 
 
 class LinkState(enum.Enum):
@@ -83,12 +85,14 @@ class LinkStatus:
     epoch: int
     version: int
     members: int
+    snapshots: int = 0  # taken since start: the first, then one per gap or restart
 
 
 @dataclass
 class _Link:
     """One registry, as seen from the view thread (which alone touches it)."""
 
+    index: int  # in the merge
     address: str
     replica: Replica
     dealer: zmq.Socket | None = None
@@ -99,19 +103,15 @@ class _Link:
     sync_sent_at: float = 0.0
     next_sync_at: float = 0.0
     backoff_s: float = 0.1
-    last_heard: float = 0.0
 
-    @property
-    def away_after_s(self) -> float:
-        return max(MIN_AWAY_AFTER_S, AWAY_AFTER_INTERVALS * self.replica.interval_s)
 
 class MembershipView:
     """A local, eventually consistent copy of membership from one or more registries.
 
     A background thread subscribes to each registry's events, takes a snapshot, applies
-    newer events and resynchronises on a version gap or a new epoch. While a registry is
-    away the last view is kept. Several registries are merged: per id the newest
-    incarnation wins.
+    newer events and resynchronises on a version gap or a new epoch. Several registries
+    are merged (registry/merge.py): a member is in the view while a live registry holds
+    it; while every registry is away the last view is kept.
 
     `report()` needs a member session (only registered routers may report), which a view
     does not have: give it a `reporter`, such as the router's own `Agent.report`.
@@ -127,7 +127,9 @@ class MembershipView:
         self.reporter = reporter
         self.token = token  # proves Syncs to a registry beyond loopback (sessions.prove_sync)
         self._ctx = zmq.Context()
-        self._links = [_Link(address, Replica(address)) for address in self.addresses]
+        self._links = [_Link(i, address, Replica(address, per_model=bool(self.models)))
+                       for i, address in enumerate(self.addresses)]
+        self._merge = Merge([link.replica for link in self._links])
         self._members: FrozenMap[LiveMember] = FrozenMap()
         self._changed = threading.Condition()
         self._listeners: list[Callable[[Mapping[str, LiveMember]], None]] = []
@@ -140,6 +142,8 @@ class MembershipView:
         self._poller = zmq.Poller()  # used by the view thread only
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._running = False
+        self._closed = False
+        self._teardown = Teardown(lambda: self._ctx.destroy(linger=0))
         self._thread: threading.Thread | None = None
         self._encoder = make_encoder()
 
@@ -147,19 +151,28 @@ class MembershipView:
 
     def start(self) -> MembershipView:
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="pdreg-view", daemon=True)
+        self._thread = threading.Thread(target=self._teardown.owning(self._run),
+                                        name="pdreg-view", daemon=True)
         self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stop the thread and close every socket. Safe twice."""
-        if not self._running:
-            return
-        self._running = False
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._ctx.destroy(linger=0)
+        """Stop the thread and close every socket, never under the running thread
+        (registry/teardown.py; closed from a listener, the thread does on its way out).
+        Safe twice, from any thread."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
+            running, self._running = self._running, False
+            if running:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+        thread = self._thread
+        if (not self._teardown.close(thread, THREAD_STOP_TIMEOUT_S)
+                and thread is not threading.current_thread()):
+            logger.warning("[view] the view thread did not stop within %.0fs; it closes "
+                           "its sockets when it does", THREAD_STOP_TIMEOUT_S)
 
     def __enter__(self) -> MembershipView:
         return self.start()
@@ -174,15 +187,16 @@ class MembershipView:
         return self._members
 
     def loads_confirmed_at(self, model: str) -> float:
-        """When a registry last confirmed the loads of `model`'s members (monotonic; -inf
-        if never): a member's load is current as of then, even if it has not changed
-        since `LiveMember.load_at`."""
-        return max((link.replica.loads_confirmed_at.get(model, -math.inf)
-                    for link in self._links), default=-math.inf)
+        """When the registries `model`'s members come from last confirmed their loads
+        (monotonic; -inf if one never did): a member's load is current as of then, even
+        if it has not changed since `LiveMember.load_at`. Per registry, the oldest of
+        those (registry/merge.py)."""
+        return self._merge.loads_confirmed_at(model)
 
     def links(self) -> list[LinkStatus]:
         return [LinkStatus(link.address, link.state, link.replica.epoch, link.replica.version,
-                           len(link.replica.members)) for link in self._links]
+                           len(link.replica.members), link.replica.snapshots)
+                for link in self._links]
 
     @property
     def synced(self) -> bool:
@@ -230,16 +244,22 @@ class MembershipView:
                     changed |= self._read_replies(link, decode_reply, now)
                 if link.sub is not None and link.sub in ready:
                     changed |= self._read_events(link, decode_event, now)
-            if changed:
-                self._publish()
+            self._publish(now, changed)
 
     def _check_timers(self, link: _Link, now: float) -> bool:
         changed = link.replica.drop_carried(now)
-        if link.state is LinkState.LIVE and now - link.last_heard > link.away_after_s:
-            logger.warning("[view] registry %s silent for %.1fs: keeping last view, resyncing",
-                           link.address, now - link.last_heard)
+        if link.state is LinkState.LIVE and not self._merge.live(link.index, now):
+            logger.warning("[view] registry %s silent past its lease (%.1fs): out of the "
+                           "merge, resyncing", link.address,
+                           self._merge.away_after_s(link.index))
             link.state = LinkState.AWAY
             link.next_sync_at = now
+        elif link.state is LinkState.LIVE and link.replica.per_model:
+            silent = link.replica.silent_model(now, self._merge.away_after_s(link.index))
+            if silent is not None:
+                logger.info("[view] %s: model %r silent while we hold members of it: "
+                            "resync", link.address, silent)
+                self._resync(link, now)
         if link.state is not LinkState.LIVE:
             waiting = link.sync_sent_at and now - link.sync_sent_at < SYNC_TIMEOUT_S
             if not waiting and now >= link.next_sync_at:
@@ -255,7 +275,10 @@ class MembershipView:
         deadline = math.inf
         for link in self._links:
             if link.state is LinkState.LIVE:
-                deadline = min(deadline, link.last_heard + link.away_after_s)
+                away_after_s = self._merge.away_after_s(link.index)
+                deadline = min(deadline, self._merge.heard_at(link.index) + away_after_s)
+                if link.replica.per_model:
+                    deadline = min(deadline, link.replica.next_silence_at(away_after_s))
             elif link.sync_sent_at:
                 deadline = min(deadline, max(link.sync_sent_at + SYNC_TIMEOUT_S,
                                              link.next_sync_at))
@@ -272,7 +295,9 @@ class MembershipView:
             link.dealer.connect(f"tcp://{link.address}")
             self._poller.register(link.dealer, zmq.POLLIN)
         encode = self._encoder.encode
-        sync = sessions.prove_sync(Sync(models=list(self.models)), self.token, encode)
+        # The models it follows and the empty topic's (routers, planners), as subscribed.
+        models = [*self.models, ""] if self.models else []
+        sync = sessions.prove_sync(Sync(models=models), self.token, encode)
         link.dealer.send(encode(sync), zmq.NOBLOCK)
         link.sync_sent_at = now
         link.next_sync_at = now + link.backoff_s
@@ -316,7 +341,7 @@ class MembershipView:
             except msgspec.MsgspecError as exc:
                 logger.warning("[view] %s: undecodable reply: %s", link.address, exc)
                 continue
-            link.last_heard = now
+            self._merge.heard(link.index, now)
             if isinstance(message, Snapshot):
                 changed |= self._apply_snapshot(link, message, now)
             else:  # a refused Sync: rate limited, or another protocol version
@@ -342,7 +367,7 @@ class MembershipView:
         replica = link.replica
         replica.apply_snapshot(snapshot, now, time.time())
         link.state = LinkState.LIVE
-        link.last_heard = now
+        self._merge.heard(link.index, now)
         buffered, link.buffered = link.buffered, []
         for event in buffered:
             if event.epoch == replica.epoch and event.version > replica.version:
@@ -366,7 +391,7 @@ class MembershipView:
             except msgspec.MsgspecError as exc:
                 logger.warning("[view] %s: undecodable event: %s", link.address, exc)
                 continue
-            link.last_heard = now
+            self._merge.heard(link.index, now)
             if link.state is not LinkState.LIVE:
                 link.buffered.append(event)
                 continue
@@ -376,35 +401,24 @@ class MembershipView:
     def _apply_event(self, link: _Link, event: Event, now: float) -> bool:
         applied = link.replica.apply(event, now)
         if applied is Applied.GAP:
-            link.state = LinkState.SYNCING
-            link.next_sync_at = now
-            link.sync_sent_at = 0.0
+            self._resync(link, now)
         return applied is Applied.CHANGED
 
-    def _publish(self) -> None:
-        changed: set[str] = set()
-        for link in self._links:
-            changed |= link.replica.take_changed()
-        if not changed:
-            # Nothing to hand readers, but waiters still look again: a first snapshot of an
-            # empty registry changes no member and makes the view `synced`.
-            with self._changed:
-                self._changed.notify_all()
+    def _resync(self, link: _Link, now: float) -> None:
+        link.state = LinkState.SYNCING
+        link.next_sync_at = now
+        link.sync_sent_at = 0.0
+
+    def _publish(self, now: float, changed: bool) -> None:
+        """Merge what changed and hand it to readers. `changed`: something was applied,
+        so waiters look again even when the view is the same (a first snapshot of an
+        empty registry changes no member and makes the view `synced`)."""
+        if not self._merge.update(now):
+            if changed:
+                with self._changed:
+                    self._changed.notify_all()
             return
-        updates: dict[str, LiveMember | None] = {}
-        if len(self._links) == 1:
-            members = self._links[0].replica.members
-            for member_id in changed:
-                updates[member_id] = members.get(member_id)
-        else:
-            for member_id in changed:
-                best: LiveMember | None = None
-                for link in self._links:
-                    member = link.replica.members.get(member_id)
-                    if member is not None and (best is None or _newer(member, best)):
-                        best = member
-                updates[member_id] = best
-        view = self._members.updated(updates)
+        view = self._merge.members
         with self._changed:
             self._members = view
             self._changed.notify_all()
@@ -420,26 +434,3 @@ class MembershipView:
                 self._wake_rx.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if self._running or self._thread is not None:
-                with contextlib.suppress(zmq.ZMQError):  # closing
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
-
-
-def parse_models(text: str) -> tuple[str, ...]:
-    """`A,B` -> ("A", "B"): the models a view subscribes to (empty: every model).
-
-    Raises ValueError on a name no member could have (the registry refuses those)."""
-    models = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    for model in models:
-        if len(model) > MAX_NAME_CHARS or not model.isprintable():
-            raise ValueError(f"model {model[:40]!r}: at most {MAX_NAME_CHARS} printable "
-                             f"characters")
-    return models
-
-
-def _newer(candidate: LiveMember, held: LiveMember) -> bool:
-    c, h = candidate.record.spec.incarnation, held.record.spec.incarnation
-    return c > h or (c == h and candidate.load_at > held.load_at)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from registry.change_log import ChangeLog
 from registry.dashboard import dashboard_router
 from registry.fleet_stats import FleetFigures
 from registry.http_admin import StoreHandle, admin_routes, store_routes
@@ -35,6 +36,7 @@ class RegistryHandle(StoreHandle, Protocol):
     """What the HTTP side needs of the registry (`registry.server.RegistryServer`)."""
 
     stats: LoopStats
+    changes: ChangeLog  # what the loop changed, for dashboard streams
 
     @property
     def published(self) -> Published: ...
@@ -59,8 +61,8 @@ def create_app(server: RegistryHandle, *, admin_token: str = "", read_token: str
     app.include_router(member_routes(server), dependencies=reader)
     app.include_router(store_routes(server), dependencies=reader)
     app.include_router(admin_routes(server), dependencies=[Depends(access.require_admin)])
-    app.include_router(dashboard_router(lambda: server.published, lambda: server.kv_index),
-                       dependencies=reader)
+    app.include_router(dashboard_router(lambda: server.published, lambda: server.kv_index,
+                                        server.changes), dependencies=reader)
     # Outermost: a body is refused before anything reads it (no endpoint takes one).
     app.add_middleware(BodyLimit)
     return app

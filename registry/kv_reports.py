@@ -124,6 +124,8 @@ class KvReports:
         self._dirty: set[str] = set()  # members whose summary readers have not seen yet
         self._next_view = 0.0
         self.view: FrozenMap[KvSummary] = FrozenMap()  # swapped whole: any thread may read
+        # Told each batch of changes to `view` (the registry's dashboard change log).
+        self.on_changes: Callable[[dict[str, KvSummary | None]], None] | None = None
 
     @property
     def held(self) -> int:
@@ -252,6 +254,8 @@ class KvReports:
         if not dirty:
             self._next_view = now + VIEW_PERIOD_S
         self.view = self.view.updated(changes)
+        if self.on_changes is not None:
+            self.on_changes(changes)
 
 
 def _summary_of(member: _Member) -> KvSummary:

@@ -9,27 +9,61 @@ Pure state, no sockets: `MembershipView` feeds it snapshots and events and acts 
   what we hold also means a missed change;
 - another epoch means the registry restarted: GAP, resync.
 
+A view that follows some models only (`per_model`) hears only their topics, where the
+version jumps by every other model's changes. It checks each topic on its own instead:
+an event applies when the topic's previous event (`previous_on_topic`) is one we hold,
+and a digest shows a gap when its topic's last event (`last_on_topic`) is newer than what
+we hold of that topic. A model whose topic has been silent past the registry's lease
+while we hold members of it (every model with members is pulsed each interval) means
+we missed its last leave: `silent_model` names it, and the view resyncs. Against a
+registry that does not say these (NOT_SAID), the version alone rules, as above.
+
 A registry that restarted comes back with a new, empty epoch while its agents
 re-register, so members of the old epoch are carried over for a while and dropped only
 if they do not reappear: a registry restart never empties a router's view.
+
+A leave the member said itself (bye, crashed) or a newer incarnation's arrival
+(replaced) is final for that incarnation at every registry; `take_left` hands those to
+the merge of several registries (registry/merge.py). An expiry or an eviction is only
+this registry's view.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+import math
+from collections import Counter
+from typing import Final
 
-from wire.protocol import Event, Load, LoadDigest, MemberLeft, MemberRecord, Role, Snapshot
+import msgspec
+
+from registry.topic_versions import model_of
+from wire.protocol import (
+    NOT_SAID,
+    Event,
+    LeaveReason,
+    Load,
+    LoadDigest,
+    MemberLeft,
+    MemberRecord,
+    Role,
+    Snapshot,
+)
 
 logger = logging.getLogger(__name__)
 
 CARRY_OVER_INTERVALS = 6.0  # old-epoch members are kept this long after a restart
+# Leaves that no registry can undo for that incarnation: the registry refuses it again.
+FINAL_LEAVES: Final = frozenset({LeaveReason.BYE, LeaveReason.CRASHED, LeaveReason.REPLACED})
 
 
-@dataclass(frozen=True, slots=True)
-class LiveMember:
-    """One member as a view sees it: the registry's record plus the freshest load."""
+class LiveMember(msgspec.Struct, frozen=True, gc=False):
+    """One member as a view sees it: the registry's record plus the freshest load.
+
+    A Struct without the collector (`gc=False`): it holds only strings, numbers and
+    `gc=False` Structs, so it cannot form a cycle, and a view of 100k members then
+    gives the collector nothing to walk (it paused a router for ~100 ms at a time)."""
 
     record: MemberRecord
     load: Load
@@ -60,10 +94,14 @@ class Applied(enum.Enum):
 
 
 class Replica:
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, *, per_model: bool = False) -> None:
+        """`per_model`: the view follows some models only (their topics and the empty
+        one), so versions are checked per topic where the registry says them."""
         self.source = source
+        self.per_model = per_model
         self.epoch = 0  # 0 until the first snapshot
         self.version = 0
+        self.snapshots = 0  # applied: the first, then one per gap or restart
         self.interval_s = 1.0
         self.members: dict[str, LiveMember] = {}
         self._carried: dict[str, float] = {}  # id -> when to drop it (old-epoch members)
@@ -75,6 +113,13 @@ class Replica:
         # Ids whose member changed or went since `take_changed()`: what a view merges,
         # so an update costs what changed, not the whole membership.
         self._changed: set[str] = set()
+        self._left: list[tuple[str, int]] = []  # final leaves since `take_left()`
+        # Per topic (per_model only): the version of the last event applied on it, and
+        # when the topic was last heard; the snapshot's version stands for the rest.
+        self._snapshot_version = 0
+        self._on_topic: dict[str, int] = {}
+        self._heard: dict[str, float] = {}
+        self._per_model: Counter[str] = Counter()  # members held, per model
 
     @property
     def synced(self) -> bool:
@@ -92,6 +137,11 @@ class Replica:
         """Ids whose member changed or left since the last call."""
         changed, self._changed = self._changed, set()
         return changed
+
+    def take_left(self) -> list[tuple[str, int]]:
+        """(id, incarnation) of the final leaves applied since the last call."""
+        left, self._left = self._left, []
+        return left
 
     def apply_snapshot(self, snapshot: Snapshot, now: float, wall_now: float) -> None:
         """Replace what we hold with `snapshot` (keeping old-epoch members a while)."""
@@ -116,53 +166,117 @@ class Replica:
         self._changed.update(self.members)
         self._changed.update(fresh)
         self.members = fresh
+        self.snapshots += 1
         self.epoch = snapshot.epoch
-        self.version = snapshot.version
+        self.version = self._snapshot_version = snapshot.version
+        self._on_topic.clear()
+        if self.per_model:
+            self._per_model = Counter(m.record.spec.model for m in fresh.values())
+            self._heard = dict.fromkeys(self._per_model, now)
 
     def apply(self, event: Event, now: float) -> Applied:
         """Apply one event in order."""
+        if event.epoch != self.epoch:
+            return self._gap(event)
+        if self.per_model:
+            said = event.last_on_topic if isinstance(event, LoadDigest) else \
+                event.previous_on_topic
+            if said != NOT_SAID:
+                return self._apply_on_topic(event, said, now)
         step = 0 if isinstance(event, LoadDigest) else 1
-        if event.epoch != self.epoch or event.version > self.version + step:
-            logger.info("[view] %s: gap (have %d/%d, got %d/%d): resync", self.source,
-                        self.epoch, self.version, event.epoch, event.version)
-            return Applied.GAP
+        if event.version > self.version + step:
+            return self._gap(event)
         if isinstance(event, LoadDigest):
             return self._apply_loads(event, now)
         if event.version <= self.version:
             return Applied.UNCHANGED  # already in the snapshot
         self.version = event.version
-        if isinstance(event, MemberLeft):
-            current = self.members.get(event.id)
-            if current is not None and current.record.spec.incarnation == event.incarnation:
-                del self.members[event.id]
-                self._carried.pop(event.id, None)
-                self._changed.add(event.id)
-            return Applied.CHANGED
-        record = event.member
-        self.members[record.spec.id] = LiveMember(record, record.load, now, self.source)
-        self._changed.add(record.spec.id)
-        self._carried.pop(record.spec.id, None)
-        return Applied.CHANGED
+        return self._apply_change(event, now)
+
+    def silent_model(self, now: float, after_s: float) -> str | None:
+        """A model we hold members of whose topic was silent for `after_s` (per_model):
+        its last leave was missed, or it would have been pulsed. None if there is none."""
+        for model, heard in self._heard.items():
+            if now - heard > after_s and self._per_model[model]:
+                return model
+        return None
+
+    def next_silence_at(self, after_s: float) -> float:
+        """When `silent_model` could first name a model (inf: no topic to watch)."""
+        return min((heard + after_s for model, heard in self._heard.items()
+                    if self._per_model[model]), default=math.inf)
 
     def drop_carried(self, now: float) -> bool:
         """Forget old-epoch members that did not re-register in time; whether any went."""
         due = [member_id for member_id, drop_at in self._carried.items() if now >= drop_at]
         for member_id in due:
             del self._carried[member_id]
-            del self.members[member_id]
-            self._changed.add(member_id)
+            self._forget(member_id)
             logger.info("[view] %s: %s did not re-register; dropped", self.source, member_id)
         return bool(due)
+
+    def _gap(self, event: Event) -> Applied:
+        logger.info("[view] %s: gap (have %d/%d, got %d/%d on %r): resync", self.source,
+                    self.epoch, self.version, event.epoch, event.version, model_of(event))
+        return Applied.GAP
+
+    def _apply_on_topic(self, event: Event, said: int, now: float) -> Applied:
+        """The per-topic rule: `said` is the topic's previous event (an event) or last
+        event (a digest); the snapshot's version stands for every topic's past."""
+        model = model_of(event)
+        held = max(self._snapshot_version, self._on_topic.get(model, 0))
+        if said > held:
+            return self._gap(event)
+        if isinstance(event, LoadDigest):
+            return self._apply_loads(event, now)
+        if event.version <= held:
+            return Applied.UNCHANGED  # already in the snapshot
+        self._on_topic[model] = event.version
+        self.version = max(self.version, event.version)
+        return self._apply_change(event, now)
+
+    def _apply_change(self, event: Event, now: float) -> Applied:
+        if isinstance(event, MemberLeft):
+            current = self.members.get(event.id)
+            if current is not None and current.record.spec.incarnation == event.incarnation:
+                self._forget(event.id)
+                self._carried.pop(event.id, None)
+            if event.reason in FINAL_LEAVES:
+                self._left.append((event.id, event.incarnation))
+            return Applied.CHANGED
+        assert not isinstance(event, LoadDigest)
+        record = event.member
+        member_id = record.spec.id
+        old = self.members.get(member_id)
+        if self.per_model:
+            if old is not None:
+                self._per_model[old.record.spec.model] -= 1
+            self._per_model[record.spec.model] += 1
+            self._heard[record.spec.model] = now
+        self.members[member_id] = LiveMember(record, record.load, now, self.source)
+        self._changed.add(member_id)
+        self._carried.pop(member_id, None)
+        return Applied.CHANGED
+
+    def _forget(self, member_id: str) -> None:
+        old = self.members.pop(member_id)
+        self._changed.add(member_id)
+        if self.per_model:
+            self._per_model[old.record.spec.model] -= 1
 
     def _apply_loads(self, digest: LoadDigest, now: float) -> Applied:
         self.interval_s = digest.heartbeat_interval_s
         self.loads_confirmed_at[digest.model] = now
+        if self.per_model:
+            self._heard[digest.model] = now
         applied = Applied.UNCHANGED
+        members = self.members
+        source = self.source
         for entry in digest.loads:
-            current = self.members.get(entry.id)
+            current = members.get(entry.id)
             if current is not None and current.record.spec.incarnation == entry.incarnation:
-                self.members[entry.id] = LiveMember(current.record, entry.load,
-                                                    now - entry.heartbeat_age_s, self.source)
+                members[entry.id] = LiveMember(current.record, entry.load,
+                                               now - entry.heartbeat_age_s, source)
                 self._changed.add(entry.id)
                 applied = Applied.CHANGED
         return applied

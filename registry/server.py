@@ -46,6 +46,7 @@ from registry.store.metrics import StoreStats
 from registry.store.records import RegistryEntry
 from registry.store.sync import StoreSync, open_store
 from registry.store.url import parse_store_url
+from registry.teardown import Teardown
 from serving.lifecycle import ServingThread, ShutdownState
 from wire.limits import MAX_MESSAGE_BYTES
 from wire.protocol import MemberRecord, ReplyStatus, control_decoder
@@ -56,6 +57,7 @@ __all__ = ["DEFAULT_MAX_MEMBERS", "HARD_MESSAGE_CAP_BYTES", "SNAPSHOT_PERIOD_S",
 logger = logging.getLogger(__name__)
 
 DIGEST_PERIOD_S = 0.1  # coalesced load changes go out at most this often
+LOOP_STOP_TIMEOUT_S = 10.0  # close() waits this long for the loop to stop
 # The HTTP side's snapshot is built on demand: a reader that finds it older than the
 # membership (or than SNAPSHOT_PERIOD_S, for load changes) asks the loop for a new one.
 # Building costs O(members) (~5-90 ms at 100k), so with nobody reading (the usual case for
@@ -124,9 +126,10 @@ class RegistryServer:
         wake_address = f"inproc://pdreg-wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PULL)
         self._wake_tx = self._ctx.socket(zmq.PUSH)
-        self._wake_lock = threading.Lock()  # the PUSH end is shared by HTTP and close()
+        self._wake_lock = threading.Lock()  # the PUSH end's wakers; STOPPED is set under it
         self._admin: queue.SimpleQueue[_AdminRequest] = queue.SimpleQueue()
         self._state = ShutdownState.RUNNING
+        self._teardown = Teardown(self._close_sockets)
         self._loop_thread: threading.Thread | None = None
         self._http: ServingThread | None = None
         self._turned_at = time.monotonic()  # the loop's last turn, for /healthz
@@ -145,6 +148,8 @@ class RegistryServer:
                                        admin_token=self.config.admin_token,
                                        syncs_need_token=not is_loopback(self.config.host))
         self._publisher = Publisher(self._events, self.stats, self.epoch)
+        self.changes = self._publisher.changes  # what dashboard streams follow
+        self._channel.kv_reports.on_changes = self._publisher.kv_changed
         self._channel.on_events = self._publish_events
         _split_io_threads(self._control, self._events, self.config.io_threads)
         for sock in (self._control, self._events):
@@ -183,8 +188,8 @@ class RegistryServer:
         self._snapshot.built(self._publisher.snapshot(self._membership, time.monotonic()),
                              time.monotonic())
         self._turned_at = time.monotonic()
-        self._loop_thread = threading.Thread(target=self._run_busy_loop, name="pdreg-registry",
-                                             daemon=True)
+        self._loop_thread = threading.Thread(target=self._teardown.owning(self._run_busy_loop),
+                                             name="pdreg-registry", daemon=True)
         self._loop_thread.start()
         logger.info("[registry] serving control=%s events=%d http=%s epoch=%d curve=%s "
                     "token=%s store=%s", self.control_address, self.events_port,
@@ -212,18 +217,25 @@ class RegistryServer:
         self._process_admin(time.monotonic())  # the loop is not running yet: apply here
 
     def close(self) -> None:
-        if self._state is ShutdownState.STOPPED:
-            return
+        """Loop, HTTP, then sockets: never under a running thread (registry/teardown.py)."""
+        with self._wake_lock:
+            if self._state is not ShutdownState.RUNNING:
+                return
+            self._state = ShutdownState.REQUESTED
         logger.info("[shutdown] registry: start")
         if self.store is not None:
             self.store.close()  # first: this registry leaves the replica set at once
-        self._state = ShutdownState.REQUESTED
         self._wake()
         if self._loop_thread is not None:
-            self._loop_thread.join(timeout=5)
+            self._loop_thread.join(timeout=LOOP_STOP_TIMEOUT_S)
         if self._http is not None:
             self._http.close()
-        self._state = ShutdownState.STOPPED
+        with self._wake_lock:
+            self._state = ShutdownState.STOPPED
+        if not self._teardown.close(self._loop_thread, 0.0):
+            logger.warning("[shutdown] registry: the loop outlived close(); it closes up")
+
+    def _close_sockets(self) -> None:
         if self._curve is not None:
             for sock in (self._control, self._events):
                 sock.disable_monitor()

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from wire.protocol import MemberRecord, Role, role_name
+from wire.protocol import Load, MemberRecord, Role, role_name
 
 
 def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:
@@ -14,8 +14,8 @@ def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:
     spec = record.spec
     endpoints = spec.endpoints
     parallel = spec.parallel
-    load = record.load
     started = spec.started_at or record.registered_at
+    load = record.load
     return {
         "id": spec.id,
         "role": role_name(spec.role),
@@ -39,19 +39,23 @@ def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:
         },
         "capacity": spec.capacity,
         "labels": dict(spec.labels),
-        "load": {
-            "running": load.running,
-            "waiting": load.waiting,
-            "kv_usage": load.kv_usage,
-            # Engine-specific figures stay apart: merged in, an `extra` named "running"
-            # would overwrite the real count in /v1/members, the dashboard and status.
-            "extra": dict(load.extra),
-        },
+        "load": load_json(load),
         "heartbeat_age_s": round(max(0.0, now_wall - record.heartbeat_at), 3),
         "registered_at": record.registered_at,
         "uptime_s": round(max(0.0, now_wall - started), 1),
         # Where it publishes KV cache events (None: it does not); routers subscribe.
         "kv_events": msgspec.structs.asdict(spec.kv_events) if spec.kv_events else None,
+    }
+
+
+def load_json(load: Load) -> dict[str, Any]:
+    return {
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_usage": load.kv_usage,
+        # Engine-specific figures stay apart: merged in, an `extra` named "running"
+        # would overwrite the real count in /v1/members, the dashboard and status.
+        "extra": dict(load.extra),
     }
 
 

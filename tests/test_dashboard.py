@@ -109,12 +109,39 @@ def test_state_lists_members_and_events(registry: RegistryServer, members: Membe
 
 
 def _state_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """What the page holds after each message: the whole state, then each `changes`
+    applied to it (as the page's applyChanges does)."""
     event = ""
+    members: dict[str, dict[str, Any]] = {}
+    events: list[dict[str, Any]] = []
     for line in response.iter_lines():
         if line.startswith("event:"):
             event = line.split(":", 1)[1].strip()
-        elif line.startswith("data:") and event == "state":
-            yield json.loads(line.split(":", 1)[1])
+        elif line.startswith("data:"):
+            data = json.loads(line.split(":", 1)[1])
+            if event == "state":
+                members = {m["id"]: m for m in data["members"]}
+                events = data["events"]
+            elif event == "changes":
+                apply_ops(members, events, data["ops"])
+            yield {"members": list(members.values()), "events": list(events)}
+
+
+def apply_ops(members: dict[str, dict[str, Any]], events: list[dict[str, Any]],
+              ops: list[dict[str, Any]]) -> None:
+    for op in ops:
+        if "event" in op:
+            events.append(op["event"])
+            if "member" in op:
+                members[op["member"]["id"]] = op["member"]
+            else:
+                members.pop(op["event"]["id"], None)
+        elif "loads" in op:
+            for member_id, incarnation, running, waiting, kv_usage, _ in op["loads"]:
+                held = members.get(member_id)
+                if held is not None and held["incarnation"] == incarnation:
+                    held["load"] = {**held["load"], "running": running, "waiting": waiting,
+                                    "kv_usage": kv_usage}
 
 
 def test_stream_pushes_joins_leaves_and_load(registry: RegistryServer,
@@ -291,11 +318,11 @@ def test_state_is_computed_once_per_snapshot_for_every_viewer() -> None:
 
     shared = SharedState(lambda: current["published"])
     first = shared.current()
-    assert all(shared.current()[1] is first[1] for _ in range(100))  # the same object
+    assert all(shared.current() is first for _ in range(100))  # the same object
     current["published"] = Published(epoch=1, version=2, members=(), heartbeat_interval_s=1.0,
                                      lease_s=3.0, self_preserving=False, taken_at=time.time())
     second = shared.current()
-    assert second[1] is not first[1] and json.loads(second[1])["version"] == 2
+    assert second is not first and json.loads(second)["version"] == 2
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install chromium)")

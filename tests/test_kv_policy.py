@@ -4,7 +4,6 @@ disaggregation, and the fallback to `peak_ewma` where no match can be exact."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import msgspec
@@ -196,7 +195,7 @@ def publishing(member_id: str, role: Role = Role.PREFILL):
     kv = KvEventsSpec(endpoint="tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2",
                       block_size=BLOCK)
     spec = msgspec.structs.replace(m.record.spec, kv_events=kv)
-    return dataclasses.replace(m, record=msgspec.structs.replace(m.record, spec=spec))
+    return msgspec.structs.replace(m, record=msgspec.structs.replace(m.record, spec=spec))
 
 
 @pytest.mark.parametrize(("disagg", "followed"), [(0, {"p"}), (64, {"p", "d"})])

@@ -10,7 +10,6 @@ internal error text.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -358,7 +357,7 @@ def _with_kv_host(member: LiveMember, kv_host: str) -> LiveMember:
     spec = msgspec.structs.replace(
         spec, endpoints=msgspec.structs.replace(spec.endpoints, kv_host=kv_host))
     record = msgspec.structs.replace(member.record, spec=spec)
-    return dataclasses.replace(member, record=record)
+    return msgspec.structs.replace(member, record=record)
 
 
 def test_a_prefill_cannot_send_the_decode_to_pull_from_elsewhere(

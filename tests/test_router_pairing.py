@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+import msgspec
 import pytest
 from standins_fleet import StaticView, live_member
 
@@ -49,7 +49,7 @@ def test_a_load_digest_updates_loads_without_rebuilding(
     # A digest: d1 is busy now. The same record, a new load (what the view does).
     members = dict(view.members())
     busy = Load(running=40, waiting=10)
-    members["d1"] = dataclasses.replace(members["d1"], load=busy, load_at=time.monotonic())
+    members["d1"] = msgspec.structs.replace(members["d1"], load=busy, load_at=time.monotonic())
     view.set(members)
     table = pairing.table()
     assert builds == []

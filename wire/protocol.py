@@ -26,9 +26,10 @@ Event channel (registry PUB socket), two frames per message:
              "llama-70b" because of the terminator.
     frame 1: an `Event` (MemberJoined | MemberUpdated | MemberLeft | LoadDigest)
 
-Every membership change carries the registry's `epoch` (random per registry start) and
-the next `version`; load digests carry the current version without bumping it, so a
-subscriber can see a gap even when no change is flowing.
+Every membership change carries the registry's `epoch` (random per registry start), the
+next `version` and its topic's previous one; load digests carry the current version (no
+bump) and their topic's last, so subscribers of every model or of some see a gap even
+when no change flows (registry/topic_versions.py; NOT_SAID: from an older registry).
 
 No pickle anywhere: the encoder refuses unknown types instead of falling back.
 """
@@ -68,6 +69,7 @@ PROTOCOL_VERSION: Final = 2  # 2: member sessions (proof, seq, nonce)
 
 
 TOPIC_TERMINATOR: Final = b"\0"
+NOT_SAID: Final = -1  # a per-topic version from a registry before them (trailing fields)
 
 
 class Role(enum.IntEnum):
@@ -235,16 +237,10 @@ class Bye(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 class BannedBye(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """A Bye from a member an operator banned (at some registry, for `ban_s` more
-    seconds): the registry removes it and refuses its id for that long too.
-
-    How a ban reaches every registry, and a restarted one again: the member carries it,
-    as with a drain (see `Reply.banned_s`). Sealed with the member's own session like
-    every Bye, so a member can only ever ban its own id (`Membership.banned_bye`).
-
-    A message of its own rather than a field of `Bye`: a proved message ends with its
-    proof, so a new Bye field could only go before it, and old agents' Byes would no
-    longer decode. An old registry refuses this one as unknown (the member then leaves
-    it by lease).
+    seconds): the registry removes it and refuses its id for that long too. The member
+    carries a ban to every registry, and a restarted one (`Reply.banned_s`), sealed with
+    its own session: it can ban only its own id. Not a field of `Bye`: a proved message
+    ends with its proof, so old agents' Byes would break; an old registry refuses it.
     """
 
     id: MemberId
@@ -389,6 +385,7 @@ class MemberJoined(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fa
     epoch: int
     version: int
     member: MemberRecord
+    previous_on_topic: int = NOT_SAID
 
 
 class MemberUpdated(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -397,6 +394,7 @@ class MemberUpdated(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=F
     epoch: int
     version: int
     member: MemberRecord
+    previous_on_topic: int = NOT_SAID
 
 
 class MemberLeft(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -406,6 +404,7 @@ class MemberLeft(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fals
     incarnation: int
     model: str
     reason: LeaveReason
+    previous_on_topic: int = NOT_SAID
 
 
 class LoadEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -427,6 +426,7 @@ class LoadDigest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fals
     model: str
     loads: list[LoadEntry]
     heartbeat_interval_s: Interval
+    last_on_topic: int = NOT_SAID
 
 
 MembershipEvent = MemberJoined | MemberUpdated | MemberLeft

@@ -4,6 +4,8 @@ An IO thread owns every socket and is the KV index's only writer (router/kv/inde
 pure; this module is its I/O). The event loop only reads the index, and tells the
 thread the current membership with `update` (an inproc PUSH: the thread sleeps in
 `poll` until a batch, a replay answer, a membership change or a replay deadline).
+After each turn the thread publishes the index's snapshot for the members it touched
+(`KvIndex.publish`), which the reporter, /v1/kv and /metrics read.
 
 - A ready member whose spec has `kv_events` is subscribed: SUB to its endpoint (its
   topic), DEALER to its replay endpoint, and a replay from seq 0 for its history.
@@ -95,6 +97,9 @@ class KvFeed:
         self._by_socket: dict[zmq.Socket, _Subscription] = {}
         self._poller = _Readiness()
         self._closed = False
+        # `update` and `close` may come from different threads; the PUSH end is a ZeroMQ
+        # socket (not thread-safe), so both use it under this lock.
+        self._wake_lock = threading.Lock()
         # Started by the first member that publishes: a router whose fleet publishes no
         # KV events (`kv` is the default policy) runs no thread and opens no socket.
         self._thread: threading.Thread | None = None
@@ -118,26 +123,32 @@ class KvFeed:
 
     def update(self, members: Iterable[FeedMember]) -> None:
         """The members to follow now (ready, with kv_events); others are dropped."""
-        if self._closed:
-            return
         members = list(members)
-        if self._thread is None:
-            if not members:
-                return  # nothing to follow, nothing followed yet
-            self._start()
-        self._updates.put(members)
-        self._wake.send(_UPDATE)
+        with self._wake_lock:
+            if self._closed:
+                return
+            if self._thread is None:
+                if not members:
+                    return  # nothing to follow, nothing followed yet
+                self._start()
+            self._updates.put(members)
+            self._wake.send(_UPDATE)
 
     def close(self) -> None:
         """Stop the thread, close every socket; safe twice."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread is None:
-            return
-        self._wake.send(_STOP)
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._thread is None:
+                return
+            self._wake.send(_STOP)
         self._thread.join(timeout=5.0)
-        self._wake.close(linger=0)
+        if self._thread.is_alive():
+            logger.error("[kv-feed] the feed thread did not stop in 5s; its sockets are "
+                         "left open")
+            return
+        self._wake.close(linger=0)  # nobody else uses it now: `update` sees `_closed`
         self._ctx.term()
 
     # --- the IO thread ------------------------------------------------------------------
@@ -152,16 +163,19 @@ class KvFeed:
                     sub = self._by_socket.get(sock)
                     if sub is None:
                         continue
+                    self.index.touched(sub.member.id)
                     if sock is sub.sub:
                         self._read_sub(sub)
                     else:
                         self._read_replay(sub)
                 self._check_replay_deadlines()
+                self.index.publish()
         except Exception:  # the router keeps routing (by load) if its feed dies
             logger.exception("[kv-feed] thread failed; KV-aware pairing is blind now")
         finally:
             for member_id in list(self._subs):
                 self._drop(member_id)
+            self.index.publish()
             self._poller.close()
             self._wake_in.close(linger=0)
 
@@ -354,6 +368,7 @@ class KvFeed:
         now = self._clock()
         for state in list(self._awaiting.values()):
             if now >= state.replay_deadline:
+                self.index.touched(state.member.id)
                 self._deadline(state, 0.0)
                 logger.warning("[kv-feed] %s: replay timed out", state.member.id)
                 self._reset_dealer(state)

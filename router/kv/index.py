@@ -31,23 +31,28 @@ So, after any sequence of batches, lost, duplicated or reordered: a LIVE member'
 equal the engine's after the last batch applied, an UNKNOWN member's are a subset, and a
 SYNCING or REPLAYING member claims none (tests/test_kv_index.py checks this against a
 model with Hypothesis).
+
+Other threads read `published`, an `IndexSnapshot` the writer (the feed thread) swaps by
+reference after each turn (`publish`): the reporter, /v1/kv and /metrics walk that, never
+the table the writer is changing. A publish costs the members touched since the last.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 from typing import Final
 
 import msgspec
 
+from registry.frozen_map import FrozenMap
 from router.kv.keys import ROOT_KEY, block_keys, chain_key
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-__all__ = ["Applied", "IndexState", "KvIndex", "MemberIndex", "MemberStats"]
+__all__ = ["Applied", "IndexSnapshot", "IndexState", "KvIndex", "MemberIndex", "MemberStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +90,24 @@ class MemberStats:
     gaps: int
     replays: int
     losses: int  # times history was lost (became UNKNOWN)
+    incarnation: int = 0
+    block_size: int = 0  # tokens per block, as registered or learnt (0: not known)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSnapshot:
+    """Every tracked member's stats as the writer last published them. Immutable: any
+    thread may hold and walk it."""
+
+    members: Mapping[str, MemberStats]
+    retired: tuple[int, int, int]  # gaps, replays, losses of members no longer tracked
+
+    def totals(self) -> tuple[int, int, int]:
+        """Gaps, replays and losses (became unknown) since the start, every member."""
+        members = list(self.members.values())
+        return (self.retired[0] + sum(m.gaps for m in members),
+                self.retired[1] + sum(m.replays for m in members),
+                self.retired[2] + sum(m.losses for m in members))
 
 
 class MemberIndex:
@@ -176,7 +199,8 @@ class MemberIndex:
 
     def stats(self) -> MemberStats:
         return MemberStats(self.state, len(self.blocks), self.next_seq, self.last_batch_ts,
-                           self.gaps, self.replays, self.losses)
+                           self.gaps, self.replays, self.losses, self.incarnation,
+                           self.block_size)
 
     # --- rules --------------------------------------------------------------------------
 
@@ -315,6 +339,8 @@ class KvIndex:
         self.max_blocks = max_blocks_per_member
         self.members: dict[str, MemberIndex] = {}
         self._retired = [0, 0, 0]  # gaps, replays, losses of members no longer tracked
+        self.published = IndexSnapshot(FrozenMap(), (0, 0, 0))
+        self._touched: set[str] = set()  # members changed since the last publish
 
     def track(self, member_id: str, incarnation: int) -> MemberIndex | None:
         """Start indexing a member; a new incarnation starts from nothing. Returns the new
@@ -326,24 +352,34 @@ class KvIndex:
             self._retire(current)
         index = MemberIndex(member_id, incarnation, self.max_blocks)
         self.members[member_id] = index
+        self._touched.add(member_id)
         return index
 
     def forget(self, member_id: str) -> None:
         gone = self.members.pop(member_id, None)
         if gone is not None:
             self._retire(gone)
+            self._touched.add(member_id)
+
+    def touched(self, member_id: str) -> None:
+        """The writer changed `member_id`'s index (a batch, a replay, a deadline)."""
+        self._touched.add(member_id)
+
+    def publish(self) -> None:
+        """Writer only: swap in a snapshot with the members touched since the last one."""
+        if not self._touched:
+            return
+        members = self.members
+        changes = {member_id: index.stats() if (index := members.get(member_id)) else None
+                   for member_id in self._touched}
+        self._touched.clear()
+        self.published = IndexSnapshot(self.published.members.updated(changes),
+                                       (self._retired[0], self._retired[1], self._retired[2]))
 
     def _retire(self, index: MemberIndex) -> None:
         self._retired[0] += index.gaps
         self._retired[1] += index.replays
         self._retired[2] += index.losses
-
-    def totals(self) -> tuple[int, int, int]:
-        """Gaps, replays and losses (became unknown) since the start, every member."""
-        members = list(self.members.values())
-        return (self._retired[0] + sum(m.gaps for m in members),
-                self._retired[1] + sum(m.replays for m in members),
-                self._retired[2] + sum(m.losses for m in members))
 
     def retain(self, member_ids: Iterable[str]) -> list[str]:
         """Forget members not in `member_ids`; returns those forgotten."""

@@ -27,7 +27,8 @@ class KvCollector:
 
     def collect(self) -> Iterator[Metric]:
         c = self._feed.counters
-        gaps, replays, losses = self._index.totals()
+        snapshot = self._index.published  # the feed thread's, swapped by reference
+        gaps, replays, losses = snapshot.totals()
         for name, doc, value in (
             ("pdreg_router_kv_batches", "KV event batches applied or held, all members",
              c.batches),
@@ -45,9 +46,9 @@ class KvCollector:
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
-        members = list(self._index.members.values())
+        members = list(snapshot.members.values())
         blocks = GaugeMetricFamily("pdreg_router_kv_blocks", "Blocks indexed, all members")
-        blocks.add_metric([], sum(len(m.blocks) for m in members))
+        blocks.add_metric([], sum(m.blocks for m in members))
         yield blocks
         states = Tally(m.state for m in members)
         by_state = GaugeMetricFamily("pdreg_router_kv_members", "Members indexed, by index "

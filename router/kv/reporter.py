@@ -1,7 +1,8 @@
 """Tell the registries what this router's KV index holds per member, so that `pdreg
 status` and the dashboard show it (registry/kv_reports.py keeps and shows it).
 
-Reads what `/v1/kv` serves (`KvRouting.status`) once per heartbeat interval and hands a
+Reads what `/v1/kv` serves (`KvRouting.status`, from the snapshot the index's writer
+publishes) once per heartbeat interval and hands a
 `KvIndexReport`'s entries to the router's agent, which sends them over its authenticated
 control link (one report per registry and interval; `Agent.report_kv`). Never through the
 registry's PUB stream, and nothing here changes membership.
@@ -145,13 +146,9 @@ class KvReporter:
         return self
 
     def tick(self) -> bool:
-        """One report; False once `send` says the agent stopped."""
-        try:
-            rows = self._status(time.time())
-        except RuntimeError:
-            # The feed thread changed its member table while we walked it: next tick.
-            return True
-        return self._send(self._plan.next(entries_of(rows)))
+        """One report; False once `send` says the agent stopped. `status` reads the
+        index's published snapshot (router/kv/index.py), never the feed's live table."""
+        return self._send(self._plan.next(entries_of(self._status(time.time()))))
 
     def _run(self) -> None:
         while not self._stop.wait(max(MIN_PERIOD_S, self._period_s())):

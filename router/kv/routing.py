@@ -185,11 +185,11 @@ class KvRouting:
         return out
 
     def status(self, now_wall: float) -> list[dict[str, Any]]:
-        """Per member: index state, blocks, event lag; for /kv and `pdreg status`."""
+        """Per member: index state, blocks, event lag; for /kv and `pdreg status`. From
+        the index's published snapshot: any thread may call it (the reporter does)."""
         out = []
-        for member_id, index in sorted(self.index.members.items()):
-            s = index.stats()
-            out.append({"id": member_id, "incarnation": index.incarnation,
+        for member_id, s in sorted(self.index.published.members.items()):
+            out.append({"id": member_id, "incarnation": s.incarnation,
                         "state": s.state.value, "blocks": s.blocks, "next_seq": s.next_seq,
                         "lag_s": round(max(0.0, now_wall - s.last_batch_ts), 3)
                         if s.last_batch_ts else None,
@@ -198,9 +198,9 @@ class KvRouting:
 
     def _learnt_block_sizes(self, info: ModelKv) -> tuple[int, ...]:
         """Block sizes the members' events showed (a spec that did not say)."""
-        indexes = self.index.members
-        return tuple(sorted({indexes[m].block_size for m in info.members
-                             if m in indexes and indexes[m].block_size}))
+        stats = self.index.published.members
+        return tuple(sorted({s.block_size for m in info.members
+                             if (s := stats.get(m)) is not None and s.block_size}))
 
     def _inexact(self, model: str, why: str) -> Affinity:
         self.metrics.kv_inexact_requests.labels(model, why).inc()

@@ -1,0 +1,295 @@
+"""A router in front of a big fleet: CPU per request, latency and GC pauses at 10 members
+in its view against 100k, side by side in one run.
+
+    .venv/bin/python bench/bench_router_scale.py [--members 10,100000] [--requests 2000]
+        [--variants "this;this --models tiny"] [--baseline COMMIT[,COMMIT]] [--repeat 2]
+        [--policy peak_ewma]
+
+Per fleet size, one fleet serves every variant in turn (A B A B...: the machine's drift
+falls on all): a `pdreg registry` process, 2 prefill + 2 decode sim engines registered
+as model `tiny` (vllm-nixl), and bench_scale's load generator keeping the other members
+alive (registered on models m0..m7, heartbeating with changing loads every --interval,
+default 5 s, the interval a registry picks at 100k, for both sizes; a probe member flips
+its state four times a second). Each variant is
+a `pdreg router` (this tree with the variant's flags, or --baseline's tree) measured as
+bench_router's steady scenario measures one (`measure`: a cold burst, a warm-up, c=1,
+then --requests at c=32): router CPU per request (utime+stime) and p50/p99 at c=32.
+
+The router's garbage collections are logged by a sitecustomize on its path (a bench
+shim, never in the product): over the measurement, how many, how many full (generation
+2), the longest, and collection time per second.
+
+    .venv/bin/python bench/bench_router_scale.py --heap 100000 --baseline main
+
+Instead, per tree in its own process: what a view of N members gives the collector (a
+replica's snapshot of N members, after a gc.freeze of what came before): the objects
+tracked, a full collection's time, and a digest round over a fifth of the loads (what
+100k members heartbeating every 5 s send each second) with the collections it caused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
+
+import bench_router  # noqa: E402  (puts tests/ on the path too)
+import bench_scale  # noqa: E402
+from bench_registry import registry_process  # noqa: E402
+from reference_helpers import start_engines, stop_all  # noqa: E402
+
+HANDSHAKE = "vllm-nixl"
+# A router first syncs its view (100k members: a 40 MB snapshot) and builds its table.
+bench_router.READY_TIMEOUT_S = 180.0
+ENGINES = 4  # 2P + 2D, model tiny
+# The heartbeat interval, for every fleet size alike: 5 s is what a registry picks at 100k
+# members (20k heartbeats/s at most). On a shared 2-core machine a registry fell behind
+# at 14k members (1 s) and 64k (5 s) while the fleet registered, and the generator
+# stalled on lost replies: --interval 20 there.
+INTERVAL_S = 5.0
+
+# Bench-only: the router imports this first (a sitecustomize on its path) and logs every
+# garbage collection: unix time, generation, milliseconds.
+_GC_SHIM = """
+import gc, os, time
+_log = open(os.environ["PDREG_BENCH_ROUTER_GC_LOG"], "a", buffering=1)
+_start = [0.0]
+def _timed(phase, info):
+    if phase == "start":
+        _start[0] = time.perf_counter()
+    else:
+        _log.write(f"{time.time():.4f} {info['generation']} "
+                   f"{1e3 * (time.perf_counter() - _start[0]):.3f}\\n")
+gc.callbacks.append(_timed)
+"""
+
+
+@dataclass
+class Row:
+    variant: str
+    members: int
+    cpu_us_per_req: float | None
+    p50_ms_c32: float
+    p99_ms_c32: float
+    req_per_s_c32: float
+    failed: int
+    gc_count: int
+    gc_full: int
+    gc_max_ms: float
+    gc_ms_per_s: float
+
+
+def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float]:
+    """(count, full, longest ms, ms per second) of the collections logged in [t0, t1]."""
+    count = full = 0
+    longest = total = 0.0
+    with contextlib.suppress(FileNotFoundError), open(path) as log:
+        for line in log:
+            at, generation, ms = line.split()
+            if t0 <= float(at) <= t1:
+                count += 1
+                full += generation == "2"
+                longest = max(longest, float(ms))
+                total += float(ms)
+    return count, full, round(longest, 1), round(total / max(1e-9, t1 - t0), 1)
+
+
+@contextlib.contextmanager
+def gc_logged_router(registry: str, policy: str, label: str, src: Path | None,
+                     flags: list[str], log_path: str) -> Iterator[bench_router.Target]:
+    """bench_router's `pdreg router`, with the GC shim on its path (for it alone)."""
+    shim = tempfile.mkdtemp(prefix="pdreg-router-gc-")
+    Path(shim, "sitecustomize.py").write_text(_GC_SHIM)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PDREG_BENCH_ROUTER_GC_LOG")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (shim, saved["PYTHONPATH"]) if p)
+    os.environ["PDREG_BENCH_ROUTER_GC_LOG"] = log_path
+    bench_router.ROUTER_ARGS[:] = flags
+    try:
+        with bench_router.pdreg_router(registry, policy, label, src) as target:
+            for key, value in saved.items():  # the router has it; nobody else gets it
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            yield target
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(shim, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def fleet(members: int, interval_s: float) -> Iterator[str]:
+    """A registry, the 4 sim engines of `tiny`, and the generator's other members."""
+    with registry_process(interval_s, 3 * interval_s,
+                          extra=("--max-members", str(members + 1000))) as (address, _):
+        engines = start_engines([{"role": role, "backend": "sim", "protocol": HANDSHAKE,
+                                  "registry": address}
+                                 for role in ("prefill", "prefill", "decode", "decode")])
+        ctl, out = mp.Queue(), mp.Queue()
+        others = max(0, members - ENGINES - 1)  # the generator adds its probe member
+        gen = mp.Process(target=bench_scale.generator, args=(address, others, 0.0, ctl, out))
+        gen.start()
+        try:
+            _, register_s, missing, interval = out.get(timeout=900)
+            print(f"fleet of {members}: {others} generated members registered in "
+                  f"{register_s:.0f}s ({missing} missing), interval {interval:g}s",
+                  flush=True)
+            time.sleep(max(2.0, 1.5 * interval))  # every member heartbeats once
+            yield address
+        finally:
+            ctl.put("end")
+            with contextlib.suppress(Exception):
+                out.get(timeout=60)
+            gen.join(timeout=30)
+            stop_all(engines)
+
+
+def print_table(rows: list[Row], requests: int, policy: str) -> None:
+    print(f"\n{requests} requests at c={bench_router.CONCURRENCY} per run, policy "
+          f"{policy}; GC over the whole measurement\n")
+    print("| router | members | CPU per request | p50 / p99 at c=32 | req/s | GCs "
+          "(full) | longest GC | GC ms per s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        cpu = f"{r.cpu_us_per_req:.0f} µs" if r.cpu_us_per_req is not None else "-"
+        print(f"| {r.variant} | {r.members:,} | {cpu} | {r.p50_ms_c32:.1f} / "
+              f"{r.p99_ms_c32:.1f} ms | {r.req_per_s_c32:,.0f} | {r.gc_count} ({r.gc_full}) "
+              f"| {r.gc_max_ms} ms | {r.gc_ms_per_s} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--members", default="10,100000")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--variants", default="this;this --models tiny",
+                        help="routers to run, ';'-separated: 'this FLAGS...'")
+    parser.add_argument("--baseline", default="", help="also these commits' routers, comma-"
+                        "separated (their flags as bench_router gives another tree)")
+    parser.add_argument("--policy", default="peak_ewma")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=INTERVAL_S, metavar="S",
+                        help="the fleet's heartbeat interval")
+    parser.add_argument("--heap", type=int, default=0, metavar="N",
+                        help="instead: a view's heap of N members, per tree (no fleet)")
+    args = parser.parse_args()
+    variants: list[tuple[str, Path | None, list[str]]] = [
+        (v.strip(), None, v.split()[1:]) for v in args.variants.split(";") if v.strip()]
+    trees = [(commit, bench_scale.baseline_tree(commit))
+             for commit in args.baseline.split(",") if commit]
+    variants[:0] = [(commit, Path(tmp), []) for commit, tmp in trees]
+    if args.heap:
+        heap(args.heap, [*trees, ("this", str(BENCH.parent))])
+        for _, tmp in trees:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return 0
+    logs = tempfile.mkdtemp(prefix="pdreg-router-gc-logs-")
+    rows: list[Row] = []
+    try:
+        for members in (int(m) for m in args.members.split(",")):
+            with fleet(members, args.interval) as registry:
+                for turn in range(args.repeat):
+                    for name, src, flags in variants:
+                        log_path = os.path.join(logs, f"{members}-{turn}-{len(rows)}.log")
+                        with gc_logged_router(registry, args.policy, name, src,
+                                              flags,
+                                              log_path) as target:
+                            t0 = time.time()
+                            try:
+                                row = bench_router.measure(target, HANDSHAKE, args.requests)
+                            except RuntimeError as exc:  # never became ready: say so, go on
+                                print(f"  {name}: {exc}", flush=True)
+                                row = bench_router.Row(name, HANDSHAKE, failed=-1)
+                            gc = gc_figures(log_path, t0, time.time())
+                        rows.append(Row(name, members, row.cpu_us_per_req, row.p50_ms_c32,
+                                        row.p99_ms_c32, row.req_per_s_c32, row.failed, *gc))
+                        print(json.dumps(asdict(rows[-1])), flush=True)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+        for _, tmp in trees:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print_table(rows, args.requests, args.policy)
+    return 0
+
+
+
+# --- the view's heap alone (--heap N): what a view of N members gives the collector ------
+
+_HEAP_PROBE = """
+import gc, json, sys, time
+from registry.replica import Replica
+from wire.protocol import (Endpoints, Load, LoadDigest, LoadEntry, MemberRecord, MemberSpec,
+                           MemberState, Role, Snapshot)
+n = int(sys.argv[1])
+def spec(i):
+    host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
+    return MemberSpec(id=f"decode-{i}", incarnation=1, role=Role.DECODE, model=f"m{i % 8}",
+                      protocol="reference", endpoints=Endpoints(http=f"http://{host}:8000"),
+                      labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
+records = [MemberRecord(spec(i), MemberState.READY, load=Load(running=i % 7),
+                        heartbeat_at=time.time()) for i in range(n)]
+gc.collect()
+gc.freeze()  # what start-up made is out of the collector's walks (as a router's settle_heap)
+replica = Replica("r")
+t0 = time.perf_counter()
+replica.apply_snapshot(Snapshot(1, 1, records, 5.0), time.monotonic(), time.time())
+sync_ms = 1e3 * (time.perf_counter() - t0)
+del records  # as a view drops the snapshot, and merges what changed:
+replica.take_changed()
+tracked = len(gc.get_objects())
+t0 = time.perf_counter()
+gc.collect()
+full_ms = 1e3 * (time.perf_counter() - t0)
+# A digest round of a fifth of the members (100k at a 5 s interval: 20k loads a second).
+loads = [LoadEntry(f"decode-{i}", 1, Load(running=i % 5 + 1), 0.1) for i in range(0, n, 5)]
+gcs = []
+gc.callbacks.append(lambda phase, info: gcs.append(time.perf_counter()) if phase == "start"
+                    else gcs.append(time.perf_counter() - gcs.pop()))
+t0 = time.perf_counter()
+for start in range(0, len(loads), 256):
+    replica.apply(LoadDigest(1, 1, f"m{start % 8}", loads[start:start + 256], 5.0),
+                  time.monotonic())
+replica.take_changed()
+digest_ms = 1e3 * (time.perf_counter() - t0)
+print(json.dumps({"members": n, "sync_ms": round(sync_ms, 1), "tracked_after_sync": tracked,
+                  "full_gc_ms": round(full_ms, 1), "digest_round_ms": round(digest_ms, 1),
+                  "gcs_in_round": len(gcs), "longest_gc_ms": round(1e3 * max(gcs, default=0), 2)}))
+"""
+
+
+def heap(members: int, trees: list[tuple[str, str]]) -> None:
+    """Per source tree, in its own process: a view's replica of `members` members."""
+    import subprocess
+    print("| router | members | tracked objects after the sync | a full collection "
+          "| a digest round (a fifth of the loads) | collections in it, longest |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, src in trees:
+        done = subprocess.run([sys.executable, "-c", _HEAP_PROBE, str(members)], cwd=src,
+                              env={**os.environ, "PYTHONPATH": src},
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"| {name} | {r['members']:,} | {r['tracked_after_sync']:,} | "
+              f"{r['full_gc_ms']} ms | {r['digest_round_ms']} ms | {r['gcs_in_round']}, "
+              f"{r['longest_gc_ms']} ms |", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

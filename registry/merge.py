@@ -1,0 +1,196 @@
+"""Several registries' views merged into one: what a router sees when some of them fail.
+
+Pure state, no sockets, the clock passed in: `MembershipView` feeds each registry's
+`Replica`, says when it heard from each, and hands readers `members`. The rules:
+
+- Freshness is per registry. A registry is live while it has been heard from within its
+  lease (`away_after_s`: AWAY_AFTER_INTERVALS of its heartbeat interval; it pulses every
+  interval). One silent longer leaves the merge, and a member that only such registries
+  hold leaves the view: a frozen registry's last word keeps nobody alive.
+- A member is in the view while at least one live registry holds it. An expiry (or an
+  eviction) at one registry is only that registry's view: the member may be cut off from
+  it alone.
+- A leave that is final for an incarnation (the member said bye or crashed, or a newer
+  incarnation replaced it: `replica.FINAL_LEAVES`), recorded by any registry, is final
+  here: no registry's copy of that incarnation shows again, including the copy of a
+  registry the member could not reach to say it, which holds it until its lease runs out
+  (remembered for FINAL_KEEP_S, at most MAX_FINAL of them).
+- Of the copies the live registries hold, the newest incarnation wins; then one that is
+  not suspect (suspicion, too, is one registry's view); then the registry listed first,
+  so that while it is live a model's members come from one registry.
+- Loads are confirmed per registry: `loads_confirmed_at(model)` is the oldest
+  confirmation among the registries the model's members come from, never the newest of
+  any (another registry's pulse must not make a frozen one's loads look current).
+- When no registry is live nothing changes: a router serves from its last view (a
+  registry outage never empties it) and catches up when one comes back.
+
+An update costs the ids that changed, plus the members of a registry that joins or
+leaves the merge; never a walk over the whole membership while a registry is live.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+from registry.frozen_map import FrozenMap
+from registry.replica import LiveMember, Replica
+
+__all__ = ["AWAY_AFTER_INTERVALS", "MIN_AWAY_AFTER_S", "Merge"]
+
+AWAY_AFTER_INTERVALS: Final = 3.0  # a registry silent this long (the default lease) is away
+MIN_AWAY_AFTER_S: Final = 1.0
+# A final leave is remembered this long (far beyond any lease: a registry that missed the
+# bye drops the member by then), and at most this many (~100 B each).
+FINAL_KEEP_S: Final = 600.0
+MAX_FINAL: Final = 100_000
+
+
+class Merge:
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self.replicas = list(replicas)
+        self.members: FrozenMap[LiveMember] = FrozenMap()
+        # model -> the registries its members come from. Replaced, never changed, so a
+        # reader on another thread may hold it (`loads_confirmed_at`).
+        self.sources: dict[str, tuple[str, ...]] = {}
+        self._by_source = {replica.source: replica for replica in self.replicas}
+        self._heard = [-math.inf] * len(self.replicas)
+        self._live = [False] * len(self.replicas)
+        # id -> (the newest incarnation that left for good, when), oldest first
+        self._final: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._pending: set[str] = set()  # ids to look at again once a registry is live
+        self._counts: dict[str, Counter[str]] = {}  # model -> source -> members from it
+        self._moved: set[str] = set()  # models whose set of sources changed
+
+    # --- liveness ----------------------------------------------------------------------
+
+    def heard(self, index: int, now: float) -> None:
+        """Something came from registry `index` (an event, a digest, a snapshot)."""
+        self._heard[index] = now
+
+    def heard_at(self, index: int) -> float:
+        return self._heard[index]
+
+    def away_after_s(self, index: int) -> float:
+        return max(MIN_AWAY_AFTER_S, AWAY_AFTER_INTERVALS * self.replicas[index].interval_s)
+
+    def live(self, index: int, now: float) -> bool:
+        """Registry `index` has given a snapshot and was heard within its lease."""
+        return (self.replicas[index].synced
+                and now - self._heard[index] <= self.away_after_s(index))
+
+    # --- reads -------------------------------------------------------------------------
+
+    def loads_confirmed_at(self, model: str) -> float:
+        """When the registries `model`'s members come from last confirmed their loads: the
+        oldest of those (monotonic; -inf if one never did). Safe from any thread."""
+        sources = self.sources.get(model)
+        if not sources:
+            return -math.inf
+        return min(self._by_source[source].loads_confirmed_at.get(model, -math.inf)
+                   for source in sources)
+
+    # --- the merge ---------------------------------------------------------------------
+
+    def update(self, now: float) -> bool:
+        """Take what changed in the replicas into `members`; whether `members` changed."""
+        pending = self._pending
+        for replica in self.replicas:
+            for member_id, incarnation in replica.take_left():
+                self._left_for_good(member_id, incarnation, now)
+                pending.add(member_id)
+        live = [self.live(i, now) for i in range(len(self.replicas))]
+        if not any(live):
+            # Every registry away (or none synced yet): keep the last view. What changes
+            # meanwhile stays in the replicas until one is back.
+            self._live = live
+            return False
+        for replica in self.replicas:
+            pending |= replica.take_changed()
+        if not any(self._live):
+            # The first registry back, or the first ever: look at everyone.
+            pending.update(self.members)
+            for replica in self.replicas:
+                pending.update(replica.members)
+        else:
+            for was, replica, is_live in zip(self._live, self.replicas, live, strict=True):
+                if was != is_live:  # a registry joined or left the merge: its members
+                    pending.update(replica.members)
+        self._live = live
+        self._pending = set()
+        return self._apply(pending, live)
+
+    def _apply(self, ids: Iterable[str], live: list[bool]) -> bool:
+        updates: dict[str, LiveMember | None] = {}
+        members = self.members
+        for member_id in ids:
+            best = self._choose(member_id, live)
+            current = members.get(member_id)
+            if best is current:
+                continue
+            updates[member_id] = best
+            if (current is None or best is None or current.registry != best.registry
+                    or current.record.spec.model != best.record.spec.model):
+                self._count(current, -1)
+                self._count(best, 1)
+        if self._moved:
+            self._publish_sources()
+        if not updates:
+            return False
+        self.members = members.updated(updates)
+        return True
+
+    def _left_for_good(self, member_id: str, incarnation: int, now: float) -> None:
+        final = self._final
+        held = final.pop(member_id, None)
+        final[member_id] = (max(incarnation, held[0] if held else -1), now)
+        while final and (len(final) > MAX_FINAL
+                         or next(iter(final.values()))[1] < now - FINAL_KEEP_S):
+            final.popitem(last=False)
+
+    def _choose(self, member_id: str, live: list[bool]) -> LiveMember | None:
+        """The copy the view shows: the live registries' best, or None."""
+        left = self._final.get(member_id)
+        final = left[0] if left is not None else -1
+        best: LiveMember | None = None
+        for replica, is_live in zip(self.replicas, live, strict=True):
+            member = replica.members.get(member_id)
+            if member is None or not is_live or member.record.spec.incarnation <= final:
+                continue  # (an incarnation that left for good, whatever a registry says)
+            if best is None or _better(member, best):
+                best = member
+        return best
+
+    def _count(self, member: LiveMember | None, delta: int) -> None:
+        if member is None:
+            return
+        model = member.record.spec.model
+        counts = self._counts.setdefault(model, Counter())
+        counts[member.registry] += delta
+        if counts[member.registry] == 0:
+            del counts[member.registry]
+            self._moved.add(model)
+        elif delta > 0 and counts[member.registry] == 1:
+            self._moved.add(model)
+        if not counts:
+            del self._counts[model]
+
+    def _publish_sources(self) -> None:
+        sources = dict(self.sources)
+        for model in self._moved:
+            counts = self._counts.get(model)
+            if counts:
+                sources[model] = tuple(counts)
+            else:
+                sources.pop(model, None)
+        self._moved.clear()
+        self.sources = sources
+
+
+def _better(candidate: LiveMember, held: LiveMember) -> bool:
+    """Whether `candidate` beats `held` (a registry listed earlier): a newer incarnation,
+    or the same one not suspect where `held` is."""
+    c, h = candidate.record.spec.incarnation, held.record.spec.incarnation
+    return c > h or (c == h and held.record.suspect and not candidate.record.suspect)
