@@ -200,23 +200,7 @@ class Link:
                               max(MIN_HEARTBEAT_INTERVAL_S, reply.heartbeat_interval_s))
         status = reply.status
         if status is ReplyStatus.OK:
-            if sent is Request.REPORT:
-                return  # accepted (or about a member the registry no longer holds)
-            if sent is Request.KV_REPORT:
-                self.kv_refusals = 0
-                return
-            if sent is Request.REGISTER:
-                self.session = reply.session
-                if reply.session_salt:  # sealed with the fleet token
-                    self.session = sessions.open_session(_token_key(self._token), self.nonce,
-                                                         reply.session_salt, reply.session)
-                self.refusals = 0
-                logger.info("[agent] registered id=%s at %s state=%s interval=%.2fs",
-                            self.member_id, self.address,
-                            sent_state.name.lower() if sent_state else "?", self.interval_s)
-            self.phase = LinkPhase.HEARTBEATING
-            self.registered = True
-            self.next_send_at = now + self.interval_s
+            self._on_ok(reply, sent, sent_state, now)
         elif status is ReplyStatus.UNKNOWN:
             # The registry restarted (or expired us): register again right away.
             logger.info("[agent] registry %s does not know id=%s; registering again",
@@ -250,6 +234,26 @@ class Link:
             logger.error("[agent] registry %s refused a heartbeat of id=%s: %s; registering "
                          "again", self.address, self.member_id, reply.reason)
             self._register_again(now + backoff_delay_s(self.failures, rng))
+
+    def _on_ok(self, reply: Reply, sent: Request | None, sent_state: MemberState | None,
+               now: float) -> None:
+        if sent is Request.REPORT:
+            return  # accepted (or about a member the registry no longer holds)
+        if sent is Request.KV_REPORT:
+            self.kv_refusals = 0
+            return
+        if sent is Request.REGISTER:
+            self.session = reply.session
+            if reply.session_salt:  # sealed with the fleet token
+                self.session = sessions.open_session(_token_key(self._token), self.nonce,
+                                                     reply.session_salt, reply.session)
+            self.refusals = 0
+            logger.info("[agent] registered id=%s at %s state=%s interval=%.2fs",
+                        self.member_id, self.address,
+                        sent_state.name.lower() if sent_state else "?", self.interval_s)
+        self.phase = LinkPhase.HEARTBEATING
+        self.registered = True
+        self.next_send_at = now + self.interval_s
 
     def on_no_reply(self, now: float, rng: random.Random) -> None:
         self.failures += 1

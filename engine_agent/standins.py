@@ -190,6 +190,34 @@ class StandinServer:
         }
 
 
+_TEXT = "text/plain"
+_JSON = "application/json"
+
+
+def _get_reply(server: StandinServer, path: str) -> tuple[int, bytes, str]:
+    """What the engine being stood in for answers a GET on `path`: (status, body, type)."""
+    server.hits[path] += 1
+    sglang = server.kind == "sglang"
+    status = 200 if server.state.healthy else 503
+    if path == "/health":
+        if sglang:
+            time.sleep(SGLANG_HEALTH_WAIT_S)
+        return status, b"", _TEXT
+    if path == "/ready" and sglang:
+        return status, b"", _TEXT
+    if path == "/metrics" and (server.metrics or not sglang):
+        return 200, server.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8"
+    if path == "/v1/models":
+        body: Any = server.models_body()
+    elif path in ("/server_info", "/get_server_info") and sglang:
+        body = server.server_info_body()
+    elif path == "/v1/loads" and sglang:
+        body = server.loads_body()
+    else:
+        return 404, json.dumps({"detail": "Not Found"}).encode(), _JSON
+    return 200, json.dumps(body).encode(), _JSON
+
+
 def _handler_for(server: StandinServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -198,27 +226,7 @@ def _handler_for(server: StandinServer) -> type[BaseHTTPRequestHandler]:
             logger.debug("[standin] " + format, *args)
 
         def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            server.hits[path] += 1
-            sglang = server.kind == "sglang"
-            status = 200 if server.state.healthy else 503
-            if path == "/health":
-                if sglang:
-                    time.sleep(SGLANG_HEALTH_WAIT_S)
-                self._send(status, b"", "text/plain")
-            elif path == "/ready" and sglang:
-                self._send(status, b"", "text/plain")
-            elif path == "/metrics" and (server.metrics or not sglang):
-                self._send(200, server.metrics_text().encode(),
-                           "text/plain; version=0.0.4; charset=utf-8")
-            elif path == "/v1/models":
-                self._json(200, server.models_body())
-            elif path in ("/server_info", "/get_server_info") and sglang:
-                self._json(200, server.server_info_body())
-            elif path == "/v1/loads" and sglang:
-                self._json(200, server.loads_body())
-            else:
-                self._json(404, {"detail": "Not Found"})
+            self._send(*_get_reply(server, self.path.split("?", 1)[0]))
 
         def do_POST(self) -> None:
             path = self.path.split("?", 1)[0]
@@ -241,7 +249,7 @@ def _handler_for(server: StandinServer) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"detail": "Not Found"})
 
         def _json(self, status: int, body: Any) -> None:
-            self._send(status, json.dumps(body).encode(), "application/json")
+            self._send(status, json.dumps(body).encode(), _JSON)
 
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)

@@ -154,7 +154,11 @@ class RegistryCollector(Collector):
         stats = self._stats
         figures = self._figures()
         yield from self._membership_families(figures, self._clock())
+        yield from self._message_families(stats)
+        yield from self._loop_families(stats, figures)
 
+    def _message_families(self, stats: LoopStats) -> Iterator[Metric]:
+        """What the control and events sockets carried: counters only."""
         yield _counter("pdreg_heartbeats", "Heartbeats received.", stats.heartbeats)
         yield _labelled_counter("pdreg_heartbeat_results",
                                 "Heartbeats not answered OK, by reply.", "result",
@@ -197,6 +201,9 @@ class RegistryCollector(Collector):
                        stats.handshake_failures)
         yield _counter("pdreg_replies_dropped", "Replies dropped (peer not reading).",
                        stats.replies_dropped)
+
+    def _loop_families(self, stats: LoopStats, figures: FleetFigures) -> Iterator[Metric]:
+        """The loop's own health: errors, lag, coalescing, turn and snapshot times."""
         yield _counter("pdreg_loop_errors", "Loop steps that raised (bugs).", stats.loop_errors)
         yield _gauge("pdreg_membership_version", "Current membership version.",
                      figures.version)
