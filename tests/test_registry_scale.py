@@ -214,7 +214,8 @@ def test_a_view_syncs_once_when_nothing_changes_meanwhile(registry):
             assert view.wait_for(lambda m: member.id in m, WAIT_S)
             # A digest (one per interval at least) came through the subscription, so the
             # view is live on the stream and had no reason to ask again.
-            assert wait_until(lambda: math.isfinite(view.loads_confirmed_at("")), WAIT_S)
+            model = view.members()[member.id].record.spec.model
+            assert wait_until(lambda: math.isfinite(view.loads_confirmed_at(model)), WAIT_S)
             assert registry.stats.syncs == 1
     finally:
         member.close()
