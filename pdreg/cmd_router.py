@@ -55,7 +55,7 @@ from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
 from router.service import RouterServer, settle_heap
 from router.warmup import WARM_CONNECTIONS
-from serving.http_server import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S
+from serving.http_limits import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S
 from wire.protocol import ROUTER_PROTOCOL, MemberSpec, MemberState
 from wire.validation import url_host
 
