@@ -67,6 +67,7 @@ MAX_SOCKETS: Final = 32_768  # per feed: 16k members (bench/bench_kv_scale.py ra
 SUB_HWM: Final = 128
 RESTART_BACKOFF_S: Final = 1.0  # before a failed feed loop starts again
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
+MAX_BYTES_PER_WAKE: Final = 4 * 1024 * 1024  # nor one sending large batches
 _STOP: Final = b"stop"
 _UPDATE: Final = b"update"
 
@@ -352,6 +353,7 @@ class KvFeed:
 
     def _read_sub(self, state: _Subscription) -> None:
         sub = state.sub
+        read = 0
         for _ in range(MAX_BATCHES_PER_WAKE):
             # Asking the socket is cheaper than pyzmq's Again exception, and a wake
             # usually finds one batch.
@@ -362,6 +364,9 @@ class KvFeed:
             except zmq.Again:
                 return
             self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)
+            read += len(frames[-1])
+            if read > MAX_BYTES_PER_WAKE:
+                break
         self._poller.later(sub)  # not drained: its edge will not fire again
 
     def _read_replay(self, state: _Subscription) -> None:
