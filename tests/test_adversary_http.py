@@ -17,6 +17,7 @@ from test_http_server import Served, _read_answer
 
 from pdreg.testing import wait_until
 from serving import http_server
+from serving.http_limits import HeadBudget
 from serving.http_messages import MAX_ERROR_MESSAGE_CHARS, Request, Response
 from serving.http_server import HttpApp, Limits
 from serving.lifecycle import ServingThread
@@ -135,3 +136,30 @@ def test_a_body_over_the_cap_gets_its_413_not_a_reset(serve: Any) -> None:
     assert answer.status_code == 413
     assert json.loads(answer.content)["error"]["code"] == "body_too_large"
     assert served.counted == ["body_too_large"]
+
+
+@pytest.mark.parametrize(("reads", "over"), [
+    # (events of each read: ("parsed", n) a part handed over, "complete" a request ended,
+    #  ("unfinished", n) the read of n bytes ended inside a head), whether it is refused
+    ([[("parsed", 60), ("parsed", 40)]], False),
+    ([[("parsed", 60), ("parsed", 41)]], True),  # one read, a whole head over 100
+    ([[("unfinished", 101)]], True),  # one read, an unfinished head over 100
+    ([[("unfinished", 60)], [("unfinished", 41)]], True),  # spanning reads
+    # many pipelined requests before an unfinished head, all in one read: not its bytes
+    ([["complete"] * 50 + [("unfinished", 5000)]], False),
+    ([["complete", ("unfinished", 5000)], [("unfinished", 101)]], True),
+])
+def test_the_head_budget(reads: list[list[Any]], over: bool) -> None:
+    budget = HeadBudget(100)
+    refused = False
+    for read in reads:
+        budget.reading()
+        for event in read:
+            if event == "complete":
+                budget.completed()
+                budget.begin()
+            elif event[0] == "parsed":
+                refused |= budget.parsed(event[1])
+            else:
+                refused |= budget.unfinished(event[1])
+    assert refused is over
