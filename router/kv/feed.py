@@ -173,9 +173,12 @@ class KvFeed:
     def _run(self) -> None:
         """The supervisor: serve until told to stop; a failed loop drops every member and,
         after RESTART_BACKOFF_S, follows the last membership again from scratch."""
+        restarting = False
         try:
             while True:
                 try:
+                    if restarting:
+                        self._apply_membership(self._wanted)
                     self._serve()
                     return
                 except Exception:  # meanwhile the router routes by load alone
@@ -183,10 +186,10 @@ class KvFeed:
                     logger.exception("[kv-feed] the feed loop failed; restarting it in "
                                      "%.1fs (every member resyncs)", RESTART_BACKOFF_S)
                     self._drop_all()
+                    restarting = True
                 if self._wake_in.poll(int(RESTART_BACKOFF_S * 1000)) \
                         and not self._drain_wakes():
                     return
-                self._apply_membership(self._wanted)
         finally:
             self._drop_all()
             self._poller.close()
