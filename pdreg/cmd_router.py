@@ -46,14 +46,16 @@ from router.http.bounds import (
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
 )
+from router.kv.index import DEFAULT_MAX_PENDING_BYTES
 from router.kv.reporter import KvReporter
+from router.kv.routing import MAX_BLOCK_SIZES
 from router.kv.tokenizer import parse_tokenizer_flags
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
 from router.quarantine import QUARANTINE_S
 from router.service import RouterServer, settle_heap
 from router.warmup import WARM_CONNECTIONS
-from serving.http_server import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S
+from serving.http_limits import BODY_TIMEOUT_S, DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S
 from wire.protocol import ROUTER_PROTOCOL, MemberSpec, MemberState
 from wire.validation import url_host
 
@@ -76,15 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "member's observed latency; prefix: prefix affinity for prefills, "
                         "power_of_two for decodes; session: the X-Session-Id header, else "
                         "the request's `user`, keeps a conversation on one pair)")
-    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
-                   type=_tokenizer_flag,
-                   help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
-                        "name in the local cache) for MODEL; repeatable. Default: what the "
-                        "model's members register")
-    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
-                   help="kv policy: a prompt the chosen decode would compute fewer than N "
-                        "tokens of itself skips the prefill leg (the decode prefills it); "
-                        "0 = off")
+    _add_kv_arguments(p)
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
     p.add_argument("--models", default="", type=_models, metavar="NAME[,NAME]",
                    help="serve only these models: the view subscribes to their events "
@@ -226,7 +220,36 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
                                stale_load_s=args.stale_load, quarantine_s=args.quarantine,
                                latency_decay_s=args.latency_decay),
         kv=KvOptions(tokenizers=tuple(args.tokenizer),
-                     disagg_min_uncached_tokens=args.disagg_min_uncached_tokens))
+                     disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+                     gap_bytes=args.kv_gap_bytes, max_block_sizes=args.kv_max_block_sizes))
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
+                   type=_tokenizer_flag,
+                   help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
+                        "name in the local cache) for MODEL; repeatable. Default: what the "
+                        "model's members register")
+    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
+                   help="kv policy: a prompt the chosen decode would compute fewer than N "
+                        "tokens of itself skips the prefill leg (the decode prefills it); "
+                        "0 = off")
+    p.add_argument("--kv-gap-bytes", type=_positive_int, default=DEFAULT_MAX_PENDING_BYTES,
+                   metavar="BYTES",
+                   help="kv policy: KV event batches held behind a sequence gap, per member, "
+                        "while its replay is awaited; past this the member's index is "
+                        "declared unknown at once (default: %(default)s)")
+    p.add_argument("--kv-max-block-sizes", type=_positive_int, default=MAX_BLOCK_SIZES,
+                   metavar="N",
+                   help="kv policy: distinct KV block sizes per model a prompt is keyed "
+                        "for (those of the most ready members; default: %(default)s)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _router_spec(host: str, server: RouterServer) -> MemberSpec:

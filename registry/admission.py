@@ -49,6 +49,11 @@ class Admission:
         # A process that said bye never registers that incarnation again, so a Register
         # for one is a replay (of a sniffed message) trying to bring it back.
         self._departed: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # (id, incarnation) pairs that left without a bye (expired, replaced). One may
+        # come back (a partitioned process registers again), but a Register is no proof
+        # of life (it may be a sniffed one replayed): back, it holds its id against a
+        # newer incarnation only once it heartbeats with its session (`Entry.unproven`).
+        self._lapsed: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def problem(self, spec: MemberSpec, now: float) -> Outcome | None:
         """Why `spec` may not register now (ban, incarnation), or None."""
@@ -99,6 +104,15 @@ class Admission:
         self._departed[(member_id, incarnation)] = None
         if len(self._departed) > MAX_DEPARTED:
             self._departed.popitem(last=False)
+
+    def lapsed(self, member_id: str, incarnation: int) -> None:
+        """`(member_id, incarnation)` left without a bye (it expired, or was replaced)."""
+        self._lapsed[(member_id, incarnation)] = None
+        if len(self._lapsed) > MAX_DEPARTED:
+            self._lapsed.popitem(last=False)
+
+    def has_lapsed(self, member_id: str, incarnation: int) -> bool:
+        return (member_id, incarnation) in self._lapsed
 
     def ban(self, member_id: str, now: float, ban_s: float) -> Outcome | None:
         """Refuse `member_id`'s registrations for `ban_s`; why not, or None."""

@@ -53,6 +53,10 @@ class Entry(msgspec.Struct, gc=False):
     sent_load: Load = _NO_LOAD  # the load views were last sent (digest or record)
     held_since: float = 0.0  # when a change inside the deadband was first held back
     cordoned: bool = False  # an operator's cordon: shown as DRAINING, `state` kept as said
+    # Registered again after it lapsed (expired or replaced), and no heartbeat proved with
+    # its session since: a replayed Register can bring it back, so it does not count as
+    # alive against a newer incarnation (`Sessions._contested`).
+    unproven: bool = False
 
     @property
     def shown_state(self) -> MemberState:

@@ -148,7 +148,13 @@ class Sessions:
         agent keeps registering until then). One that left said bye: its entry is gone
         already. While the holder heartbeats, the claim is refused as "contested",
         counted and logged, and the holder notices nothing.
+
+        Only a heartbeat proved with the holder's session shows it alive: an incarnation
+        that lapsed and was registered again (a sniffed Register replayed after its
+        process crashed re-creates it) holds nothing against a newer one until it does.
         """
+        if current.unproven:
+            return None  # back by a Register alone, which anyone who sniffed one can send
         silent_s = self._age(current, now)
         if silent_s > self.timing.lease_s:
             return None

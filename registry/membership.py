@@ -224,7 +224,8 @@ class Membership(Liveness, Sessions, AdminActions):
                       seen_before=seen, sent_load=load, heartbeat_at=now,
                       session=self._new_session(), nonce=nonce, group=group,
                       beat_us=beat_us, counted=counted, admin_draining=drained,
-                      cordoned=cordoned)
+                      cordoned=cordoned,
+                      unproven=self.admission.has_lapsed(spec.id, spec.incarnation))
         self._members[spec.id] = entry
         self._unsuspected[spec.id] = entry
         self._unsilent[spec.id] = entry
@@ -245,6 +246,7 @@ class Membership(Liveness, Sessions, AdminActions):
             assert isinstance(refusal, Outcome)
             return refusal
         entry.last_seq = beat.seq
+        entry.unproven = False  # its own session proved it: alive
         self._seen(entry, beat.load, now)
         self._set_state(entry, beat.state, now)
         # Drained by an operator here: say so in every reply until the member announces
@@ -363,6 +365,8 @@ class Membership(Liveness, Sessions, AdminActions):
         self._held.pop(member_id, None)
         self.fleet_stats.leave(entry.group, entry.counted, entry.beat_us)
         self.admission.left(entry.spec.model)
+        if reason in (LeaveReason.EXPIRED, LeaveReason.REPLACED):
+            self.admission.lapsed(member_id, entry.spec.incarnation)
         self._retime()
         self._publish(MemberLeft(self.epoch, self._next_version(), member_id,
                                  entry.spec.incarnation, entry.spec.model, reason))

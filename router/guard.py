@@ -4,7 +4,9 @@
   checked against the *resolved* address of every new engine connection, so neither a
   registered URL nor a DNS answer can point it at a cloud metadata service or at a
   service that trusts its own network. The KV addresses a handshake hands to an engine
-  pass the same policy, and only in canonical form (`kv_address_problem`).
+  pass the same policy, and only in canonical form (`kv_address_problem`). The host's
+  own addresses are denied too, public ones included (router/host_addresses.py): a
+  service bound to all interfaces answers on them as on loopback.
 - `strip_internal_fields`: the request-body fields that drive engines' P/D handshakes and
   request identity are the router's to set, never the client's, at the top level or in
   the nested places an engine reads them from (vLLM's `vllm_xargs`).
@@ -20,6 +22,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from router.host_addresses import own_addresses
 
 __all__ = [
     "DEFAULT_ALLOW",
@@ -106,11 +110,17 @@ class UpstreamPolicy:
                                       repr=False)
 
     @classmethod
-    def build(cls, allow: str | Sequence[str] = "", *,
-              deny: Sequence[str] = DEFAULT_DENY) -> UpstreamPolicy:
-        """`allow` empty: the default (every public address: everything but `deny`)."""
+    def build(cls, allow: str | Sequence[str] = "", *, deny: Sequence[str] = DEFAULT_DENY,
+              own: Sequence[str] | None = None) -> UpstreamPolicy:
+        """`allow` empty: the default (every public address: everything but `deny`).
+        `own`: this host's addresses (default: read from the host), each but loopback
+        (denied by `deny`, allowed by naming it: LOOPBACK_ALLOW) denied as a host route,
+        so a network that holds one does not allow it, only naming the address itself
+        (`--allow-upstream 192.0.2.2/32`, a tie) does."""
         networks = parse_networks(allow) if allow else parse_networks(DEFAULT_ALLOW)
-        return cls(allow=networks, deny=parse_networks(deny))
+        host_routes = [ip for ip in (own_addresses() if own is None else own)
+                       if not ipaddress.ip_address(ip).is_loopback]
+        return cls(allow=networks, deny=parse_networks([*deny, *host_routes]))
 
     def allows(self, address: str) -> bool:
         allowed = self._answers.get(address)

@@ -20,6 +20,7 @@ __all__ = ["CHUNKED", "INVALID_REQUEST", "UNTIL_CLOSE", "Request", "Response",
            "StreamResponse", "encode_head", "openai_error"]
 
 INVALID_REQUEST: Final = "invalid_request_error"
+MAX_ERROR_MESSAGE_CHARS: Final = 512  # an error message quotes at most this much input
 
 _STATUS_LINES: Final = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode()
                         for s in HTTPStatus}
@@ -121,7 +122,11 @@ class Response:
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None,
                  headers: Mapping[str, str] | None = None) -> Response:
-    """`{"error": {"message", "type", "param", "code"}}`: what OpenAI's clients parse."""
+    """`{"error": {"message", "type", "param", "code"}}`: what OpenAI's clients parse.
+    Messages quote the client's input (a path, a model name): cut to
+    MAX_ERROR_MESSAGE_CHARS, so an error answer is small whatever the request was."""
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = message[:MAX_ERROR_MESSAGE_CHARS] + "..."
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return Response(status, msgspec.json.encode(body), headers=headers)
 

@@ -10,9 +10,11 @@ answered with one `transport.write`.
 Per connection, in order:
 
     head     the request line and headers arrive within `header_timeout_s` of connecting
-             or of the previous answer (slowloris), at most `max_head_bytes` (431)
+             or of the previous answer (slowloris), at most `max_head_bytes` (431),
+             whether they span reads or come in one
     body     Content-Length or chunked, within `body_timeout_s` (408), at most
-             `max_body_bytes` (413)
+             `max_body_bytes` (413: sent, then what the client still sends is read and
+             dropped for up to LINGER_S, so it sees the 413 rather than a reset)
     handle   the handler runs in the connection's task (one per connection, not one
              per request: a task costs more than the rest of this file's work);
              the client leaving cancels it
@@ -20,8 +22,10 @@ Per connection, in order:
              paced by the client's socket (transport pause/resume)
 
 Keep-alive is HTTP/1.1's default; pipelined requests are answered in order (reading
-pauses while one waits). Malformed HTTP gets a 400 and closes that connection only;
-every refusal is counted through `HttpApp.count`.
+pauses while one waits), and not one more while the client leaves its answers unread
+(the write buffer above its high-water mark): it holds one answer's memory, not one per
+request. Malformed HTTP gets a 400 and closes that connection only; every refusal is
+counted through `HttpApp.count`.
 """
 
 from __future__ import annotations
@@ -33,12 +37,12 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Final
 
 import httptools
 
 from serving.deadline import Deadline
+from serving.http_limits import HEADER_OVERHEAD, LINGER_S, HeadBudget, Limits
 from serving.http_messages import (
     INVALID_REQUEST,
     Request,
@@ -48,10 +52,6 @@ from serving.http_messages import (
 )
 
 __all__ = [
-    "BODY_TIMEOUT_S",
-    "DRAIN_TIMEOUT_S",
-    "HEADER_TIMEOUT_S",
-    "MAX_BODY_BYTES",
     "ClientConnection",
     "HttpApp",
     "HttpServer",
@@ -63,24 +63,10 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
 Hook = Callable[[], Awaitable[None]]
 
-HEADER_TIMEOUT_S: Final = 10.0
-BODY_TIMEOUT_S: Final = 30.0
-MAX_BODY_BYTES: Final = 16 * 1024 * 1024
-MAX_HEAD_BYTES: Final = 64 * 1024  # request line and headers together
-DRAIN_TIMEOUT_S: Final = 30.0  # at close, requests in flight get this long to finish
 LISTEN_BACKLOG: Final = 1024
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _METHODS: Final = {m.encode(): m for m in ("GET", "POST", "PUT", "DELETE", "HEAD",
                                             "OPTIONS", "PATCH")}
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    header_timeout_s: float = HEADER_TIMEOUT_S
-    body_timeout_s: float = BODY_TIMEOUT_S
-    max_body_bytes: int = MAX_BODY_BYTES
-    max_head_bytes: int = MAX_HEAD_BYTES
-    drain_timeout_s: float = DRAIN_TIMEOUT_S  # requests in flight, at close
 
 
 def _no_count(reason: str) -> None:
@@ -203,7 +189,8 @@ class ClientConnection(asyncio.Protocol):
         self._headers: dict[bytes, bytes] = {}
         self._body: list[bytes] = []
         self._body_size = 0
-        self._head_size = 0
+        self._head = HeadBudget(self.limits.max_head_bytes)
+        self._lingering = False  # refused with the body still coming: drop what comes
         self._refusal: tuple[int, str, str] | None = None  # set by a callback, then raised
         self._queue: deque[Request] = deque()  # pipelined requests, answered in order
         self._deadline = Deadline(self.loop, self._timed_out)  # of the current phase
@@ -222,6 +209,9 @@ class ClientConnection(asyncio.Protocol):
         self._arm(self.limits.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the answer (413) is sent: drop the body until LINGER_S ends
+        self._head.reading()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -233,11 +223,8 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._refuse(400, "malformed_http", f"malformed HTTP request: {exc}")
             return
-        if self._reading is _Reading.HEAD:
-            self._head_size += len(data)
-            if self._head_size > self.limits.max_head_bytes:
-                self._refuse(431, "head_too_large", "request headers larger than "
-                             f"{self.limits.max_head_bytes} bytes")
+        if self._reading is _Reading.HEAD and self._head.unfinished(len(data)):
+            self._refuse(*self._head.refusal())
         elif self._reading is _Reading.BODY and not self.busy:
             self._arm(self.limits.body_timeout_s, once=True)
 
@@ -268,6 +255,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._reading = _Reading.HEAD
+        self._head.begin()
         self._url = b""
         self._headers = {}
         self._body = []
@@ -275,13 +263,20 @@ class ClientConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.lower()] = value
+        self._count_head(len(name) + len(value) + HEADER_OVERHEAD)
+
+    def _count_head(self, size: int) -> None:
+        if self._head.parsed(size):
+            self._refusal = self._head.refusal()
+            raise ValueError("head too large")  # stops the parser
 
     def on_headers_complete(self) -> None:
         self._reading = _Reading.BODY
-        self._head_size = 0
+        self._head.done()
         self._deadline.disarm()  # the header deadline is met; a body's is armed if it waits
         length = self._headers.get(b"content-length")
         if length is not None and length.isdigit() and \
@@ -303,6 +298,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._reading = _Reading.DONE
+        self._head.completed()
         self._deadline.disarm()
         parser = self._parser
         url = self._url
@@ -361,6 +357,12 @@ class ClientConnection(asyncio.Protocol):
             self.busy = False
             if not self._answered(request, answer):
                 return
+            if self._write_paused:
+                # Its answers go unread: serve and read no more until its socket drains.
+                try:
+                    await self.drain()
+                except ConnectionResetError:
+                    return
             if not queue and self.transport is not None:
                 self.transport.resume_reading()  # no-op unless a pipeline paused it
 
@@ -385,14 +387,22 @@ class ClientConnection(asyncio.Protocol):
         return True
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
-        """Answer a request the server cannot take and close the connection."""
+        """Answer a request the server cannot take and close the connection. With a body
+        still coming (413), close only our side at first and drop what comes for up to
+        LINGER_S: closing with unread data would reset the connection, and the client
+        would see the reset, not the answer."""
         self.app.count(reason)
         self._queue.clear()
         transport = self.transport
-        if transport is not None and not transport.is_closing() and not self.busy:
-            answer = openai_error(status, message, INVALID_REQUEST, reason)
-            transport.write(answer.encode(True))
-        self.close()
+        if transport is None or transport.is_closing() or self.busy:
+            self.close()
+            return
+        transport.write(openai_error(status, message, INVALID_REQUEST, reason).encode(True))
+        if status != 413 or not transport.can_write_eof():
+            return self.close()
+        transport.write_eof()
+        self._lingering = True
+        self._deadline.arm(LINGER_S)  # `_timed_out` closes it
 
     # --- deadlines ----------------------------------------------------------------------
 
@@ -406,7 +416,9 @@ class ClientConnection(asyncio.Protocol):
     def _timed_out(self) -> None:
         if self.transport is None:
             return
-        if self._reading is _Reading.BODY and not self.busy:
+        if self._lingering:
+            self.close()
+        elif self._reading is _Reading.BODY and not self.busy:
             self._refuse(408, "body_timeout", "the request body did not arrive within "
                          f"{self.limits.body_timeout_s:g} s")
         else:

@@ -13,6 +13,7 @@ from engine_agent.reference.kv_blocks import ROOT_KEY, block_keys, chain_key
 from router.kv.index import MemberIndex
 from router.kv.keys import block_keys as router_keys
 from wire.kv_events import (
+    NO_EXTRA_KEYS,
     REPLAY_END,
     AllBlocksCleared,
     BlockRemoved,
@@ -180,7 +181,8 @@ def test_bytes_captured_from_a_real_vllm():
     assert isinstance(event, BlockStored) and event.block_size == 128
     assert all(isinstance(h, int) for h in event.block_hashes)
     assert event.parent_block_hash is None and event.token_ids == ids[:256]
-    assert event.extra_keys == [None, None] and event.group_idx == 0
+    assert event.extra_keys is not None and event.group_idx == 0
+    assert [bytes(e) for e in event.extra_keys] == [NO_EXTRA_KEYS, NO_EXTRA_KEYS]
     index = MemberIndex("vllm", 1)
     index.start_sync()
     index.apply(0, decode_batch(payload))

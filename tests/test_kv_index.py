@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from router.kv.index import Applied, IndexState, KvIndex, MemberIndex
+from router.kv.index import (
+    DEFAULT_MAX_PENDING_BYTES,
+    Applied,
+    IndexState,
+    KvIndex,
+    MemberIndex,
+)
 from router.kv.keys import ROOT_KEY, block_keys, chain_key
 from wire.kv_events import (
     AllBlocksCleared,
@@ -124,16 +130,21 @@ def check(index: MemberIndex, engine: Engine, probes: list[list[int]]) -> None:
 
 
 @given(st.lists(engine_ops, max_size=30), actions, st.integers(1, 6),
-       st.lists(st.lists(tokens, min_size=1, max_size=4), max_size=4))
+       st.lists(st.lists(tokens, min_size=1, max_size=4), max_size=4),
+       st.one_of(st.none(), st.integers(0, 400)))
 @example([("store", 0, [(1, 1)]), ("remove", [0]), ("store", 0, [(2, 2)])],
          ["publish", "replay", "publish", "publish", "drop", "drop", "deliver", "replay"],
-         1, [])  # a removal lost in a hole the replay cannot fill: the old block must go
+         1, [], None)  # a removal lost in a hole the replay cannot fill: the old block must go
 @example([("store", 0, [(1, 1)]), ("store", 0, [(2, 2)]), ("store", 0, [(0, 0)])],
          ["publish", "replay", "drop", "publish", "publish", "drop", "deliver"],
-         1, [])  # a hole is open: no claim, not even on blocks held before it
-def test_index_is_exact_a_subset_or_silent(ops, schedule, buffer_steps, prompts):
+         1, [], None)  # a hole is open: no claim, not even on blocks held before it
+def test_index_is_exact_a_subset_or_silent(ops, schedule, buffer_steps, prompts,
+                                           gap_bytes):
+    """...whatever the cap on bytes held behind a gap (`gap_bytes`; None: the
+    default), which is never passed."""
     engine = Engine(buffer_steps)
-    index = MemberIndex("p", 1)
+    cap = DEFAULT_MAX_PENDING_BYTES if gap_bytes is None else gap_bytes
+    index = MemberIndex("p", 1, max_pending_bytes=cap)
     chains = prompts + [op[2] for op in ops if op[0] == "store"]
     probes = [block_keys([t for b in p for t in b], BLOCK) for p in chains]
     assert index.start_sync() is Applied.GAP
@@ -146,18 +157,22 @@ def test_index_is_exact_a_subset_or_silent(ops, schedule, buffer_steps, prompts)
             queue.append(len(engine.payloads) - 1)
         elif action in ("deliver", "dup") and queue:
             seq = queue[0] if action == "dup" else queue.pop(0)
-            index.apply(seq, decode_batch(engine.payloads[seq]))
+            payload = engine.payloads[seq]
+            index.apply(seq, decode_batch(payload), len(payload))
         elif action == "drop" and queue:
             queue.pop(0)
         elif action == "swap" and len(queue) > 1:
             queue[0], queue[1] = queue[1], queue[0]
         elif action == "replay" and index.replay_outstanding:
             for seq in engine.replay(index.replay_from):
-                index.apply(seq, decode_batch(engine.payloads[seq]))
+                payload = engine.payloads[seq]
+                index.apply(seq, decode_batch(payload), len(payload))
             index.replay_done(complete=True)
         elif action == "timeout" and index.replay_outstanding:
             index.replay_done(complete=False)
         check(index, engine, probes)
+        assert index.pending_bytes == sum(index.pending_sizes.values()) <= cap
+        assert index.pending_sizes.keys() == index.pending.keys()
 
 
 @given(st.lists(engine_ops, min_size=1, max_size=30), st.randoms(use_true_random=False))

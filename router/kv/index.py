@@ -25,7 +25,11 @@ Rules, per member (ZeroMQ Guide ch. 5, applied to an engine's event stream):
   lower bound (UNKNOWN) with what it has; nothing is added that cannot be keyed.
 - Only the device tier (medium None or "GPU") and KV cache group 0 are indexed: those
   are the blocks a prefill skips computing.
-- Memory is bounded per member (`max_blocks`) and for held-back batches (`MAX_PENDING`).
+- Memory is bounded per member (`max_blocks`) and for held-back batches (`MAX_PENDING`,
+  and `max_pending_bytes` of their payloads): a member whose held batches would pass the
+  bytes cap is not waited for: its history is dropped at once (UNKNOWN, `OVERFLOW`) and
+  the batch applies to the emptied index. A publisher that keeps a hole open while it
+  streams large batches behind it costs the router this much, and only its own index.
 
 So, after any sequence of batches, lost, duplicated or reordered: a LIVE member's blocks
 equal the engine's after the last batch applied, an UNKNOWN member's are a subset, and a
@@ -50,13 +54,16 @@ import msgspec
 
 from registry.frozen_map import FrozenMap
 from router.kv.keys import ROOT_KEY, block_keys, chain_key
-from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from wire.kv_events import NO_EXTRA_KEYS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["Applied", "IndexSnapshot", "IndexState", "KvIndex", "MemberIndex", "MemberStats"]
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING: Final = 1024  # batches held back while a hole is open, per member
+# Payload bytes held back while a hole is open, per member (`--kv-gap-bytes`): a replay
+# answers within seconds, and a busy engine sends ~1 MB of events in that time.
+DEFAULT_MAX_PENDING_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_BLOCKS: Final = 1_000_000  # per member: ~1M blocks x 128 tokens = 128M tokens
 _DEVICE_MEDIA: Final = (None, "GPU")
 _salt_encoder = msgspec.msgpack.Encoder()
@@ -77,6 +84,7 @@ class Applied(enum.Enum):
     HELD = "held"  # beyond a hole; applied when the hole closes
     GAP = "gap"  # beyond a hole: ask a replay from `replay_from`
     DROPPED = "dropped"  # beyond a hole and over MAX_PENDING (a later replay brings it)
+    OVERFLOW = "overflow"  # beyond a hole and over the bytes cap: history dropped, applied
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,10 +122,12 @@ class MemberIndex:
     """One member's blocks. See the module docstring for the rules."""
 
     def __init__(self, member_id: str, incarnation: int,
-                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+                 max_blocks: int = DEFAULT_MAX_BLOCKS,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.member_id = member_id
         self.incarnation = incarnation
         self.max_blocks = max_blocks
+        self.max_pending_bytes = max_pending_bytes
         self.next_seq: int | None = 0  # None: take whatever seq comes next (history lost)
         self.synced = False  # the first replay has answered (or failed)
         self.exact = True  # every batch since the engine's start or a clear applied
@@ -128,6 +138,8 @@ class MemberIndex:
         # once: vLLM caches both and reports each store and each eviction): extra copies.
         self.copies: dict[BlockHash, int] = {}
         self.pending: dict[int, KVEventBatch] = {}
+        self.pending_sizes: dict[int, int] = {}  # seq -> payload bytes (held batches)
+        self.pending_bytes = 0
         self.replay_outstanding = False
         self.replay_from = 0  # first seq the outstanding replay was asked from
         self.last_batch_ts = 0.0
@@ -143,14 +155,14 @@ class MemberIndex:
 
     # --- the stream ---------------------------------------------------------------------
 
-    def apply(self, seq: int, batch: KVEventBatch) -> Applied:
-        """One batch, as numbered by the engine."""
+    def apply(self, seq: int, batch: KVEventBatch, size: int = 0) -> Applied:
+        """One batch, as numbered by the engine; `size`: its payload's bytes."""
         if self.next_seq is None:
             self.next_seq = seq  # history already lost: start from whatever comes
         if seq < self.next_seq:
             return Applied.DUPLICATE
         if seq > self.next_seq:
-            return self._hold(seq, batch)
+            return self._hold(seq, batch, size)
         self._apply_in_order(batch)
         self._drain()
         return Applied.APPLIED
@@ -204,11 +216,27 @@ class MemberIndex:
 
     # --- rules --------------------------------------------------------------------------
 
-    def _hold(self, seq: int, batch: KVEventBatch) -> Applied:
+    def lose(self, why: str) -> None:
+        """Give up on this member's history (a batch we could not apply): UNKNOWN, empty,
+        no replay awaited; it holds what it is seen storing from now on."""
+        self.synced = True
+        self.replay_outstanding = False
+        self._clear_pending()
+        self._lose(why)
+
+    def _hold(self, seq: int, batch: KVEventBatch, size: int) -> Applied:
         if seq not in self.pending:
             if len(self.pending) >= MAX_PENDING:
                 return Applied.DROPPED
+            if self.pending_bytes + size > self.max_pending_bytes:
+                # Do not wait for a replay with this much held: a publisher that keeps
+                # a hole open would make the router hold whatever it streams behind it.
+                self.lose(f"over {self.max_pending_bytes} bytes held behind a gap")
+                self.apply(seq, batch)
+                return Applied.OVERFLOW
             self.pending[seq] = batch
+            self.pending_sizes[seq] = size
+            self.pending_bytes += size
         if self.replay_outstanding:
             return Applied.HELD
         self.gaps += 1
@@ -224,7 +252,13 @@ class MemberIndex:
 
     def _drain(self) -> None:
         while self.next_seq in self.pending:
+            self.pending_bytes -= self.pending_sizes.pop(self.next_seq, 0)
             self._apply_in_order(self.pending.pop(self.next_seq))
+
+    def _clear_pending(self) -> None:
+        self.pending.clear()
+        self.pending_sizes.clear()
+        self.pending_bytes = 0
 
     def _lose(self, why: str) -> None:
         """History is gone: drop every block; keep only what comes from now on."""
@@ -235,7 +269,7 @@ class MemberIndex:
         self.next_seq = min(self.pending) if self.pending else None
         self._drain()
         # Anything still held lies beyond another hole: the next batch asks for it.
-        self.pending.clear()
+        self._clear_pending()
 
     def _clear(self) -> None:
         self.blocks.clear()
@@ -276,7 +310,7 @@ class MemberIndex:
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         extra = event.extra_keys
         tokens = event.token_ids
-        plain = extra is None or all(e is None for e in extra)
+        plain = extra is None or all(_no_extra(e) for e in extra)
         if lora is None and event.cache_salt is None and plain:
             keys = block_keys(tokens, size, parent)  # plain blocks: one conversion
         else:
@@ -284,8 +318,9 @@ class MemberIndex:
             for i in range(len(hashes)):
                 # LoRA, multimodal hashes, cache salt (vLLM: extra_keys; SGLang:
                 # cache_salt): such a block never matches a plain prompt's key.
-                salt_parts = (lora, extra[i] if extra is not None and i < len(extra)
-                              else None, event.cache_salt)
+                extra_i = extra[i] if extra is not None and i < len(extra) else None
+                salt_parts = (lora, None if _no_extra(extra_i) else extra_i,
+                              event.cache_salt)
                 salt = _salt_encoder.encode(salt_parts) \
                     if salt_parts != (None, None, None) else b""
                 parent = chain_key(parent, tokens[i * size:(i + 1) * size], salt)
@@ -332,11 +367,18 @@ class MemberIndex:
             self.exact = False
 
 
+def _no_extra(entry: object) -> bool:
+    """A block's extra_keys entry that adds nothing: None, or msgpack nil as decoded."""
+    return entry is None or (isinstance(entry, msgspec.Raw) and bytes(entry) == NO_EXTRA_KEYS)
+
+
 class KvIndex:
     """Every tracked member's `MemberIndex`, by member id."""
 
-    def __init__(self, max_blocks_per_member: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(self, max_blocks_per_member: int = DEFAULT_MAX_BLOCKS,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.max_blocks = max_blocks_per_member
+        self.max_pending_bytes = max_pending_bytes
         self.members: dict[str, MemberIndex] = {}
         self._retired = [0, 0, 0]  # gaps, replays, losses of members no longer tracked
         self.published = IndexSnapshot(FrozenMap(), (0, 0, 0))
@@ -350,7 +392,7 @@ class KvIndex:
             return None
         if current is not None:
             self._retire(current)
-        index = MemberIndex(member_id, incarnation, self.max_blocks)
+        index = MemberIndex(member_id, incarnation, self.max_blocks, self.max_pending_bytes)
         self.members[member_id] = index
         self._touched.add(member_id)
         return index

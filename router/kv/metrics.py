@@ -38,6 +38,10 @@ class KvCollector:
              "(dropped; recovered by replay like a lost one)", c.bad),
             ("pdreg_router_kv_refused_endpoints", "Members whose KV events endpoint the "
              "upstream policy refused", c.refused),
+            ("pdreg_router_kv_gap_overflows", "Times a member's index was declared unknown "
+             "because its batches held behind a gap passed --kv-gap-bytes", c.overflows),
+            ("pdreg_router_kv_feed_restarts", "Times the KV feed loop failed and started "
+             "again (every member resynced)", c.restarts),
             ("pdreg_router_kv_gaps", "Gaps in a member's KV event sequence", gaps),
             ("pdreg_router_kv_replays", "Replays asked of members' replay sockets", replays),
             ("pdreg_router_kv_unknown", "Times a member's index became unknown (history "

@@ -5,7 +5,9 @@ only with `--policy kv`.
 
 - `on_members`: follow the ready members that publish KV events (router/kv/feed.py) and
   note, per model, its tokenizer (`--tokenizer MODEL=PATH`, else what members register)
-  and its block sizes.
+  and its block sizes: only those of ready members it follows (a joining member that
+  never becomes routable adds none), at most `--kv-max-block-sizes` per model, those of
+  the most members first, since every prompt is keyed once per size.
 - `affinity`: the prompt's exact token ids (the client's, else tokenized: off the event
   loop when long) and its block keys per block size -> a `KvAffinity`. A model or
   request we cannot match exactly gets a plain `Affinity` instead, and its prefill is
@@ -30,14 +32,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
 from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import FeedMember, KvFeed
-from router.kv.index import KvIndex
+from router.kv.index import DEFAULT_MAX_PENDING_BYTES, KvIndex
 from router.kv.keys import block_keys
 from router.kv.metrics import KvCollector
 from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
@@ -48,13 +51,16 @@ from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
 from router.table import Pair
 from wire.protocol import MemberState, Role
 
-__all__ = ["KvOptions", "KvRouting"]
+__all__ = ["MAX_BLOCK_SIZES", "KvOptions", "KvRouting"]
 
 logger = logging.getLogger(__name__)
 
 # Prompts longer than this (characters, or token ids) are tokenized and keyed in a worker
 # thread: a 100k-token prompt takes milliseconds the event loop must not stall for.
 OFF_LOOP_CHARS: Final = 8192
+# Block sizes a model's prompts are keyed for (`--kv-max-block-sizes`): a fleet mid-way
+# through a change of --block-size has two; each one more costs a keying of every prompt.
+MAX_BLOCK_SIZES: Final = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,8 @@ class KvOptions:
     # A prompt the chosen decode would compute fewer tokens of than this itself skips
     # the prefill leg (conditional disaggregation); 0: never.
     disagg_min_uncached_tokens: int = 0
+    gap_bytes: int = DEFAULT_MAX_PENDING_BYTES  # held behind a gap per member (index.py)
+    max_block_sizes: int = MAX_BLOCK_SIZES  # distinct block sizes keyed per model
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,8 @@ class KvRouting:
         """`latency`: the router's tracker, which its outcomes feed (the fallback and the
         decodes are `peak_ewma`'s choice). `tokenizer_set`: tests hand in their own."""
         self.metrics = metrics
-        self.index = KvIndex()
+        self.index = KvIndex(max_pending_bytes=options.gap_bytes)
+        self.max_block_sizes = options.max_block_sizes
         self.feed = KvFeed(self.index, allows=allows)
         self.pairer: KvPairer = make_kv_pairer(
             self.index, stale_after_s=stale_after_s, latency=latency,
@@ -104,7 +113,7 @@ class KvRouting:
     def on_members(self, members: Mapping[str, LiveMember]) -> None:
         follow: list[FeedMember] = []
         sources: dict[str, str] = {}
-        sizes: dict[str, set[int]] = {}
+        sizes: dict[str, list[int]] = {}  # of the ready members followed
         ids: dict[str, list[str]] = {}
         fleet: set[str] = set()
         for member in members.values():
@@ -119,12 +128,13 @@ class KvRouting:
             ids.setdefault(spec.model, []).append(spec.id)
             if kv.tokenizer:
                 sources.setdefault(spec.model, kv.tokenizer)
-            if kv.block_size:
-                sizes.setdefault(spec.model, set()).add(kv.block_size)
             if member.record.state is MemberState.READY:
                 follow.append(FeedMember(spec.id, spec.incarnation, kv))
-        self._models = {m: ModelKv(sources.get(m, ""), tuple(sorted(sizes.get(m, ()))),
-                                   tuple(member_ids)) for m, member_ids in ids.items()}
+                if kv.block_size:
+                    sizes.setdefault(spec.model, []).append(kv.block_size)
+        self._models = {m: ModelKv(sources.get(m, ""),
+                                   self._commonest(sizes.get(m, ())), tuple(member_ids))
+                        for m, member_ids in ids.items()}
         self._fleet = frozenset(fleet)
         self._matching = {m: why for m, why in self._matching.items() if m in fleet}
         self.feed.update(follow)
@@ -199,8 +209,14 @@ class KvRouting:
     def _learnt_block_sizes(self, info: ModelKv) -> tuple[int, ...]:
         """Block sizes the members' events showed (a spec that did not say)."""
         stats = self.index.published.members
-        return tuple(sorted({s.block_size for m in info.members
-                             if (s := stats.get(m)) is not None and s.block_size}))
+        return self._commonest(s.block_size for m in info.members
+                               if (s := stats.get(m)) is not None and s.block_size)
+
+    def _commonest(self, sizes: Iterable[int]) -> tuple[int, ...]:
+        """The block sizes most members have, at most `max_block_sizes` (ties: the
+        smaller size), in order: a few members cannot multiply the keying of prompts."""
+        ranked = sorted(Counter(sizes).items(), key=lambda kv: (-kv[1], kv[0]))
+        return tuple(sorted(size for size, _ in ranked[:self.max_block_sizes]))
 
     def _inexact(self, model: str, why: str) -> Affinity:
         self.metrics.kv_inexact_requests.labels(model, why).inc()
