@@ -38,7 +38,7 @@ from registry.client import LiveMember
 from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import KvIndex
-from router.kv.keys import block_keys
+from router.kv.key_cache import PrefixKeyCache
 from router.kv.metrics import KvCollector
 from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
 from router.kv.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
@@ -90,6 +90,7 @@ class KvRouting:
             self.index, stale_after_s=stale_after_s, latency=latency,
             disagg_min_uncached_tokens=options.disagg_min_uncached_tokens)
         self.tokenizers = tokenizer_set or TokenizerSet(dict(options.tokenizers))
+        self.key_cache = PrefixKeyCache()  # prompts sharing a prefix key it once
         self._models: dict[str, ModelKv] = {}  # models with members that publish
         self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
@@ -141,9 +142,10 @@ class KvRouting:
         try:
             if _long(body):
                 loop = asyncio.get_running_loop()
-                keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes)
+                keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes,
+                                                   self.key_cache)
             else:
-                keyed = _key(tokenizer, body, block_sizes)
+                keyed = _key(tokenizer, body, block_sizes, self.key_cache)
         except Exception:  # a tokenizer that fails on odd input must not fail the request
             logger.exception("[kv] tokenizing a %s prompt failed; peak_ewma for it", model)
             return self._inexact(model, "tokenizer_error")
@@ -242,8 +244,9 @@ def _long(body: Mapping[str, Any]) -> bool:
 
 
 def _key(tokenizer: PromptTokenizer | None, body: Mapping[str, Any],
-         block_sizes: tuple[int, ...]) -> tuple[int, dict[int, list[int]]] | None:
+         block_sizes: tuple[int, ...], cache: PrefixKeyCache
+         ) -> tuple[int, dict[int, list[int]]] | None:
     ids = prompt_ids(tokenizer, body)
     if ids is None:
         return None
-    return len(ids), {size: block_keys(ids, size) for size in block_sizes}
+    return len(ids), {size: cache.keys(ids, size) for size in block_sizes}
