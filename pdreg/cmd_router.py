@@ -47,6 +47,7 @@ from router.http.bounds import (
     IDLE_READ_TIMEOUT_S,
 )
 from router.kv.reporter import KvReporter
+from router.kv.routing import DEFAULT_MAX_PROMPT_TOKENS
 from router.kv.tokenizer import parse_tokenizer_flags
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
@@ -85,6 +86,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="kv policy: a prompt the chosen decode would compute fewer than N "
                         "tokens of itself skips the prefill leg (the decode prefills it); "
                         "0 = off")
+    p.add_argument("--kv-max-prompt-tokens", type=_at_least_one, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   metavar="N",
+                   help="kv policy: prompts over N tokens (or over 8 characters per token "
+                        "of N, or chats of over 4,096 messages) are not tokenized, and are "
+                        "paired as peak_ewma: set it to the model's context length")
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
     p.add_argument("--models", default="", type=_models, metavar="NAME[,NAME]",
                    help="serve only these models: the view subscribes to their events "
@@ -226,7 +232,8 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
                                stale_load_s=args.stale_load, quarantine_s=args.quarantine,
                                latency_decay_s=args.latency_decay),
         kv=KvOptions(tokenizers=tuple(args.tokenizer),
-                     disagg_min_uncached_tokens=args.disagg_min_uncached_tokens))
+                     disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+                     max_prompt_tokens=args.kv_max_prompt_tokens))
 
 
 def _router_spec(host: str, server: RouterServer) -> MemberSpec:
@@ -246,3 +253,13 @@ def _tokenizer_flag(value: str) -> tuple[str, str]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return model, source
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n

@@ -116,7 +116,7 @@ class HfTokenizer:
                 self._template = _compile_template(template)
 
     def completion_ids(self, prompt: str) -> Sequence[int]:
-        return list(self._tok.encode(prompt, add_special_tokens=True).ids)
+        return self._encode(prompt, add_special_tokens=True)
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> Sequence[int] | None:
         if self._template is None:
@@ -127,7 +127,13 @@ class HfTokenizer:
         except Exception:  # a template that needs inputs we do not pass: not exact
             logger.debug("[tokenizer] %s: chat template failed", self.name, exc_info=True)
             return None
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._encode(text, add_special_tokens=False)
+
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        # `encode_batch` runs with the GIL released (`encode` holds it): a long prompt
+        # tokenized in a worker thread then leaves the event loop free to run.
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
 
 def _compile_template(source: str) -> Callable[..., str]:
