@@ -77,20 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "member's observed latency; prefix: prefix affinity for prefills, "
                         "power_of_two for decodes; session: the X-Session-Id header, else "
                         "the request's `user`, keeps a conversation on one pair)")
-    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
-                   type=_tokenizer_flag,
-                   help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
-                        "name in the local cache) for MODEL; repeatable. Default: what the "
-                        "model's members register")
-    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
-                   help="kv policy: a prompt the chosen decode would compute fewer than N "
-                        "tokens of itself skips the prefill leg (the decode prefills it); "
-                        "0 = off")
-    p.add_argument("--kv-max-prompt-tokens", type=_at_least_one, default=DEFAULT_MAX_PROMPT_TOKENS,
-                   metavar="N",
-                   help="kv policy: prompts over N tokens (or over 8 characters per token "
-                        "of N, or chats of over 4,096 messages) are not tokenized, and are "
-                        "paired as peak_ewma: set it to the model's context length")
+    _add_kv_arguments(p)
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
     p.add_argument("--models", default="", type=_models, metavar="NAME[,NAME]",
                    help="serve only these models: the view subscribes to their events "
@@ -263,3 +250,21 @@ def _at_least_one(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    """The `kv` policy's flags."""
+    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
+                   type=_tokenizer_flag,
+                   help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
+                        "name in the local cache) for MODEL; repeatable. Default: what the "
+                        "model's members register")
+    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
+                   help="kv policy: a prompt the chosen decode would compute fewer than N "
+                        "tokens of itself skips the prefill leg (the decode prefills it); "
+                        "0 = off")
+    p.add_argument("--kv-max-prompt-tokens", type=_at_least_one, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   metavar="N",
+                   help="kv policy: prompts over N tokens (or over 8 characters per token "
+                        "of N, or chats of over 4,096 messages) are not tokenized, and are "
+                        "paired as peak_ewma: set it to the model's context length")
