@@ -15,9 +15,9 @@ from router.choice import NO_AFFINITY
 from router.kv.long_prompts import LongPromptGate
 from router.kv.policy import KvAffinity
 from router.kv.routing import (
+    CHEAP_OFF_LOOP_TOKENS,
     MAX_CHARS_PER_TOKEN,
     MAX_CHAT_MESSAGES,
-    OFF_LOOP_CHARS,
     KvOptions,
     KvRouting,
 )
@@ -76,12 +76,12 @@ def test_a_clients_second_long_prompt_waits_its_turn_not_others():
                         allows=lambda a: True)
     try:
         routing.on_members(view(publishing("p")))
-        body = {"model": "m", "prompt": "y" * (OFF_LOOP_CHARS + 1)}
+        body = {"model": "m", "prompt": "y" * (CHEAP_OFF_LOOP_TOKENS + 1)}
         assert routing.long_prompts.enter("10.0.0.1")  # its first, still tokenizing
         assert asyncio.run(routing.affinity(body, "m", "10.0.0.1")) is NO_AFFINITY
         assert inexact(routing, "busy") == 1
         other = asyncio.run(routing.affinity(body, "m", "10.0.0.2"))
-        assert isinstance(other, KvAffinity) and other.prompt_tokens == OFF_LOOP_CHARS + 2
+        assert isinstance(other, KvAffinity) and other.prompt_tokens == CHEAP_OFF_LOOP_TOKENS + 2
         short = asyncio.run(routing.affinity({"model": "m", "prompt": "hi"}, "m", "10.0.0.1"))
         assert isinstance(short, KvAffinity)  # short prompts are tokenized on the loop
         routing.long_prompts.leave("10.0.0.1")

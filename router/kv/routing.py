@@ -47,7 +47,7 @@ from router.kv.key_cache import PrefixKeyCache
 from router.kv.long_prompts import LongPromptGate
 from router.kv.metrics import KvCollector
 from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
-from router.kv.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
+from router.kv.tokenizer import ByteTokenizer, PromptTokenizer, TokenizerSet, prompt_ids
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
@@ -61,6 +61,10 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this (characters, or token ids) are tokenized and keyed in a worker
 # thread: a 100k-token prompt takes milliseconds the event loop must not stall for.
 OFF_LOOP_CHARS: Final = 8192
+# ...unless they need no tokenizer.json: the client's own ids, or the byte tokenizer's
+# (built in C). Keying 32k tokens costs 0.1-0.8 ms (bench/RESULTS.md), and a thread hop
+# costs 50-100 us of CPU: below this, keying on the loop is cheaper for everyone.
+CHEAP_OFF_LOOP_TOKENS: Final = 32_768
 # Longer prompts are not matched (`too_long`): the engine refuses a prompt over its
 # context, and a 4 MB prompt costs 0.3-0.4 s of tokenizing. 128k: today's long contexts.
 DEFAULT_MAX_PROMPT_TOKENS: Final = 131_072
@@ -169,7 +173,9 @@ class KvRouting:
             return self._inexact(model, "too_long")  # not worth tokenizing to find out
         started = time.perf_counter()
         try:
-            if size > OFF_LOOP_CHARS:
+            cheap = tokenizer is None or isinstance(tokenizer, ByteTokenizer) \
+                or isinstance(body.get("prompt"), list)
+            if size > (CHEAP_OFF_LOOP_TOKENS if cheap else OFF_LOOP_CHARS):
                 if not self.long_prompts.enter(client):
                     return self._inexact(model, "busy")
                 try:
