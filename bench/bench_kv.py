@@ -105,6 +105,9 @@ class Row:
     skipped_prefill: int = 0  # requests served by a decode alone (conditional disagg.)
     decode_prefill_tokens_per_request: float = 0.0  # prompt tokens decodes computed
     ttfts: list[float] = field(default_factory=list, repr=False)
+    # The tail's requests: (index in the trace, TTFT ms), slowest first; the joining
+    # prefill comes at requests/3, the restart at 2 x requests/3.
+    slowest: list[tuple[int, float]] = field(default_factory=list)
 
 
 KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet kv is blind to)
@@ -237,6 +240,7 @@ class OpenLoop:
         self.urls = list(urls)
         self.lock = threading.Lock()
         self.ttfts: list[float] = []
+        self.by_request: dict[int, float] = {}
         self.errors = 0
         self._local = threading.local()
         self._clients: list[httpx.Client] = []
@@ -266,6 +270,7 @@ class OpenLoop:
             t = first_token_s(client, self.urls[i % len(self.urls)], body)
             with self.lock:
                 self.ttfts.append(t)
+                self.by_request[i] = t
         except Exception as exc:
             with self.lock:
                 self.errors += 1
@@ -338,7 +343,9 @@ def _row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
                router_cpu_ms_per_request=1000 * cpu / n,
                tokenize_ms_per_request=1000 * tok_sum / n, predicted_hit_rate=predicted,
                skipped_prefill=round(skipped),
-               decode_prefill_tokens_per_request=(decode[0] - decode[1]) / n, ttfts=ttfts)
+               decode_prefill_tokens_per_request=(decode[0] - decode[1]) / n, ttfts=ttfts,
+               slowest=[(i, round(1000 * t)) for i, t in sorted(
+                   load.by_request.items(), key=lambda item: -item[1])[:max(3, n // 50)]])
 
 
 def _parser() -> argparse.ArgumentParser:
