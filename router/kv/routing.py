@@ -283,6 +283,8 @@ def _size(body: Mapping[str, Any]) -> tuple[int, int]:
         return len(prompt), 0
     messages = body.get("messages")
     if isinstance(messages, list):
+        if len(messages) > MAX_CHAT_MESSAGES:
+            return 0, len(messages)  # too many already: not worth a walk on the loop
         return sum(_content_size(m.get("content")) for m in messages
                    if isinstance(m, dict)), len(messages)
     return 0, 0
