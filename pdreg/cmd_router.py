@@ -46,6 +46,7 @@ from router.http.bounds import (
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
 )
+from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT
 from router.kv.reporter import KvReporter
 from router.kv.routing import DEFAULT_MAX_PROMPT_TOKENS
 from router.kv.tokenizer import parse_tokenizer_flags
@@ -220,7 +221,9 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
                                latency_decay_s=args.latency_decay),
         kv=KvOptions(tokenizers=tuple(args.tokenizer),
                      disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
-                     max_prompt_tokens=args.kv_max_prompt_tokens))
+                     max_prompt_tokens=args.kv_max_prompt_tokens,
+                     long_prompt_threads=args.kv_long_prompt_threads,
+                     long_prompts_per_client=args.kv_long_prompts_per_client))
 
 
 def _router_spec(host: str, server: RouterServer) -> MemberSpec:
@@ -268,3 +271,10 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
                    help="kv policy: prompts over N tokens (or over 8 characters per token "
                         "of N, or chats of over 4,096 messages) are not tokenized, and are "
                         "paired as peak_ewma: set it to the model's context length")
+    p.add_argument("--kv-long-prompt-threads", type=_at_least_one, default=MAX_IN_FLIGHT,
+                   metavar="N", help="kv policy: prompts over 8,192 characters are tokenized "
+                   "on N threads of their own; one that finds them busy is paired as peak_ewma")
+    p.add_argument("--kv-long-prompts-per-client", type=_at_least_one,
+                   default=PER_CLIENT, metavar="N",
+                   help="kv policy: of those, at most N at once per client address (behind a "
+                        "proxy, every client shares the proxy's)")

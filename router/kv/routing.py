@@ -44,7 +44,7 @@ from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import KvIndex
 from router.kv.key_cache import PrefixKeyCache
-from router.kv.long_prompts import LongPromptGate
+from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT, LongPromptGate
 from router.kv.metrics import KvCollector
 from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
 from router.kv.tokenizer import ByteTokenizer, PromptTokenizer, TokenizerSet, prompt_ids
@@ -87,6 +87,9 @@ class KvOptions:
     # Prompts over this many tokens are not matched (`--kv-max-prompt-tokens`): set it
     # to the model's context length.
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    # Long prompts tokenized at once, and per client address (router/kv/long_prompts.py).
+    long_prompt_threads: int = MAX_IN_FLIGHT
+    long_prompts_per_client: int = PER_CLIENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +116,8 @@ class KvRouting:
         self.tokenizers = tokenizer_set or TokenizerSet(dict(options.tokenizers))
         self.key_cache = PrefixKeyCache()  # prompts sharing a prefix key it once
         self.max_prompt_tokens = options.max_prompt_tokens
-        self.long_prompts = LongPromptGate()
+        self.long_prompts = LongPromptGate(options.long_prompt_threads,
+                                           options.long_prompts_per_client)
         # Long prompts' own threads (the loop's default executor serves DNS and others).
         self._long_threads = ThreadPoolExecutor(self.long_prompts.max_in_flight,
                                                 thread_name_prefix="kv-tokenize")
