@@ -108,6 +108,7 @@ class Row:
     # The tail's requests: (index in the trace, TTFT ms), slowest first; the joining
     # prefill comes at requests/3, the restart at 2 x requests/3.
     slowest: list[tuple[int, float]] = field(default_factory=list)
+    ttft_p99_warm_ms: float = 0.0  # requests from the join on (caches warm, 4 prefills)
 
 
 KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet kv is blind to)
@@ -345,7 +346,9 @@ def _row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
                skipped_prefill=round(skipped),
                decode_prefill_tokens_per_request=(decode[0] - decode[1]) / n, ttfts=ttfts,
                slowest=[(i, round(1000 * t)) for i, t in sorted(
-                   load.by_request.items(), key=lambda item: -item[1])[:max(3, n // 50)]])
+                   load.by_request.items(), key=lambda item: -item[1])[:max(3, n // 50)]],
+               ttft_p99_warm_ms=1000 * percentiles(
+                   [t for i, t in load.by_request.items() if i >= n // 3] or [0.0])[98])
 
 
 def _parser() -> argparse.ArgumentParser:
