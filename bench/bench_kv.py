@@ -28,6 +28,13 @@ with load ignored (the ceiling of hits alone).
     .venv/bin/python bench/bench_kv.py --routers kv,kv+disagg=64   # conditional disagg.
     .venv/bin/python bench/bench_kv.py --scale   # the index alone at 1,000 members
     .venv/bin/python bench/bench_kv.py --routers kv,sglang-router:cache_aware
+    .venv/bin/python bench/bench_kv.py --routers kv,prefix --prompt-scale 0.5   # ~1k tokens
+    .venv/bin/python bench/bench_kv.py --routers kv --replicas 1,2,4   # router replicas
+    .venv/bin/python bench/bench_kv.py --routers kv@main,kv,prefix   # before/after
+
+Router replicas (`--replicas N`): N pdreg routers follow the same registry (each its own
+KV feed and in-flight counts) and the client spreads requests across them in turn;
+router CPU is their sum.
 
 Writes bench/out/kv.json.
 """
@@ -39,9 +46,9 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,7 +63,7 @@ from bench import peers  # noqa: E402
 from bench.kv_index_alone import index_alone  # noqa: E402
 from bench.kv_trace import BLOCK, PREFILL_S_PER_TOKEN, arrivals, make_trace, oracle  # noqa: E402
 from bench.load import first_token_s  # noqa: E402
-from bench.procs import router_process, tree_cpu_s  # noqa: E402
+from bench.procs import remove_tree, router_process, source_tree, tree_cpu_s  # noqa: E402
 from bench.tables import percentiles, write_json  # noqa: E402
 from pdreg.testing import free_low_port, wait_until  # noqa: E402
 from registry.client import MembershipView  # noqa: E402
@@ -98,6 +105,10 @@ class Row:
     skipped_prefill: int = 0  # requests served by a decode alone (conditional disagg.)
     decode_prefill_tokens_per_request: float = 0.0  # prompt tokens decodes computed
     ttfts: list[float] = field(default_factory=list, repr=False)
+    # The tail's requests: (index in the trace, TTFT ms), slowest first; the joining
+    # prefill comes at requests/3, the restart at 2 x requests/3.
+    slowest: list[tuple[int, float]] = field(default_factory=list)
+    ttft_p99_warm_ms: float = 0.0  # requests from the join on (caches warm, 4 prefills)
 
 
 KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet kv is blind to)
@@ -133,17 +144,24 @@ def cluster(cache_blocks: int) -> Iterator[tuple[RegistryServer, list[EngineHand
 
 
 @contextmanager
-def pdreg_router(registry: str, name: str, decisions: Path | None = None
-                 ) -> Iterator[tuple[str, int]]:
-    """`name`: a policy, or `kv+disagg=N` (kv with --disagg-min-uncached-tokens N).
-    `decisions`: keep the router's DEBUG log there (the kv chooser logs every pick)."""
+def pdreg_router(registry: str, name: str, decisions: Path | None = None, replicas: int = 1
+                 ) -> Iterator[tuple[list[str], list[int]]]:
+    """`name`: a policy, or `kv+disagg=N` (kv with --disagg-min-uncached-tokens N), and
+    either may end in `@COMMIT`: the router of that commit (a before/after in one run).
+    `decisions`: keep the router's DEBUG log there (the kv chooser logs every pick).
+    `replicas`: that many routers, each on its own; yields their URLs and pids."""
+    name, _, commit = name.partition("@")
     policy, _, option = name.partition("+")
     extra = ["--disagg-min-uncached-tokens", option.split("=", 1)[1]] if option else []
-    with router_process(registry, policy,
-                        flags=["--drain-delay", "0", "--allow-upstream", LOOPBACK_ALLOW, *extra],
-                        log_level="DEBUG" if decisions else "WARNING",
-                        log_path=decisions) as router:
-        yield router.url, router.proc.pid
+    with ExitStack() as stack:
+        src = source_tree(commit) if commit else None
+        stack.callback(remove_tree, src)
+        routers = [stack.enter_context(router_process(
+            registry, policy, src=Path(src) if src else REPO,
+            flags=["--drain-delay", "0", "--allow-upstream", LOOPBACK_ALLOW, *extra],
+            log_level="DEBUG" if decisions else "WARNING",
+            log_path=decisions if i == 0 else None)) for i in range(replicas)]
+        yield [r.url for r in routers], [r.proc.pid for r in routers]
 
 
 def counters(handles: list[EngineHandle]) -> tuple[float, float]:
@@ -157,7 +175,8 @@ def counters(handles: list[EngineHandle]) -> tuple[float, float]:
 
 
 @contextmanager
-def peer_router(name: str, handles: list[EngineHandle]) -> Iterator[tuple[str, int]]:
+def peer_router(name: str, handles: list[EngineHandle]
+                ) -> Iterator[tuple[list[str], list[int]]]:
     """`sglang-router:POLICY` (SGLang's bootstrap handshake, which the reference engines
     answer too) or `vllm-router:POLICY`, given the first 3 prefills and the decodes as
     static URLs: a peer does not see the prefill that joins mid-run."""
@@ -170,7 +189,7 @@ def peer_router(name: str, handles: list[EngineHandle]) -> Iterator[tuple[str, i
         router = peers.start_vllm_router([h.url for h in prefills], [h.url for h in decodes],
                                          policy=policy)
     try:
-        yield router.url, router.proc.pid
+        yield [router.url], [router.proc.pid]
     finally:
         router.stop()
 
@@ -215,12 +234,14 @@ class MidRun:
 class OpenLoop:
     """Each request at its arrival time, however the earlier ones fare (a closed loop of
     a few clients keeps every prefill queued, whatever the router does): streamed
-    completions, one HTTP client per worker thread, time to first token each."""
+    completions, one HTTP client per worker thread, time to first token each. Several
+    `urls` (router replicas): request i goes to urls[i % len(urls)]."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = list(urls)
         self.lock = threading.Lock()
         self.ttfts: list[float] = []
+        self.by_request: dict[int, float] = {}
         self.errors = 0
         self._local = threading.local()
         self._clients: list[httpx.Client] = []
@@ -247,9 +268,10 @@ class OpenLoop:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
                 "ignore_eos": True}
         try:
-            t = first_token_s(client, self.url, body)
+            t = first_token_s(client, self.urls[i % len(self.urls)], body)
             with self.lock:
                 self.ttfts.append(t)
+                self.by_request[i] = t
         except Exception as exc:
             with self.lock:
                 self.errors += 1
@@ -268,29 +290,34 @@ def _wait_ready(registry: RegistryServer, count: int = 5) -> None:
 
 
 def _router(policy: str, registry: RegistryServer, handles: list[EngineHandle],
-            decisions: Path | None) -> AbstractContextManager[tuple[str, int]]:
+            decisions: Path | None, replicas: int
+            ) -> AbstractContextManager[tuple[list[str], list[int]]]:
     if ":" in policy:
         return peer_router(policy, handles)
-    return pdreg_router(registry.control_address, policy, decisions)
+    return pdreg_router(registry.control_address, policy, decisions, replicas)
 
 
 def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: int,
-               decisions: Path | None = None) -> Row:
+               decisions: Path | None = None, replicas: int = 1) -> Row:
     with cluster(cache_blocks) as (registry, handles, specs):
         _wait_ready(registry)
-        with _router(policy, registry, handles, decisions) as (url, pid):
+        with _router(policy, registry, handles, decisions, replicas) as (urls, pids):
             if ":" not in policy:  # a peer listens already (peers._start waited)
-                assert wait_until(lambda: httpx.get(url + "/v1/models").json()["data"], 30)
+                for url in urls:
+                    assert wait_until(lambda u=url: httpx.get(u + "/v1/models").json()["data"],
+                                      30)
             mid = MidRun(registry.control_address, handles, specs, cache_blocks, len(trace))
-            load = OpenLoop(url)
-            cpu_before = tree_cpu_s(pid)
+            load = OpenLoop(urls)
+            cpu_before = sum(tree_cpu_s(pid) for pid in pids)
             load.run(trace, times, mid)
-            cpu = tree_cpu_s(pid) - cpu_before
-            router_metrics = httpx.get(url + "/metrics").text
+            cpu = sum(tree_cpu_s(pid) for pid in pids) - cpu_before
+            # Summed over replicas: every counter the row reads is a sum.
+            router_metrics = "\n".join(httpx.get(url + "/metrics").text for url in urls)
         decode = counters(handles[3:5])
         prompt, hit = counters(handles)
     served = (prompt + mid.retired[0], hit + mid.retired[1])
-    return _row(policy, len(trace), load, cpu, router_metrics, served, decode)
+    name = policy if replicas == 1 else f"{policy} x{replicas} replicas"
+    return _row(name, len(trace), load, cpu, router_metrics, served, decode)
 
 
 def _row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
@@ -317,7 +344,11 @@ def _row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
                router_cpu_ms_per_request=1000 * cpu / n,
                tokenize_ms_per_request=1000 * tok_sum / n, predicted_hit_rate=predicted,
                skipped_prefill=round(skipped),
-               decode_prefill_tokens_per_request=(decode[0] - decode[1]) / n, ttfts=ttfts)
+               decode_prefill_tokens_per_request=(decode[0] - decode[1]) / n, ttfts=ttfts,
+               slowest=[(i, round(1000 * t)) for i, t in sorted(
+                   load.by_request.items(), key=lambda item: -item[1])[:max(3, n // 50)]],
+               ttft_p99_warm_ms=1000 * percentiles(
+                   [t for i, t in load.by_request.items() if i >= n // 3] or [0.0])[98])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -328,6 +359,12 @@ def _parser() -> argparse.ArgumentParser:
                              "compute with no cache (Poisson arrivals)")
     parser.add_argument("--cache-blocks", type=int, default=CACHE_BLOCKS)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--prompt-scale", type=float, default=1.0,
+                        help="every text of the trace this many times longer (1: ~2k "
+                             "tokens per request on average)")
+    parser.add_argument("--replicas", default="1",
+                        help="pdreg routers per run, e.g. 1,2,4: each count is a run of "
+                             "its own, the client spreading requests across them")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--decisions", action="store_true",
                         help="keep each pdreg router's DEBUG log (every kv pick) in "
@@ -363,7 +400,7 @@ def main() -> int:
         index_alone()
         return 0
     KV_EVENTS[0] = not args.no_kv_events
-    trace = make_trace(args.requests, args.seed)
+    trace = make_trace(args.requests, args.seed, args.prompt_scale)
     times = arrivals(trace, args.utilisation, args.seed)
     joins_at, restarts_at = len(trace) // 3, 2 * len(trace) // 3
     fair = oracle(trace, times, args.cache_blocks, joins_at, restarts_at, bounded=True)
@@ -371,15 +408,19 @@ def main() -> int:
     rate = len(trace) / times[-1]
     print(f"oracle (bounded load) {fair.hit_rate:.1%} hits, modelled prefill TTFT p50 "
           f"{fair.prefill_ttft_p50_ms:.0f} ms; oracle (load ignored) {greedy.hit_rate:.1%}, "
-          f"{greedy.prefill_ttft_p50_ms:.0f} ms; {rate:.2f} req/s", flush=True)
+          f"{greedy.prefill_ttft_p50_ms:.0f} ms; {rate:.2f} req/s; "
+          f"{sum(map(len, trace)) / len(trace):.0f} characters (= tokens) per request",
+          flush=True)
     rows = []
-    for policy in args.routers.split(","):
-        print(f"== {policy}", flush=True)
+    runs = [(policy, int(n)) for policy in args.routers.split(",")
+            for n in (args.replicas.split(",") if ":" not in policy else ["1"])]
+    for policy, replicas in runs:
+        print(f"== {policy} x{replicas}", flush=True)
         decisions = OUT.parent / f"kv-decisions-{policy}.log" \
             if args.decisions and ":" not in policy else None
         if decisions is not None:
             decisions.parent.mkdir(parents=True, exist_ok=True)
-        row = run_router(policy, trace, times, args.cache_blocks, decisions)
+        row = run_router(policy, trace, times, args.cache_blocks, decisions, replicas)
         row.vs_oracle = row.hit_rate / fair.hit_rate if fair.hit_rate else 0.0
         row.vs_greedy_oracle = row.hit_rate / greedy.hit_rate if greedy.hit_rate else 0.0
         rows.append(row)

@@ -30,13 +30,16 @@ SYSTEM_PROMPTS = 32
 SESSIONS = 12
 
 
-def make_trace(n: int, seed: int) -> list[str]:
+def make_trace(n: int, seed: int, scale: float = 1.0) -> list[str]:
+    """`scale`: every text's length times this (1: ~2k-token prompts on average; the
+    CPU goals are set at ~1k and ~8k)."""
     rng = random.Random(seed)
     words = ["cache", "block", "prefill", "decode", "router", "engine", "token", "prompt",
              "registry", "member", "latency", "queue", "session", "answer", "system",
              "policy", "index", "event", "replay"]
 
     def text(chars: int) -> str:
+        chars = round(chars * scale)
         out: list[str] = []
         size = 0
         while size < chars:

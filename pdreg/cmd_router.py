@@ -47,8 +47,9 @@ from router.http.bounds import (
     IDLE_READ_TIMEOUT_S,
 )
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES
+from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT
 from router.kv.reporter import KvReporter
-from router.kv.routing import MAX_BLOCK_SIZES
+from router.kv.routing import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZES
 from router.kv.tokenizer import parse_tokenizer_flags
 from router.latency import DECAY_S
 from router.policies import DEFAULT_POLICY, DEFAULT_STALE_LOAD_S, POLICY_NAMES
@@ -221,35 +222,10 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
                                latency_decay_s=args.latency_decay),
         kv=KvOptions(tokenizers=tuple(args.tokenizer),
                      disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
-                     gap_bytes=args.kv_gap_bytes, max_block_sizes=args.kv_max_block_sizes))
-
-
-def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
-                   type=_tokenizer_flag,
-                   help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
-                        "name in the local cache) for MODEL; repeatable. Default: what the "
-                        "model's members register")
-    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
-                   help="kv policy: a prompt the chosen decode would compute fewer than N "
-                        "tokens of itself skips the prefill leg (the decode prefills it); "
-                        "0 = off")
-    p.add_argument("--kv-gap-bytes", type=_positive_int, default=DEFAULT_MAX_PENDING_BYTES,
-                   metavar="BYTES",
-                   help="kv policy: KV event batches held behind a sequence gap, per member, "
-                        "while its replay is awaited; past this the member's index is "
-                        "declared unknown at once (default: %(default)s)")
-    p.add_argument("--kv-max-block-sizes", type=_positive_int, default=MAX_BLOCK_SIZES,
-                   metavar="N",
-                   help="kv policy: distinct KV block sizes per model a prompt is keyed "
-                        "for (those of the most ready members; default: %(default)s)")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+                     gap_bytes=args.kv_gap_bytes, max_block_sizes=args.kv_max_block_sizes,
+                     max_prompt_tokens=args.kv_max_prompt_tokens,
+                     long_prompt_threads=args.kv_long_prompt_threads,
+                     long_prompts_per_client=args.kv_long_prompts_per_client))
 
 
 def _router_spec(host: str, server: RouterServer) -> MemberSpec:
@@ -269,3 +245,48 @@ def _tokenizer_flag(value: str) -> tuple[str, str]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return model, source
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    """The `kv` policy's flags."""
+    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
+                   type=_tokenizer_flag,
+                   help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
+                        "name in the local cache) for MODEL; repeatable. Default: what the "
+                        "model's members register")
+    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
+                   help="kv policy: a prompt the chosen decode would compute fewer than N "
+                        "tokens of itself skips the prefill leg (the decode prefills it); "
+                        "0 = off")
+    p.add_argument("--kv-max-prompt-tokens", type=_at_least_one, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   metavar="N",
+                   help="kv policy: prompts over N tokens (or over 8 characters per token "
+                        "of N, or chats of over 4,096 messages) are not tokenized, and are "
+                        "paired as peak_ewma: set it to the model's context length")
+    p.add_argument("--kv-long-prompt-threads", type=_at_least_one, default=MAX_IN_FLIGHT,
+                   metavar="N", help="kv policy: prompts over 8,192 characters are tokenized "
+                   "on N threads of their own; one that finds them busy is paired as peak_ewma")
+    p.add_argument("--kv-long-prompts-per-client", type=_at_least_one,
+                   default=PER_CLIENT, metavar="N",
+                   help="kv policy: of those, at most N at once per client address (behind a "
+                        "proxy, every client shares the proxy's)")
+    p.add_argument("--kv-gap-bytes", type=_at_least_one, default=DEFAULT_MAX_PENDING_BYTES,
+                   metavar="BYTES",
+                   help="kv policy: KV event batches held behind a sequence gap, per member, "
+                        "while its replay is awaited; past this the member's index is "
+                        "declared unknown at once (default: %(default)s)")
+    p.add_argument("--kv-max-block-sizes", type=_at_least_one, default=MAX_BLOCK_SIZES,
+                   metavar="N",
+                   help="kv policy: distinct KV block sizes per model a prompt is keyed "
+                        "for (those of the most ready members; default: %(default)s)")
+

@@ -255,7 +255,7 @@ class Router:
         (tokenized off the loop when long), else what the policy computes."""
         if self.kv is not None:
             self.pairing.table()  # the model's tokenizer and block sizes follow membership
-            return await self.kv.affinity(body, model)
+            return await self.kv.affinity(body, model, request.client)
         return self.pairing.pairer.affinity(request.header(SESSION_HEADER), body)
 
     async def handle_metrics(self, request: Request) -> Response:

@@ -74,14 +74,15 @@ class Connection(Protocol):
 
 
 class Request:
-    """One client request, whole. `headers`: lower-case names to raw values."""
+    """One client request, whole. `headers`: lower-case names to raw values. `client`:
+    the peer's address ("" when the transport does not say)."""
 
-    __slots__ = ("body", "connection", "headers", "http_11", "keep_alive", "method", "path",
-                 "query")
+    __slots__ = ("body", "client", "connection", "headers", "http_11", "keep_alive", "method",
+                 "path", "query")
 
     def __init__(self, method: str, path: str, query: str, headers: dict[bytes, bytes],
                  body: bytes, *, keep_alive: bool, http_11: bool,
-                 connection: Connection) -> None:
+                 connection: Connection, client: str = "") -> None:
         self.method = method
         self.path = path
         self.query = query
@@ -90,6 +91,7 @@ class Request:
         self.keep_alive = keep_alive
         self.http_11 = http_11  # chunked answers need HTTP/1.1; 1.0 gets close-delimited
         self.connection = connection
+        self.client = client
 
     def header(self, name: bytes, default: str = "") -> str:
         """A header's value (`name` in lower case), `default` when absent."""

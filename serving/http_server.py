@@ -180,6 +180,7 @@ class ClientConnection(asyncio.Protocol):
         self.limits = server.app.limits
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
+        self.client = ""  # the peer's address, once connected
         self.task: asyncio.Task[None] | None = None  # serves this connection's requests
         self.busy = False  # a request is in hand (its handler runs or its answer goes out)
         self._next: asyncio.Future[None] | None = None  # the idle task waits on it
@@ -201,6 +202,8 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         sock = transport.get_extra_info("socket")
         if sock is not None:  # SSE events must not wait for Nagle
             with contextlib.suppress(OSError):
@@ -311,7 +314,7 @@ class ClientConnection(asyncio.Protocol):
             query.decode("latin-1"), self._headers,
             body[0] if len(body) == 1 else b"".join(body),
             keep_alive=parser.should_keep_alive(),
-            http_11=parser.get_http_version() == "1.1", connection=self)
+            http_11=parser.get_http_version() == "1.1", connection=self, client=self.client)
         self._body = []
         queue = self._queue
         queue.append(request)

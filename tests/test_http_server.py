@@ -42,7 +42,8 @@ def _app(served: Served, limits: Limits) -> HttpApp:
 
     async def echo(request: Request) -> Response:
         return Response(200, json.dumps({"body": request.body.decode(),
-                                         "query": request.query}).encode())
+                                         "query": request.query,
+                                         "client": request.client}).encode())
 
     async def stream(request: Request) -> StreamResponse:
         chunks = int(request.query or 0)  # 0: for ever
@@ -144,6 +145,15 @@ def test_a_chunked_body_reaches_the_handler_whole(serve: Any) -> None:
         sock.sendall(b"6\r\n world\r\n0\r\n\r\n")
         status, _, body = _read_answer(sock.makefile("rb"))
     assert status == 200 and json.loads(body)["body"] == "hello world"
+
+
+def test_the_handler_knows_the_client_address(serve: Any) -> None:
+    """What per-client limits key on (the `kv` policy's long prompts)."""
+    served = serve()
+    with served.connect() as sock:
+        sock.sendall(_post(b"hi"))
+        status, _, body = _read_answer(sock.makefile("rb"))
+    assert status == 200 and json.loads(body)["client"] == "127.0.0.1"
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -23,8 +23,12 @@ Why a model falls back (`why`): `no_events` (none of its members publishes KV ev
 zero configuration, the common case without `--kv-events-config`), `no_block_size`,
 `no_tokenizer`, `tokenizer_error`; per request: `not_tokenized` (a shape we do not
 tokenize: tools, images, several prompts), `no_index` (its publishers are syncing or
-replaying). A model the fleet does not serve is labelled `unknown` (clients name it;
-the label set stays the fleet's).
+replaying), `too_long` (over `--kv-max-prompt-tokens`, or its text over
+MAX_CHARS_PER_TOKEN characters per token of it, or a chat of over MAX_CHAT_MESSAGES
+messages: the engine would refuse it, and tokenizing it would cost every other request),
+`busy` (a long prompt while the long-prompt threads, or this client's share of them, are
+taken: router/kv/long_prompts.py). A model the fleet does not serve is labelled
+`unknown` (clients name it; the label set stays the fleet's).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -41,10 +46,11 @@ from registry.client import LiveMember
 from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES, KvIndex
-from router.kv.keys import block_keys
+from router.kv.key_cache import PrefixKeyCache
+from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT, LongPromptGate
 from router.kv.metrics import KvCollector
 from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
-from router.kv.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
+from router.kv.tokenizer import ByteTokenizer, PromptTokenizer, TokenizerSet, prompt_ids
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
@@ -61,6 +67,18 @@ OFF_LOOP_CHARS: Final = 8192
 # Block sizes a model's prompts are keyed for (`--kv-max-block-sizes`): a fleet mid-way
 # through a change of --block-size has two; each one more costs a keying of every prompt.
 MAX_BLOCK_SIZES: Final = 4
+# ...unless they need no tokenizer.json: the client's own ids, or the byte tokenizer's
+# (built in C). Keying 32k tokens costs 0.1-0.8 ms (bench/RESULTS.md), and a thread hop
+# costs 50-100 us of CPU: below this, keying on the loop is cheaper for everyone.
+CHEAP_OFF_LOOP_TOKENS: Final = 32_768
+# Longer prompts are not matched (`too_long`): the engine refuses a prompt over its
+# context, and a 4 MB prompt costs 0.3-0.4 s of tokenizing. 128k: today's long contexts.
+DEFAULT_MAX_PROMPT_TOKENS: Final = 131_072
+# A text prompt is tokenized only up to this many characters per token allowed: real
+# tokenizers average 3-5 characters per token of prose (bytes: 1), so a longer text
+# is surely over the limit and is not worth tokenizing to find out.
+MAX_CHARS_PER_TOKEN: Final = 8
+MAX_CHAT_MESSAGES: Final = 4096  # a chat template renders in Python, holding the GIL
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +92,12 @@ class KvOptions:
     disagg_min_uncached_tokens: int = 0
     gap_bytes: int = DEFAULT_MAX_PENDING_BYTES  # held behind a gap per member (index.py)
     max_block_sizes: int = MAX_BLOCK_SIZES  # distinct block sizes keyed per model
+    # Prompts over this many tokens are not matched (`--kv-max-prompt-tokens`): set it
+    # to the model's context length.
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    # Long prompts tokenized at once, and per client address (router/kv/long_prompts.py).
+    long_prompt_threads: int = MAX_IN_FLIGHT
+    long_prompts_per_client: int = PER_CLIENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +123,13 @@ class KvRouting:
             self.index, stale_after_s=stale_after_s, latency=latency,
             disagg_min_uncached_tokens=options.disagg_min_uncached_tokens)
         self.tokenizers = tokenizer_set or TokenizerSet(dict(options.tokenizers))
+        self.key_cache = PrefixKeyCache()  # prompts sharing a prefix key it once
+        self.max_prompt_tokens = options.max_prompt_tokens
+        self.long_prompts = LongPromptGate(options.long_prompt_threads,
+                                           options.long_prompts_per_client)
+        # Long prompts' own threads (the loop's default executor serves DNS and others).
+        self._long_threads = ThreadPoolExecutor(self.long_prompts.max_in_flight,
+                                                thread_name_prefix="kv-tokenize")
         self._models: dict[str, ModelKv] = {}  # models with members that publish
         self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
@@ -107,6 +138,7 @@ class KvRouting:
 
     def close(self) -> None:
         self.feed.close()
+        self._long_threads.shutdown(wait=False, cancel_futures=True)
 
     # --- seams --------------------------------------------------------------------------
 
@@ -139,7 +171,10 @@ class KvRouting:
         self._matching = {m: why for m, why in self._matching.items() if m in fleet}
         self.feed.update(follow)
 
-    async def affinity(self, body: Mapping[str, Any], model: str) -> Affinity:
+    async def affinity(self, body: Mapping[str, Any], model: str,
+                       client: str = "") -> Affinity:
+        """`client`: the sender's address, whose long prompts are tokenized one at a
+        time (router/kv/long_prompts.py)."""
         info = self._models.get(model)
         if info is None:  # client-named models label metrics only when the fleet serves them
             return self._inexact(model if model in self._fleet else "unknown", "no_events")
@@ -147,20 +182,32 @@ class KvRouting:
         if not block_sizes:
             return self._inexact(model, "no_block_size")
         tokenizer = self.tokenizers.get(model, info.tokenizer_source)
+        size, messages = _size(body)
+        if size > self.max_prompt_tokens * MAX_CHARS_PER_TOKEN or messages > MAX_CHAT_MESSAGES:
+            return self._inexact(model, "too_long")  # not worth tokenizing to find out
         started = time.perf_counter()
         try:
-            if _long(body):
-                loop = asyncio.get_running_loop()
-                keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes)
+            cheap = tokenizer is None or isinstance(tokenizer, ByteTokenizer) \
+                or isinstance(body.get("prompt"), list)
+            if size > (CHEAP_OFF_LOOP_TOKENS if cheap else OFF_LOOP_CHARS):
+                if not self.long_prompts.enter(client):
+                    return self._inexact(model, "busy")
+                try:
+                    loop = asyncio.get_running_loop()
+                    keyed = await loop.run_in_executor(
+                        self._long_threads, _key, tokenizer, body, block_sizes,
+                        self.key_cache, self.max_prompt_tokens)
+                finally:
+                    self.long_prompts.leave(client)
             else:
-                keyed = _key(tokenizer, body, block_sizes)
+                keyed = _key(tokenizer, body, block_sizes, self.key_cache,
+                             self.max_prompt_tokens)
         except Exception:  # a tokenizer that fails on odd input must not fail the request
             logger.exception("[kv] tokenizing a %s prompt failed; peak_ewma for it", model)
             return self._inexact(model, "tokenizer_error")
         self.metrics.tokenize_seconds.labels(model).observe(time.perf_counter() - started)
-        if keyed is None:
-            return self._inexact(model, "no_tokenizer" if tokenizer is None
-                                 else "not_tokenized")
+        if isinstance(keyed, str):
+            return self._inexact(model, keyed)
         n, keys = keyed
         # The cached-nowhere ring (router/kv/policy.py) keys on the prompt's first bytes.
         return KvAffinity(key=prompt_key("", body), prompt_tokens=n, keys=keys)
@@ -246,20 +293,39 @@ _HINTS: Final = {
 }
 
 
-def _long(body: Mapping[str, Any]) -> bool:
+def _size(body: Mapping[str, Any]) -> tuple[int, int]:
+    """A request's prompt before tokenizing: its characters (token ids for a prompt of
+    ids; a chat's contents summed) and its chat messages."""
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
     if isinstance(prompt, str | list):
-        return len(prompt) > OFF_LOOP_CHARS
+        return len(prompt), 0
     messages = body.get("messages")
     if isinstance(messages, list):
-        return sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict)) \
-            > OFF_LOOP_CHARS
-    return False
+        if len(messages) > MAX_CHAT_MESSAGES:
+            return 0, len(messages)  # too many already: not worth a walk on the loop
+        return sum(_content_size(m.get("content")) for m in messages
+                   if isinstance(m, dict)), len(messages)
+    return 0, 0
+
+
+def _content_size(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # parts: their texts (other parts are not tokenized)
+        return sum(len(p["text"]) for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def _key(tokenizer: PromptTokenizer | None, body: Mapping[str, Any],
-         block_sizes: tuple[int, ...]) -> tuple[int, dict[int, list[int]]] | None:
-    ids = prompt_ids(tokenizer, body)
+         block_sizes: tuple[int, ...], cache: PrefixKeyCache, max_tokens: int
+         ) -> tuple[int, dict[int, list[int]]] | str:
+    """The prompt's length and block keys per block size, or why it is not matched."""
+    ids: Sequence[int] | None = prompt_ids(tokenizer, body)
     if ids is None:
-        return None
-    return len(ids), {size: block_keys(ids, size) for size in block_sizes}
+        return "no_tokenizer" if tokenizer is None else "not_tokenized"
+    if len(ids) > max_tokens:
+        return "too_long"
+    return len(ids), {size: cache.keys(ids, size) for size in block_sizes}
