@@ -83,7 +83,7 @@ def _mounted_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, 
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     files = {}
     for mount in container.get("volumeMounts", []):
-        secret = volumes[mount["name"]].get("secret")
+        secret = volumes.get(mount["name"], {}).get("secret")  # none: a claim template
         if secret and "items" not in secret:
             files[mount["mountPath"]] = (secret["secretName"], "*")
         elif secret:
@@ -221,6 +221,12 @@ def test_one_disruption_budget_per_role(overlay: str) -> None:
                     if selector_matches(b["spec"]["selector"], pod_labels(deployment))]
         if name == "pdreg-prometheus":
             assert matching == [], f"{name}: a budget on one replica blocks node drains"
+        elif name == "pdreg-etcd":
+            # A majority of three, always: a drain never takes the store's quorum.
+            assert matching == ["pdreg-etcd"], name
+            [budget] = [b for b in budgets if b["metadata"]["name"] == "pdreg-etcd"]
+            assert budget["spec"] == {"minAvailable": 2, "selector": budget["spec"]["selector"]}
+            assert deployment["spec"]["replicas"] == 3
         else:
             assert len(matching) == 1, name
             [budget] = [b for b in budgets if b["metadata"]["name"] == matching[0]]
