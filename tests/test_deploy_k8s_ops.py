@@ -184,6 +184,7 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
     pods = _pods(overlay)
     prefill, decode = f"{overlay}-prefill", f"{overlay}-decode"
     registry, router, engine = pods["pdreg-registry"], pods["pdreg-router"], pods[decode]
+    etcd = pods["pdreg-etcd"]
     expected = {  # (target, port): who may connect
         ("pdreg-registry", registry.ports["control"]): {prefill, decode, "pdreg-router",
                                                         "planner"},
@@ -199,13 +200,19 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
         (prefill, 8998): {prefill, decode},
         (decode, 17000): {prefill, decode},
         ("pdreg-prometheus", pods["pdreg-prometheus"].ports["http"]): {"operator"},
+        # etcd's keys are the fleet's admin state: the registries alone; its members
+        # among themselves; its metrics to Prometheus.
+        ("pdreg-etcd", etcd.ports["client"]): {"pdreg-registry"},
+        ("pdreg-etcd", etcd.ports["peer"]): {"pdreg-etcd"},
+        ("pdreg-etcd", etcd.ports["metrics"]): {"pdreg-prometheus"},
     }
     for (target, port), allowed in expected.items():
         got = {name for name, source in pods.items()
                if ingress_allowed(policies, source, pods[target], port)}
         assert got == allowed, f"{target}:{port}"
     # Every pod of the fleet is selected by a policy: none is open by omission.
-    for name in ("pdreg-registry", "pdreg-router", prefill, decode, "pdreg-prometheus"):
+    for name in ("pdreg-registry", "pdreg-router", prefill, decode, "pdreg-prometheus",
+                 "pdreg-etcd"):
         assert not ingress_allowed(policies, pods["stranger"], pods[name], 1), name
 
 
