@@ -260,7 +260,7 @@ def test_a_registry_on_the_external_components_flags_reaches_etcd_over_tls(
             except httpx.HTTPError:
                 return False
             return [e["id"] for e in entries] == ["pdreg-registry-0"]
-        assert wait_until(in_replica_set, 20.0), processes.log("registry")
+        assert wait_until(in_replica_set, 60.0), processes.log("registry")
     finally:
         processes.stop()
         etcd.stop()
