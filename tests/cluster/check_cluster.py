@@ -26,7 +26,7 @@
 
 Only time is changed, and said at the start (TIME_SCALE). Prints progress; exit 0 = the
 counts went up and back down with the fleet following, and no connection was refused.
-usage: check_cluster.py [--keep WORKDIR]        (needs strace, prometheus, kubectl)
+usage: check_cluster.py [--keep WORKDIR]        (needs strace, prometheus, etcd, kubectl)
 """
 
 from __future__ import annotations
@@ -239,9 +239,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keep", default=None, help="keep logs and traces in this directory")
     args = parser.parse_args()
-    for needed in ("strace", "prometheus"):
+    for needed, package in (("strace", "strace"), ("prometheus", "prometheus"),
+                            ("etcd", "etcd-server")):
         if shutil.which(needed) is None:
-            raise SystemExit(f"test-cluster: {needed} is not installed (apt-get install {needed})")
+            raise SystemExit(f"test-cluster: {needed} is not installed (apt-get install "
+                             f"{package})")
     tool("kubectl")
     began = time.monotonic()
     log("time scaled (manifest -> run): " + "; ".join(
