@@ -481,23 +481,29 @@ def check_store(cluster: Cluster, registries: list[Process],
     held by every one (a cordon reaches the others through etcd alone)."""
     names = {r.name for r in registries}
     urls = {r.name: f"http://127.0.0.1:{r.http_port}" for r in registries}
-    for name, url in urls.items():
-        if not wait_until(lambda url=url: {e["id"] for e in httpx.get(
-                f"{url}/v1/registries", timeout=5).json()} == names, 20.0):
-            raise cluster.failed(f"{name}: the replica set in etcd does not list {names}")
+    # Bound beyond loopback, reads need a token too: the admin token reads.
     admin = {"authorization": "Bearer " + secrets["pdreg-tokens"]["admin-token"].decode()
              .splitlines()[0]}
+
+    def read(url: str) -> list[dict[str, Any]]:
+        response = httpx.get(url, headers=admin, timeout=5)
+        if response.status_code != 200:
+            raise cluster.failed(f"{url}: {response.status_code} {response.text[:300]}")
+        return list(response.json())
+    for name, url in urls.items():
+        if not wait_until(lambda url=url: {e["id"] for e in read(
+                f"{url}/v1/registries")} == names, 20.0):
+            raise cluster.failed(f"{name}: the replica set in etcd does not list {names}")
     first = urls[registries[0].name]
-    member = next(m["id"] for m in httpx.get(f"{first}/v1/members", timeout=5).json()
-                  if m["role"] == "decode")
+    member = next(m["id"] for m in read(f"{first}/v1/members") if m["role"] == "decode")
     answer = httpx.post(f"{first}/v1/members/{member}/cordon", headers=admin, timeout=10)
     if answer.status_code != 200 or not answer.json().get("shared"):
         raise cluster.failed(f"cordon at {registries[0].name}: {answer.status_code} "
                              f"{answer.text[:300]}")
 
     def cordoned_everywhere() -> bool:
-        return all({m["id"]: m["cordoned"] for m in httpx.get(
-            f"{url}/v1/members", timeout=5).json()}.get(member) for url in urls.values())
+        return all({m["id"]: m["cordoned"] for m in read(f"{url}/v1/members")}.get(member)
+                   for url in urls.values())
     if not wait_until(cordoned_everywhere, 10.0):
         raise cluster.failed(f"{member} cordoned at {registries[0].name}, not on every "
                              "registry")
