@@ -105,3 +105,26 @@ def running_etcd(data_dir: Path) -> Iterator[EtcdProcess]:
         yield etcd
     finally:
         etcd.stop()
+
+
+def make_certificates(tmp_path: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate it signed."""
+    files = {name: tmp_path / f"{name}.pem" for name in (
+        "ca", "ca_key", "server", "server_key", "client", "client_key")}
+
+    def run(*argv: str) -> None:
+        subprocess.run(["openssl", *argv], check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+        "-keyout", str(files["ca_key"]), "-out", str(files["ca"]))
+    for name, extension in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage="
+                                       "serverAuth,clientAuth"),
+                            ("client", "extendedKeyUsage=clientAuth")):
+        csr, ext = tmp_path / f"{name}.csr", tmp_path / f"{name}.ext"
+        ext.write_text(extension + "\n")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+            "-keyout", str(files[f"{name}_key"]), "-out", str(csr))
+        run("x509", "-req", "-in", str(csr), "-CA", str(files["ca"]), "-CAkey",
+            str(files["ca_key"]), "-CAcreateserial", "-days", "1", "-extfile", str(ext),
+            "-out", str(files[name]))
+    return files

@@ -37,6 +37,7 @@ from deploy_support import (
     env_value,
     flag,
     http_port,
+    image_name,
     image_user,
     image_user_spec,
     is_pdreg,
@@ -96,7 +97,7 @@ def test_overlay_holds_the_whole_fleet_in_one_namespace(overlay: str) -> None:
     for kustomization in (K8S / overlay, K8S / "secrets"):
         assert load_yaml(kustomization / "kustomization.yaml")[0]["namespace"] == NAMESPACE
     assert {d["metadata"]["name"] for d in workloads(overlay)} == {
-        "pdreg-registry", "pdreg-router", "pdreg-prometheus",
+        "pdreg-etcd", "pdreg-registry", "pdreg-router", "pdreg-prometheus",
         f"{overlay}-prefill", f"{overlay}-decode"}
 
 
@@ -188,10 +189,19 @@ def test_pdreg_command_lines_parse_and_are_reachable(overlay: str) -> None:
             assert args.registry is None, f"{process.where}: the registry comes from the env"
 
 
+def _etcd_listening(args: list[str]) -> dict[str, int]:
+    """The ports an etcd member binds, by its --listen-{client,peer,metrics}-urls flags
+    (one URL each): {"client": 2379, "peer": 2380, "metrics": 2381}."""
+    return {kind: int(flag(args, f"--listen-{kind}-urls").rsplit(":", 1)[1])
+            for kind in ("client", "peer", "metrics")}
+
+
 def _listening(container: dict[str, Any]) -> set[int]:
     if is_pdreg(container):
         argv = container_argv(container)
         return listening_ports(argv[0], build_parser().parse_args(argv))
+    if image_name(container["image"]) == "etcd":
+        return set(_etcd_listening(container["args"]).values())
     ports = {int(flag(container["args"], "--port"))}
     if "--disaggregation-bootstrap-port" in container["args"]:
         ports.add(int(flag(container["args"], "--disaggregation-bootstrap-port")))
@@ -233,6 +243,8 @@ def test_ports_probes_and_scrape_annotations_agree(overlay: str) -> None:
                 for value in [*argv, *(str(v) for v in env_of(container).values())]:
                     for var in re.findall(r"\$\((\w+)\)", value):
                         assert var in env_of(container), f"{where}: $({var}) is not defined"
+            elif image_name(container["image"]) == "etcd":
+                http_ports.add(_etcd_listening(container["args"])["metrics"])
             else:
                 http_ports.add(int(flag(container["args"], "--port")))
         annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
@@ -258,7 +270,7 @@ def test_services_reach_listening_ports(overlay: str) -> None:
     deployments = list(workloads_by_name(docs).values())
     services = by_name(docs, "Service")
     assert services.keys() == {"pdreg-registry", "pdreg-registry-http", "pdreg-router",
-                               "pdreg-prometheus"}
+                               "pdreg-prometheus", "pdreg-etcd"}
     for name, service in services.items():
         [pod] = [pod_spec(d) for d in deployments
                  if selector_matches({"matchLabels": service["spec"]["selector"]},

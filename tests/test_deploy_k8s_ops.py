@@ -83,7 +83,7 @@ def _mounted_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, 
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     files = {}
     for mount in container.get("volumeMounts", []):
-        secret = volumes[mount["name"]].get("secret")
+        secret = volumes.get(mount["name"], {}).get("secret")  # none: a claim template
         if secret and "items" not in secret:
             files[mount["mountPath"]] = (secret["secretName"], "*")
         elif secret:
@@ -184,6 +184,7 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
     pods = _pods(overlay)
     prefill, decode = f"{overlay}-prefill", f"{overlay}-decode"
     registry, router, engine = pods["pdreg-registry"], pods["pdreg-router"], pods[decode]
+    etcd = pods["pdreg-etcd"]
     expected = {  # (target, port): who may connect
         ("pdreg-registry", registry.ports["control"]): {prefill, decode, "pdreg-router",
                                                         "planner"},
@@ -199,13 +200,19 @@ def test_network_policy_lets_through_only_what_the_fleet_needs(overlay: str) -> 
         (prefill, 8998): {prefill, decode},
         (decode, 17000): {prefill, decode},
         ("pdreg-prometheus", pods["pdreg-prometheus"].ports["http"]): {"operator"},
+        # etcd's keys are the fleet's admin state: the registries alone; its members
+        # among themselves; its metrics to Prometheus.
+        ("pdreg-etcd", etcd.ports["client"]): {"pdreg-registry"},
+        ("pdreg-etcd", etcd.ports["peer"]): {"pdreg-etcd"},
+        ("pdreg-etcd", etcd.ports["metrics"]): {"pdreg-prometheus"},
     }
     for (target, port), allowed in expected.items():
         got = {name for name, source in pods.items()
                if ingress_allowed(policies, source, pods[target], port)}
         assert got == allowed, f"{target}:{port}"
     # Every pod of the fleet is selected by a policy: none is open by omission.
-    for name in ("pdreg-registry", "pdreg-router", prefill, decode, "pdreg-prometheus"):
+    for name in ("pdreg-registry", "pdreg-router", prefill, decode, "pdreg-prometheus",
+                 "pdreg-etcd"):
         assert not ingress_allowed(policies, pods["stranger"], pods[name], 1), name
 
 
@@ -221,6 +228,12 @@ def test_one_disruption_budget_per_role(overlay: str) -> None:
                     if selector_matches(b["spec"]["selector"], pod_labels(deployment))]
         if name == "pdreg-prometheus":
             assert matching == [], f"{name}: a budget on one replica blocks node drains"
+        elif name == "pdreg-etcd":
+            # A majority of three, always: a drain never takes the store's quorum.
+            assert matching == ["pdreg-etcd"], name
+            [budget] = [b for b in budgets if b["metadata"]["name"] == "pdreg-etcd"]
+            assert budget["spec"] == {"minAvailable": 2, "selector": budget["spec"]["selector"]}
+            assert deployment["spec"]["replicas"] == 3
         else:
             assert len(matching) == 1, name
             [budget] = [b for b in budgets if b["metadata"]["name"] == matching[0]]

@@ -45,6 +45,7 @@ from deploy_support import (
     tool,
     workloads_by_name,
 )
+from etcd_process import EtcdProcess, requires_etcd
 
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until
 from router.guard import LOOPBACK_ALLOW
@@ -386,17 +387,21 @@ def _swap_paths(value: str, mapping: Mapping[str, str]) -> str:
     return value
 
 
+@requires_etcd
 def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
     """The registries' and the router's command lines from the rendered overlay (both
-    registry pods of the StatefulSet, each under its stable name), and engines configured
-    as the sidecars are, each given only the Secret files its manifest mounts and the
-    one PDREG_REGISTRY value: the engines register over CURVE with the fleet token at
-    both registries, and the router serves clients that hold the API key and no others."""
+    registry pods of the StatefulSet, each under its stable name, on one etcd in place
+    of the manifests' three members), and engines configured as the sidecars are, each
+    given only the Secret files its manifest mounts and the one PDREG_REGISTRY value:
+    the engines register over CURVE with the fleet token at both registries, the router
+    serves clients that hold the API key and no others, and the replica set in etcd
+    lists both registries by their pod names."""
     files, secrets = generate_secrets(tmp_path / "generated")
     loopback = Loopback()
     processes = Processes(tmp_path)
     registries = workloads_by_name(render(K8S / "vllm"))["pdreg-registry"]
     names = {f"pdreg-registry-{i}.pdreg-registry" for i in range(registries["spec"]["replicas"])}
+    etcd = EtcdProcess(tmp_path / "etcd").start()
     try:
         for name in (*sorted(names), "pdreg-router"):
             pod, container = _pdreg_container(
@@ -404,7 +409,10 @@ def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
             mapping = _local_paths(pod, container, secrets, tmp_path / name)
             argv = [_swap_paths(a, mapping) for a in loopback.argv(
                 name, _expanded(container_argv(container),
-                                {**_env(container), "POD_IP": "127.0.0.1"}))]
+                                {**_env(container), "POD_IP": "127.0.0.1",
+                                 "POD_NAME": name.split(".")[0]}))]
+            if "--store" in argv:  # the members' names are cluster DNS: this etcd here
+                argv[argv.index("--store") + 1] = f"etcd://{etcd.endpoint}/pdreg"
             env = {k: _swap_paths(loopback.value(v, names), mapping)
                    for k, v in _env(container).items()}
             processes.start(name, argv, env)
@@ -444,5 +452,9 @@ def test_kubernetes_credentials_work_as_mounted(tmp_path: Path) -> None:
                                 timeout=10.0).json()
             assert sorted(m["role"] for m in members) == ["api_server", "decode", "prefill"], \
                 (name, members)
+            replicas = httpx.get(f"http://{loopback.address(name, 7680)}/v1/registries",
+                                 timeout=10.0).json()
+            assert {r["id"] for r in replicas} == {n.split(".")[0] for n in names}
     finally:
         processes.stop()
+        etcd.stop()

@@ -24,7 +24,8 @@ REGISTRY_ALLOWED = "/etc/pdreg/allowed-clients"
 
 def _allowlist_mount() -> str:
     """Where the registry's manifest mounts the allowlist, and that it mounts it whole."""
-    pod = pod_spec(next(d for d in render(K8S / "vllm") if d["kind"] == "StatefulSet"))
+    pod = pod_spec(next(d for d in render(K8S / "vllm") if d["kind"] == "StatefulSet"
+                        and d["metadata"]["name"] == "pdreg-registry"))
     volume = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName")
                   == "pdreg-allowed-clients")
     assert "items" not in volume["secret"], "every allowed key, not a chosen few"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from etcd_process import EtcdProcess, requires_etcd
+from etcd_process import EtcdProcess, make_certificates, requires_etcd
 from membership_ops import READY, fresh, spec
 
 from pdreg.testing import free_low_port, wait_until
@@ -160,7 +160,7 @@ def test_users_and_passwords(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
-    files = _certificates(tmp_path)
+    files = make_certificates(tmp_path)
     secured = EtcdProcess(tmp_path / "data")
     secured.scheme = "https"
     secured.start("--cert-file", str(files["server"]), "--key-file",
@@ -179,29 +179,6 @@ def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
         anonymous.close()
     finally:
         secured.stop()
-
-
-def _certificates(tmp_path: Path) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate it signed."""
-    files = {name: tmp_path / f"{name}.pem" for name in (
-        "ca", "ca_key", "server", "server_key", "client", "client_key")}
-
-    def run(*argv: str) -> None:
-        subprocess.run(["openssl", *argv], check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-        "-keyout", str(files["ca_key"]), "-out", str(files["ca"]))
-    for name, extension in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage="
-                                       "serverAuth,clientAuth"),
-                            ("client", "extendedKeyUsage=clientAuth")):
-        csr, ext = tmp_path / f"{name}.csr", tmp_path / f"{name}.ext"
-        ext.write_text(extension + "\n")
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", str(files[f"{name}_key"]), "-out", str(csr))
-        run("x509", "-req", "-in", str(csr), "-CA", str(files["ca"]), "-CAkey",
-            str(files["ca_key"]), "-CAcreateserial", "-days", "1", "-extfile", str(ext),
-            "-out", str(files[name]))
-    return files
 
 
 # --- StoreSync over etcd: what a registry holds --------------------------------------------

@@ -4,7 +4,8 @@
            takes the production overlay (deploy/keda) through an operator's overlay that
            sets its one network parameter, POD_CIDRS, to this run's pod network.
 2. start   the pods the rendering asks for, from their own commands, args, env and
-           ports (kubelet.py): both registries, both routers, Prometheus with the
+           ports (kubelet.py): the three etcd members (Debian's etcd), both registries
+           on them (--store etcd://), both routers, Prometheus with the
            rendered scrape config, the planner, and one prefill and one decode pod, each
            the manifest's `pdreg agent` sidecar beside a sim engine in vLLM's place.
 3. load    clients send completions through the routers; KEDA is played (keda.py): each
@@ -13,16 +14,19 @@
            fleet follows: pods started, members ready in both registries.
 4. quiet   the load stops: after the planner's scale-down window the counts come down;
            the pods run their preStop hooks, drain and leave.
-5. admin   an operator's `pdreg status` and `pdreg drain`, from the operators' namespace.
+5. admin   an operator's `pdreg status` and `pdreg drain`, from the operators' namespace;
+           a `pdreg cordon` (which only the store carries) held by both registries, and
+           still after both are killed -9 and restarted; the replica set in etcd.
 6. audit   every connection the run made, checked against the rendered NetworkPolicies
            (netaudit.py): router to engine, engine to registry, planner to router
-           metrics, Prometheus to every target, KEDA to Prometheus, the CLI to a registry.
+           metrics, Prometheus to every target, KEDA to Prometheus, the CLI to a registry,
+           registry to etcd, etcd to etcd.
 7. sglang  the SGLang overlay as rendered (2P2D, no planner): a completion through each
            router, its connections audited the same way.
 
 Only time is changed, and said at the start (TIME_SCALE). Prints progress; exit 0 = the
 counts went up and back down with the fleet following, and no connection was refused.
-usage: check_cluster.py [--keep WORKDIR]        (needs strace, prometheus, kubectl)
+usage: check_cluster.py [--keep WORKDIR]        (needs strace, prometheus, etcd, kubectl)
 """
 
 from __future__ import annotations
@@ -219,6 +223,7 @@ def run_production(fleet: Fleet) -> None:
         f"{driver.summary()}")
     with timed("admin", times):
         fleet.admin_status_and_drain()
+        fleet.cordon_survives_the_registries(START_TIMEOUT_S)
 
 
 @contextlib.contextmanager
@@ -234,9 +239,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keep", default=None, help="keep logs and traces in this directory")
     args = parser.parse_args()
-    for needed in ("strace", "prometheus"):
+    for needed, package in (("strace", "strace"), ("prometheus", "prometheus"),
+                            ("etcd", "etcd-server")):
         if shutil.which(needed) is None:
-            raise SystemExit(f"test-cluster: {needed} is not installed (apt-get install {needed})")
+            raise SystemExit(f"test-cluster: {needed} is not installed (apt-get install "
+                             f"{package})")
     tool("kubectl")
     began = time.monotonic()
     log("time scaled (manifest -> run): " + "; ".join(

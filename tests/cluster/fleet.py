@@ -34,7 +34,7 @@ KEDA = Peer("keda-operator (keda)", PolicyPod("keda", {"app": "keda-operator"}))
 CLIENT = Peer("client (outside)", PolicyPod("ingress", {"app": "load-balancer"}))
 PROMPT = "Tell me about disaggregated serving. " * 7  # ~270 prompt tokens with the salt
 MAX_TOKENS = 24
-ORDER = ("pdreg-registry", "pdreg-prometheus", "pdreg-router", "pdreg-planner",
+ORDER = ("pdreg-etcd", "pdreg-registry", "pdreg-prometheus", "pdreg-router", "pdreg-planner",
          "pdreg-model-download")
 
 
@@ -71,7 +71,8 @@ class Fleet:
                 continue
             count = int(workload["spec"].get("replicas", 1))
             stateful = workload["kind"] == "StatefulSet"
-            pods = [self.kubelet.new_pod(name, i if stateful else None) for i in range(count)]
+            pods = (self.kubelet.new_stateful_pods(name, count) if stateful
+                    else [self.kubelet.new_pod(name) for _ in range(count)])
             for pod in pods:
                 self.kubelet.start(pod)
             if workload["kind"] == "Job":
@@ -270,6 +271,40 @@ class Fleet:
             assert states.get(decode["id"]) == "draining", (registry.name, states)
         log(f"operator: pdreg drain {decode['id']}: draining in both registries")
 
+    def cordon_survives_the_registries(self, timeout_s: float) -> None:
+        """A cordon is written to etcd, never carried by its member: both registries
+        apply it, and still hold it after both crash at once and start again empty."""
+        admin = ("--admin-token-file", str(self.credentials / "admin-token"))
+        prefill = next(m["id"] for m in self.members(self.registries()[0])
+                       if m["role"] == "prefill")
+        self.operator("cordon", prefill, *admin)
+        self.wait_cordoned(prefill, timeout_s)
+        for registry in self.registries():
+            self.kubelet.crash_and_restart(registry)
+        log(f"operator: pdreg cordon {prefill}; both registries killed -9 and restarted")
+        self.wait_ready(self.registries(), timeout_s)
+        self.wait_cordoned(prefill, timeout_s)
+        replicas = {r["id"] for r in httpx.get(
+            f"http://{self.registries()[0].ip}:{self.registries()[0].ports['http']}"
+            "/v1/registries", timeout=5.0).json()}
+        assert replicas == {p.name for p in self.registries()}, replicas
+        log(f"operator: {prefill} re-registered cordoned in both registries (from etcd); "
+            f"the replica set in etcd: {sorted(replicas)}")
+        self.operator("uncordon", prefill, *admin)
+
+    def wait_cordoned(self, member_id: str, timeout_s: float) -> None:
+        """MEMBER_ID registered and cordoned in every registry, within TIMEOUT_S."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = [{m["id"]: m["cordoned"] for m in self.members(r)}.get(member_id)
+                    for r in self.registries()]
+            if all(held):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"test-cluster: {member_id} not cordoned in every "
+                                 f"registry after {timeout_s:.0f} s: {held}")
+            self.tick_for(0.3)
+
     # --- the audit -----------------------------------------------------------------
 
     def audit(self) -> Audit:
@@ -277,7 +312,8 @@ class Fleet:
         for pod in self.kubelet.pods.values():
             source = self._peer(pod)
             for container in pod.containers:
-                for trace in (container.trace, container.trace.with_suffix(".prestop.strace")):
+                for trace in (container.trace, container.trace.with_suffix(".prestop.strace"),
+                              *container.past_traces):
                     if trace.exists():
                         made += [(source, a, p) for a, p in connections_in(trace)]
         for trace in self.operator_traces:

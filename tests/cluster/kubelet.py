@@ -11,8 +11,12 @@ goes to names the pod it reaches. The rest is what a kubelet does:
 - cluster DNS: a StatefulSet pod's `NAME-N.SERVICE[.NAMESPACE[.svc.cluster.local]]`
   and a Service's name resolve to pod addresses (a Service to its first ready pod);
 - volumes: Secret and ConfigMap items as files, emptyDirs as directories of the pod's,
-  a PersistentVolumeClaim as one directory every pod that mounts it shares; a path
-  under a mount point becomes the same path under that directory;
+  a PersistentVolumeClaim as one directory every pod that mounts it shares, a
+  StatefulSet's volumeClaimTemplates as a directory per pod (`TEMPLATE-POD`, kept when
+  the pod goes); a path under a mount point becomes the same path under that directory;
+- a StatefulSet's pods are all created (named, addressed) before any starts, as its
+  controller does with podManagementPolicy Parallel: members that name each other (etcd's
+  --initial-cluster) resolve every name;
 - stop: every container's preStop hook, then SIGTERM, SIGKILL after the grace period.
 
 Images are not run: a pdreg container runs `python -m pdreg ARGS` (the image's
@@ -55,6 +59,7 @@ class Container:
     trace: Path
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    past_traces: list[Path] = field(default_factory=list)  # of runs before a restart
 
 
 @dataclass
@@ -154,8 +159,20 @@ class Kubelet:
     # --- pods --------------------------------------------------------------------------
 
     def new_pod(self, workload_name: str, ordinal: int | None = None) -> Pod:
-        workload = self.workloads[workload_name]
-        template = workload["spec"]["template"]
+        pod = self._place(workload_name, ordinal)
+        self._build(pod)
+        return pod
+
+    def new_stateful_pods(self, workload_name: str, count: int) -> list[Pod]:
+        """A StatefulSet's pods 0..COUNT-1: every one named and addressed first, so that
+        each pod's args resolve the others' stable names."""
+        pods = [self._place(workload_name, i) for i in range(count)]
+        for pod in pods:
+            self._build(pod)
+        return pods
+
+    def _place(self, workload_name: str, ordinal: int | None) -> Pod:
+        template = self.workloads[workload_name]["spec"]["template"]
         name = (f"{workload_name}-{ordinal}" if ordinal is not None
                 else f"{workload_name}-{random_names.token_hex(3)}")
         spec = template["spec"]
@@ -165,12 +182,20 @@ class Kubelet:
                    for p in c.get("ports", [])},
                   float(spec.get("terminationGracePeriodSeconds", 30)))
         self.pods[name] = pod
-        mounts_root = self.work / "pods" / name
+        return pod
+
+    def _build(self, pod: Pod) -> None:
+        workload = self.workloads[pod.workload]
+        spec = workload["spec"]["template"]["spec"]
+        # A StatefulSet's claims, one per pod by template name (Kubernetes' naming).
+        claims = {t["metadata"]["name"]: f"{t['metadata']['name']}-{pod.name}"
+                  for t in workload["spec"].get("volumeClaimTemplates", [])}
+        mounts_root = self.work / "pods" / pod.name
         for key, into in (("initContainers", pod.init), ("containers", pod.containers)):
             for container in spec.get(key, []):
-                mounts = self._volumes(spec, container, mounts_root / container["name"])
+                mounts = self._volumes(spec, container, mounts_root / container["name"],
+                                       claims)
                 into.append(self._container(pod, container, mounts))
-        return pod
 
     def _container(self, pod: Pod, spec: dict[str, Any], mounts: dict[str, Path]) -> Container:
         env = self._env(pod, spec, mounts)
@@ -242,9 +267,11 @@ class Kubelet:
                 break
         return flag + self.dns(_ANY_HOST.sub(pod.ip, text))
 
-    def _volumes(self, spec: dict[str, Any], container: dict[str, Any],
-                 root: Path) -> dict[str, Path]:
+    def _volumes(self, spec: dict[str, Any], container: dict[str, Any], root: Path,
+                 claims: Mapping[str, str]) -> dict[str, Path]:
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volumes |= {name: {"persistentVolumeClaim": {"claimName": claim}}
+                    for name, claim in claims.items()}
         mounts = {}
         for mount in container.get("volumeMounts", []):
             volume = volumes[mount["name"]]
@@ -279,6 +306,18 @@ class Kubelet:
                     traced(container.argv, container.trace), stdout=log,
                     stderr=subprocess.STDOUT, env=_process_env(container.env),
                     preexec_fn=_die_with_parent)
+
+    def crash_and_restart(self, pod: Pod) -> None:
+        """Every container of POD killed -9 and started again, as the kubelet restarts a
+        crashed container: the same pod, address and volumes, nothing of its memory."""
+        for container in pod.containers:
+            if container.proc is not None and container.proc.poll() is None:
+                _signal_traced(container.proc, signal.SIGKILL)
+                container.proc.wait(10)
+            past = container.trace.with_suffix(f".{len(container.past_traces)}.strace")
+            container.trace.rename(past)
+            container.past_traces.append(past)
+        self.start(pod)
 
     def terminate(self, pod: Pod, now: float) -> None:
         """Begin POD's end: every container's preStop hook at once (each container gets

@@ -8,6 +8,9 @@
   the engine it stands for, on the container's own --port, model name (--served-model-name)
   and KV port (vLLM's NIXL side channel) or bootstrap port (SGLang's). The sidecar beside
   it is the manifest's own `pdreg agent`, and registers it.
+- `etcd`: Debian's etcd (3.4; the manifests pin 3.6, whose flags these are too), the
+  container's own flags: the members form their cluster over the pod addresses, and the
+  registries keep their store there.
 - `prometheus`: Debian's Prometheus, the container's own flags, the rendered
   prometheus.yml. Debian builds it without Kubernetes service discovery, so the
   `kubernetes_sd_configs` block becomes a file the run writes (`write_pod_targets`) with
@@ -85,9 +88,17 @@ def _prometheus(targets: Path, interval_s: float) -> StandIn:
     return run
 
 
+def _etcd(pod: Pod, spec: dict[str, Any], args: list[str], env: dict[str, str],
+          mounts: dict[str, Path]) -> list[str]:
+    """The image's etcd, Debian's here, with the container's flags as the kubelet made
+    them (addresses the pod's, the data directory on the pod's claim)."""
+    assert Path(spec["command"][0]).name == "etcd", spec["command"]
+    return ["etcd", *args]
+
+
 def stand_ins(targets: Path, scrape_interval_s: float) -> dict[str, StandIn]:
     return {"vllm-openai": _engine("vllm-nixl"), "sglang": _engine("sglang"),
-            "prometheus": _prometheus(targets, scrape_interval_s)}
+            "prometheus": _prometheus(targets, scrape_interval_s), "etcd": _etcd}
 
 
 def _label(name: str) -> str:

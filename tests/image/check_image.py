@@ -16,15 +16,20 @@ No container daemon and no container registry are needed, only root and buildah:
           and the generated Secrets mounted at the manifests' paths with their modes:
           - every package pyproject.toml installs imports;
           - `pdreg --help` and every subcommand's --help;
-          - the registry and the router from the rendered manifests' own command lines
-            (ports moved to free ones, $(POD_IP) = 127.0.0.1), and two sim engines
-            (`pdreg engine --backend sim`, compose's command lines) with the credentials
-            a vLLM pod's sidecar gets;
+          - both registries and the router from the rendered manifests' own command
+            lines (ports moved to free ones, $(POD_IP) = 127.0.0.1, $(POD_NAME) each
+            registry pod's name), the registries on one etcd (Debian's, on loopback, in
+            place of the manifests' three members), and two sim engines (`pdreg engine
+            --backend sim`, compose's command lines) with the credentials a vLLM pod's
+            sidecar gets, heartbeating to both registries;
           - a completion through that router;
+          - the replica set in etcd (each registry lists both), and a cordon sent to one
+            registry held by the other (only the store carries it);
           - the image's own HEALTHCHECK, run inside each process's namespaces.
 
 Prints how long each part took. Exit status 0 = every check passed.
-usage: check_image.py [--image NAME] [--remove]     (root; buildah, debootstrap, kubectl)
+usage: check_image.py [--image NAME] [--remove]     (root; buildah, debootstrap, kubectl,
+                                                        etcd)
 """
 
 from __future__ import annotations
@@ -66,9 +71,10 @@ from deploy_support import (  # noqa: E402  (after the path that finds it)
     pyproject_packages,
     render,
 )
+from etcd_process import EtcdProcess  # noqa: E402
 
 from pdreg.cli import SUBCOMMANDS  # noqa: E402
-from pdreg.testing import free_low_port  # noqa: E402
+from pdreg.testing import free_low_port, wait_until  # noqa: E402
 
 OVERLAY = "vllm"  # whose sidecar's credentials the sim engines get
 START_TIMEOUT_S = 120.0
@@ -237,17 +243,19 @@ def volume_mounts(pod: dict[str, Any], container: dict[str, Any],
 
 
 def container_env(container: dict[str, Any],
-                  config_maps: dict[str, dict[str, Any]] | None = None) -> dict[str, str]:
-    """CONTAINER's env as the kubelet sets it: downward-API fields and ConfigMap keys
-    (of CONFIG_MAPS, by name) filled in and $(NAME) references to earlier variables
-    expanded."""
+                  config_maps: dict[str, dict[str, Any]] | None = None,
+                  pod_name: str = "") -> dict[str, str]:
+    """CONTAINER's env as the kubelet sets it: downward-API fields (POD_NAME the pod's
+    metadata.name) and ConfigMap keys (of CONFIG_MAPS, by name) filled in and $(NAME)
+    references to earlier variables expanded."""
     env: dict[str, str] = {}
+    downward = {**DOWNWARD, "metadata.name": pod_name}
     for item in container.get("env", []):
         source = item.get("valueFrom", {})
         if "value" in item:
             env[item["name"]] = expand(item["value"], env)
         elif "fieldRef" in source:
-            env[item["name"]] = DOWNWARD[source["fieldRef"]["fieldPath"]]
+            env[item["name"]] = downward[source["fieldRef"]["fieldPath"]]
         elif "configMapKeyRef" in source and config_maps is not None:
             ref = source["configMapKeyRef"]
             env[item["name"]] = str(config_maps[ref["name"]]["data"][ref["key"]])
@@ -375,8 +383,6 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
     _, secrets = generate_secrets(scratch / "credentials")
     docs = render(K8S / OVERLAY)
     workloads = {**by_name(docs, "Deployment"), **by_name(docs, "StatefulSet")}
-    registry_pod = pod_spec(workloads["pdreg-registry"])
-    [registry_container] = registry_pod["containers"]
     router_pod = pod_spec(workloads["pdreg-router"])
     [router_container] = router_pod["containers"]
     sidecar_pod = pod_spec(workloads[f"{OVERLAY}-prefill"])
@@ -384,16 +390,10 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
     api_key = secrets["pdreg-tokens"]["api-key"].decode()
 
     cluster = Cluster(image, scratch)
+    etcd = EtcdProcess(scratch / "etcd-data")
     try:
-        # The registry: its manifest's args, ports moved.
-        argv, ports = with_ports([str(a) for a in registry_container["args"]],
-                                 ("--port", "--events-port", "--http-port"))
-        registry = cluster.run(
-            "registry", argv, container_env(registry_container),
-            volume_mounts(registry_pod, registry_container, secrets, scratch / "volumes"),
-            ports["--http-port"])
-        cluster.wait_http(registry, "/healthz")
-        registry_address = f"127.0.0.1:{ports['--port']}"
+        etcd.start()
+        registries, registry_address = start_registries(cluster, docs, secrets, etcd)
 
         # Two sim engines, compose's command lines, in a sidecar's place: its env
         # (registry address, CURVE keys), its mounts and its --token-file.
@@ -443,8 +443,72 @@ def run_cluster(image: Image, test: list[str], scratch: Path) -> None:
 
         for process in cluster.processes:
             log(f"HEALTHCHECK {process.name}: {cluster.healthcheck(process, test)}")
+        check_store(cluster, registries, secrets)
     finally:
         cluster.stop()
+        etcd.stop()
+
+
+def start_registries(cluster: Cluster, docs: list[dict[str, Any]],
+                     secrets: dict[str, dict[str, bytes]],
+                     etcd: EtcdProcess) -> tuple[list[Process], str]:
+    """Both registry pods from the manifest's args (ports moved, advertised on loopback),
+    on ETCD in place of the manifests' members; (them, PDREG_REGISTRY naming both)."""
+    workload = by_name(docs, "StatefulSet")["pdreg-registry"]
+    pod = pod_spec(workload)
+    [container] = pod["containers"]
+    registries, addresses = [], []
+    for ordinal in range(int(workload["spec"]["replicas"])):
+        name = f"pdreg-registry-{ordinal}"
+        env = container_env(container, by_name(docs, "ConfigMap"), pod_name=name)
+        argv, ports = with_ports([expand(str(a), env) for a in container["args"]],
+                                 ("--port", "--events-port", "--http-port"))
+        argv = replaced(argv, "--store", f"etcd://{etcd.endpoint}/pdreg")
+        argv = replaced(argv, "--advertise-host", "127.0.0.1")
+        registries.append(cluster.run(
+            name, argv, env, volume_mounts(pod, container, secrets,
+                                           cluster.scratch / "volumes" / name),
+            ports["--http-port"]))
+        addresses.append(f"127.0.0.1:{ports['--port']}")
+    for registry in registries:
+        cluster.wait_http(registry, "/healthz")
+    return registries, ",".join(addresses)
+
+
+def check_store(cluster: Cluster, registries: list[Process],
+                secrets: dict[str, dict[str, bytes]]) -> None:
+    """Each registry lists both in the replica set, and a cordon sent to the first is
+    held by every one (a cordon reaches the others through etcd alone)."""
+    names = {r.name for r in registries}
+    urls = {r.name: f"http://127.0.0.1:{r.http_port}" for r in registries}
+    # Bound beyond loopback, reads need a token too: the admin token reads.
+    admin = {"authorization": "Bearer " + secrets["pdreg-tokens"]["admin-token"].decode()
+             .splitlines()[0]}
+
+    def read(url: str) -> list[dict[str, Any]]:
+        response = httpx.get(url, headers=admin, timeout=5)
+        if response.status_code != 200:
+            raise cluster.failed(f"{url}: {response.status_code} {response.text[:300]}")
+        return list(response.json())
+    for name, url in urls.items():
+        if not wait_until(lambda url=url: {e["id"] for e in read(
+                f"{url}/v1/registries")} == names, 20.0):
+            raise cluster.failed(f"{name}: the replica set in etcd does not list {names}")
+    first = urls[registries[0].name]
+    member = next(m["id"] for m in read(f"{first}/v1/members") if m["role"] == "decode")
+    answer = httpx.post(f"{first}/v1/members/{member}/cordon", headers=admin, timeout=10)
+    if answer.status_code != 200 or not answer.json().get("shared"):
+        raise cluster.failed(f"cordon at {registries[0].name}: {answer.status_code} "
+                             f"{answer.text[:300]}")
+
+    def cordoned_everywhere() -> bool:
+        return all({m["id"]: m["cordoned"] for m in read(f"{url}/v1/members")}.get(member)
+                   for url in urls.values())
+    if not wait_until(cordoned_everywhere, 10.0):
+        raise cluster.failed(f"{member} cordoned at {registries[0].name}, not on every "
+                             "registry")
+    log(f"etcd: the replica set lists {sorted(names)}; {member} cordoned at "
+        f"{registries[0].name} is cordoned on every registry")
 
 
 def complete(cluster: Cluster, router: Process, api_key: str) -> str:
