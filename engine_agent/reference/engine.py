@@ -146,6 +146,8 @@ class Engine:
         self.publish = publish  # KV events out (kv_publisher), or None
         self.prompt_tokens_total = 0  # prompt tokens prefilled here
         self.prefix_cache_hit_tokens_total = 0  # of which the prefix cache already held
+        self.pulled_tokens_total = 0  # prompt tokens whose KV was pulled from a prefill
+        self.pulled_hit_tokens_total = 0  # of which this engine's prefix cache held already
 
     @property
     def in_flight(self) -> int:
@@ -191,6 +193,7 @@ class Engine:
         if request.fetch is not None:
             prefilled = await self._fetch(request.prompt, request.fetch)
             self.external_kv_tokens_total += prefilled.num_tokens
+            self._keep_pulled(request.prompt, prefilled)
         else:
             prefilled = await self._prefill(request.prompt)
         if request.hold is not None:
@@ -216,6 +219,24 @@ class Engine:
         if events and self.publish is not None:
             self.publish(events)
         return prefilled
+
+    def _keep_pulled(self, prompt: list[int], prefilled: Any) -> None:
+        """A decode keeps the prompt blocks it pulled in its prefix cache and publishes
+        them, as vLLM's decode does: the next turn of the conversation finds them here,
+        so a router may send it to this decode alone (conditional disaggregation). The
+        lookup is counted as vLLM's decode scheduler counts it (`vllm:prefix_cache_*`):
+        the prompt queried, the leading blocks held already. The whole prompt was pulled
+        all the same (vLLM pulls only the rest; the reference transfer is all or none)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        hit = cache.lookup(prompt)
+        self.pulled_tokens_total += len(prompt)
+        self.pulled_hit_tokens_total += hit.cached_blocks * cache.block_size
+        events = cache.store(prompt, hit.keys, lambda i: self.backend.block_payload(
+            prefilled, i, cache.block_size))
+        if events and self.publish is not None:
+            self.publish(events)
 
     def _hold(self, request: GenerationRequest, prefilled: Any,
               stack: contextlib.AsyncExitStack) -> Generation:

@@ -75,8 +75,8 @@ class EngineConfig:
     sim_decode_s_per_token: float = 0.0
     sim_kv_bytes_per_token: int = 128
     labels: dict[str, str] = field(default_factory=dict)
-    # Prefix cache (prefill and mixed roles): on by default, like vLLM's. None = as many
-    # blocks as the KV capacity holds; 0 = off.
+    # Prefix cache (every role; a decode keeps what it pulls): on by default, like
+    # vLLM's. None = as many blocks as the KV capacity holds; 0 = off.
     prefix_cache_blocks: int | None = None
     block_size: int = 16  # tokens per cached block (vLLM's GPU default)
     kv_events: bool = False  # publish KV events (vLLM's wire format) for KV-aware routers
@@ -111,6 +111,7 @@ async def _warm_up(engine: Engine) -> None:
         await generation.close()
     engine.requests_total = engine.prompt_tokens_total = 0
     engine.prefix_cache_hit_tokens_total = 0
+    engine.pulled_tokens_total = engine.pulled_hit_tokens_total = 0
 
 
 async def _start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -163,10 +164,10 @@ async def run_engine(config: EngineConfig) -> int:
     resolver = RouteResolver()
     kv_client = KvClient(ctx)
     publisher: KvEventPublisher | None = None
-    caches = config.role in (Role.PREFILL, Role.MIXED)  # decodes get their KV from a prefill
+    # Every role caches: a decode keeps the blocks it pulls, as vLLM's does (Engine).
     blocks = (config.kv_capacity_tokens // config.block_size
               if config.prefix_cache_blocks is None else config.prefix_cache_blocks)
-    prefix_cache = PrefixCache(config.block_size, blocks) if caches and blocks > 0 else None
+    prefix_cache = PrefixCache(config.block_size, blocks) if blocks > 0 else None
     try:
         kv_events: KvEventsSpec | None = None
         if config.kv_events and prefix_cache is not None:

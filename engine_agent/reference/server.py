@@ -205,13 +205,14 @@ def render_metrics(state: ServerState) -> str:
     engine = state.engine
     model = f'model_name="{state.model}"'
     running = waiting = held = held_tokens = transfers = expired = total = external = 0
-    prompt_tokens = hit_tokens = 0
+    prompt_tokens = hit_tokens = pulled = pulled_hits = 0
     usage = 0.0
     if engine is not None:
         sched = engine.scheduler
         running, waiting, usage = sched.running, sched.waiting, sched.kv_usage
         total, external = engine.requests_total, engine.external_kv_tokens_total
         prompt_tokens, hit_tokens = engine.prompt_tokens_total, engine.prefix_cache_hit_tokens_total
+        pulled, pulled_hits = engine.pulled_tokens_total, engine.pulled_hit_tokens_total
         if engine.store is not None:
             held, held_tokens = len(engine.store.held), engine.store.held_tokens
             transfers, expired = engine.store.transferred_total, engine.store.expired_total
@@ -226,11 +227,15 @@ def render_metrics(state: ServerState) -> str:
         ("sglang:token_usage", "gauge", model, usage),
         ("pdreg:engine_requests_total", "counter", model, total),
         # What the prefix cache really found: prompt tokens prefilled here, and of those
-        # the tokens whose KV was cached (vLLM's names count the same, in tokens).
+        # the tokens whose KV was cached. A decode's prompts pulled from a prefill are
+        # counted apart (what its own cache held of them); vLLM's names count both, as
+        # vLLM's decode counts its local hits on remote-prefill requests.
         ("pdreg:engine_prompt_tokens_total", "counter", model, prompt_tokens),
         ("pdreg:engine_prefix_cache_hit_tokens_total", "counter", model, hit_tokens),
-        ("vllm:prefix_cache_queries_total", "counter", model, prompt_tokens),
-        ("vllm:prefix_cache_hits_total", "counter", model, hit_tokens),
+        ("pdreg:engine_pulled_prompt_tokens_total", "counter", model, pulled),
+        ("pdreg:engine_pulled_prompt_cached_tokens_total", "counter", model, pulled_hits),
+        ("vllm:prefix_cache_queries_total", "counter", model, prompt_tokens + pulled),
+        ("vllm:prefix_cache_hits_total", "counter", model, hit_tokens + pulled_hits),
         ("pdreg:kv_held_entries", "gauge", model, held),
         ("pdreg:kv_held_tokens", "gauge", model, held_tokens),
         ("pdreg:kv_transfers_total", "counter", model, transfers),
