@@ -82,6 +82,13 @@ class EngineConfig:
     kv_events: bool = False  # publish KV events (vLLM's wire format) for KV-aware routers
     kv_events_port: int = 0  # PUB port; 0 = any free one (advertised in the spec)
     kv_events_replay_port: int = 0
+    # LoRA adapters served besides `model` (vLLM's --lora-modules): a request naming one
+    # gets blocks of its own; the reference model has no adapter weights to apply.
+    adapters: tuple[str, ...] = ()
+
+    def adapter_ids(self) -> dict[str, int]:
+        """name -> LoRA id, from 1 as vLLM numbers them (in its events' `lora_id`)."""
+        return {name: i for i, name in enumerate(self.adapters, 1)}
 
 
 def make_backend(config: EngineConfig) -> Backend:
@@ -188,7 +195,7 @@ async def run_engine(config: EngineConfig) -> int:
                                                        config.bootstrap_port)
             runners.append(runner)
         state = ServerState(role=role, model=config.model, model_dir=model_dir,
-                            bootstrap_port=bootstrap_port)
+                            bootstrap_port=bootstrap_port, adapters=config.adapter_ids())
         runner, port = await _start_site(EngineServer(state).app(), config.host, config.port)
         runners.append(runner)
         url = f"http://{advertise}:{port}"
@@ -201,7 +208,7 @@ async def run_engine(config: EngineConfig) -> int:
                 endpoints=Endpoints(http=url, kv_host=advertise if kv_port else "",
                                     kv_port=kv_port, bootstrap_port=bootstrap_port),
                 capacity=config.max_running, labels=config.labels, started_at=time.time(),
-                kv_events=kv_events)
+                kv_events=kv_events, adapters=config.adapters)
 
         agent, spec = _make_agent(config, spec_for, scheduler.load, port)
         backend = await loop.run_in_executor(None, make_backend, config)

@@ -41,6 +41,7 @@ class ServerState:
     model: str
     model_dir: str  # an existing empty directory: peer routers look for a tokenizer there
     bootstrap_port: int = 0
+    adapters: dict[str, int] = field(default_factory=dict)  # LoRA adapters: name -> id
     engine: Engine | None = None
     draining: bool = False
     started_at: float = field(default_factory=time.time)
@@ -101,12 +102,14 @@ class EngineServer:
             if chat:
                 body: CompletionBody | ChatBody = self._chat_decoder.decode(raw)
                 gen_request = chat_request(body, role=self.state.role, new_handle=handle,
-                                           max_model_len=max_model_len)
+                                           max_model_len=max_model_len,
+                                           adapters=self.state.adapters)
             else:
                 body = self._completion_decoder.decode(raw)
                 gen_request = completion_request(body, role=self.state.role,
                                                  new_handle=handle,
-                                                 max_model_len=max_model_len)
+                                                 max_model_len=max_model_len,
+                                                 adapters=self.state.adapters)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return _error(f"invalid request body: {exc}", 400)
         except EngineError as exc:
@@ -170,9 +173,13 @@ class EngineServer:
     async def models(self, _: web.Request) -> web.Response:
         engine = self.state.engine
         max_len = engine.backend.max_model_len if engine is not None else None
-        return _json({"object": "list", "data": [{
-            "id": self.state.model, "object": "model", "created": int(self.state.started_at),
-            "owned_by": "pdreg", "root": self.state.model, "max_model_len": max_len}]})
+        created = int(self.state.started_at)
+        base = {"id": self.state.model, "object": "model", "created": created,
+                "owned_by": "pdreg", "root": self.state.model, "max_model_len": max_len}
+        # LoRA adapters as vLLM lists them: their own entries, `parent` the base model.
+        adapters = [{**base, "id": name, "root": name, "parent": self.state.model}
+                    for name in self.state.adapters]
+        return _json({"object": "list", "data": [base, *adapters]})
 
     async def server_info(self, _: web.Request) -> web.Response:
         mode = self.state.role if self.state.role in ("prefill", "decode") else "null"

@@ -46,10 +46,8 @@ from dataclasses import dataclass
 from itertools import takewhile
 from typing import Final
 
-import msgspec
-
 from registry.frozen_map import FrozenMap
-from router.kv.keys import ROOT_KEY, block_keys, chain_key
+from router.kv.keys import ROOT_KEY, block_keys, block_salt, chain_key
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["Applied", "IndexSnapshot", "IndexState", "KvIndex", "MemberIndex", "MemberStats"]
@@ -59,7 +57,6 @@ logger = logging.getLogger(__name__)
 MAX_PENDING: Final = 1024  # batches held back while a hole is open, per member
 DEFAULT_MAX_BLOCKS: Final = 1_000_000  # per member: ~1M blocks x 128 tokens = 128M tokens
 _DEVICE_MEDIA: Final = (None, "GPU")
-_salt_encoder = msgspec.msgpack.Encoder()
 
 BlockHash = int | bytes
 
@@ -284,10 +281,8 @@ class MemberIndex:
             for i in range(len(hashes)):
                 # LoRA, multimodal hashes, cache salt (vLLM: extra_keys; SGLang:
                 # cache_salt): such a block never matches a plain prompt's key.
-                salt_parts = (lora, extra[i] if extra is not None and i < len(extra)
-                              else None, event.cache_salt)
-                salt = _salt_encoder.encode(salt_parts) \
-                    if salt_parts != (None, None, None) else b""
+                salt = block_salt(lora, extra[i] if extra is not None and i < len(extra)
+                                  else None, event.cache_salt)
                 parent = chain_key(parent, tokens[i * size:(i + 1) * size], salt)
                 keys.append(parent)
         blocks, counts, copies = self.blocks, self.keys, self.copies  # the feed's hot loop

@@ -20,9 +20,12 @@ only with `--policy kv`.
 Why a model falls back (`why`): `no_events` (none of its members publishes KV events:
 zero configuration, the common case without `--kv-events-config`), `no_block_size`,
 `no_tokenizer`, `tokenizer_error`; per request: `not_tokenized` (a shape we do not
-tokenize: tools, images, several prompts), `no_index` (its publishers are syncing or
-replaying). A model the fleet does not serve is labelled `unknown` (clients name it;
-the label set stays the fleet's).
+tokenize: tools, several prompts), `multimodal` (images, audio, video or embeddings: the
+engine's block hashes take theirs, which we cannot compute), `no_index` (its publishers
+are syncing or replaying). A request naming a LoRA adapter (a member's `adapters`) or
+carrying `cache_salt` is keyed with them (router/kv/keys.py), as the engine keys it. A
+model the fleet does not serve is labelled `unknown` (clients name it; the label set
+stays the fleet's).
 """
 
 from __future__ import annotations
@@ -38,14 +41,14 @@ from registry.client import LiveMember
 from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import KvIndex
-from router.kv.keys import block_keys
+from router.kv.keys import multimodal, request_keys
 from router.kv.metrics import KvCollector
 from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
 from router.kv.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
-from router.table import Pair
+from router.table import Pair, served
 from wire.protocol import MemberState, Role
 
 __all__ = ["KvOptions", "KvRouting"]
@@ -92,6 +95,7 @@ class KvRouting:
         self.tokenizers = tokenizer_set or TokenizerSet(dict(options.tokenizers))
         self._models: dict[str, ModelKv] = {}  # models with members that publish
         self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
+        self._adapters: frozenset[str] = frozenset()  # of those, LoRA adapters' names
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
         self._logged: set[tuple[str, str]] = set()
         metrics.registry.register(KvCollector(self.index, self.feed))
@@ -107,25 +111,29 @@ class KvRouting:
         sizes: dict[str, set[int]] = {}
         ids: dict[str, list[str]] = {}
         fleet: set[str] = set()
+        adapters: set[str] = set()
         for member in members.values():
             spec = member.record.spec
             if spec.role is not Role.API_SERVER:
-                fleet.add(spec.model)
+                fleet.update(served(spec))
+                adapters.update(spec.adapters)
             if spec.role is Role.API_SERVER or spec.kv_events is None:
                 continue
             if spec.role is Role.DECODE and not self.pairer.disagg_min_uncached_tokens:
                 continue  # a decode's cache matters only to conditional disaggregation
             kv = spec.kv_events
-            ids.setdefault(spec.model, []).append(spec.id)
-            if kv.tokenizer:
-                sources.setdefault(spec.model, kv.tokenizer)
-            if kv.block_size:
-                sizes.setdefault(spec.model, set()).add(kv.block_size)
+            for model in served(spec):  # an adapter shares its base model's tokenizer
+                ids.setdefault(model, []).append(spec.id)
+                if kv.tokenizer:
+                    sources.setdefault(model, kv.tokenizer)
+                if kv.block_size:
+                    sizes.setdefault(model, set()).add(kv.block_size)
             if member.record.state is MemberState.READY:
                 follow.append(FeedMember(spec.id, spec.incarnation, kv))
         self._models = {m: ModelKv(sources.get(m, ""), tuple(sorted(sizes.get(m, ()))),
                                    tuple(member_ids)) for m, member_ids in ids.items()}
         self._fleet = frozenset(fleet)
+        self._adapters = frozenset(adapters)
         self._matching = {m: why for m, why in self._matching.items() if m in fleet}
         self.feed.update(follow)
 
@@ -136,14 +144,21 @@ class KvRouting:
         block_sizes = info.block_sizes or self._learnt_block_sizes(info)
         if not block_sizes:
             return self._inexact(model, "no_block_size")
+        salt = body.get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and salt):
+            return self._inexact(model, "not_tokenized")  # the engine refuses it anyway
+        if multimodal(body):  # the engine hashes the images: we cannot
+            return self._inexact(model, "multimodal")
+        scope = (model if model in self._adapters else None, salt)
         tokenizer = self.tokenizers.get(model, info.tokenizer_source)
         started = time.perf_counter()
         try:
             if _long(body):
                 loop = asyncio.get_running_loop()
-                keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes)
+                keyed = await loop.run_in_executor(None, _key, tokenizer, body, block_sizes,
+                                                   scope)
             else:
-                keyed = _key(tokenizer, body, block_sizes)
+                keyed = _key(tokenizer, body, block_sizes, scope)
         except Exception:  # a tokenizer that fails on odd input must not fail the request
             logger.exception("[kv] tokenizing a %s prompt failed; peak_ewma for it", model)
             return self._inexact(model, "tokenizer_error")
@@ -242,8 +257,10 @@ def _long(body: Mapping[str, Any]) -> bool:
 
 
 def _key(tokenizer: PromptTokenizer | None, body: Mapping[str, Any],
-         block_sizes: tuple[int, ...]) -> tuple[int, dict[int, list[int]]] | None:
+         block_sizes: tuple[int, ...], scope: tuple[str | None, str | None] = (None, None)
+         ) -> tuple[int, dict[int, list[int]]] | None:
+    """`scope`: the request's LoRA adapter and cache salt, which salt its block keys."""
     ids = prompt_ids(tokenizer, body)
     if ids is None:
         return None
-    return len(ids), {size: block_keys(ids, size) for size in block_sizes}
+    return len(ids), {size: request_keys(ids, size, *scope) for size in block_sizes}
