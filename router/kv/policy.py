@@ -29,7 +29,11 @@ prefill (no decode-side cache here), so that part of the cost is the same for al
 Conditional disaggregation (`disagg_min_uncached_tokens` > 0): when the chosen decode
 would compute fewer prompt tokens than that itself (the prompt less what its own cache
 holds, if it publishes KV events; else the whole prompt), the prefill leg is skipped and
-the decode serves the request alone, as Dynamo and llm-d do.
+the decode serves the request alone, as Dynamo and llm-d do. With it on, the decode is
+the one holding most of the prompt (a decode keeps the KV it pulls: the conversation so
+far) unless its load is over `prefix`'s bound (AFFINITY_BOUND_FACTOR), so a
+conversation's next turn finds its decode; a prompt no decode holds goes as `peak_ewma`
+places it.
 
 The index is not ahead of the engine: a request's blocks count at its prefill only once
 that prefill's events list them, not from the pick on. bench_kv.py measured counting the
@@ -240,6 +244,27 @@ class KvPairer(Pairer):
         if isinstance(affinity, KvAffinity) and self.kv.answers(prefills, affinity):
             return self.kv.choose(prefills, loads.base, affinity, loads.in_flight)
         return super()._choose_prefill(prefills, loads, affinity)
+
+    def _choose_decode(self, decodes: Sequence[Candidate], loads: Loads,
+                       affinity: Affinity) -> Candidate:
+        """Under conditional disaggregation, the decode holding most of the prompt if it
+        is within the load bound; otherwise (or none holds any) `peak_ewma`'s pick."""
+        picked = super()._choose_decode(decodes, loads, affinity)
+        if (not self.disagg_min_uncached_tokens or not isinstance(affinity, KvAffinity)
+                or len(decodes) < 2):
+            return picked
+        holder, cached = max(((c, self.kv.cached_tokens(c, affinity)) for c in decodes),
+                             key=lambda held: held[1])
+        if not cached or holder is picked:
+            return picked
+        held = [loads.base(c) for c in decodes]
+        fresh = [v for v in held if v < SATURATED_SCORE]
+        # `prefix`'s own bound (1.25): the load bound of the prefill's cost rule is
+        # vacuous for two members, and a decode's queue is not weighed against its cache.
+        bound = math.ceil(AFFINITY_BOUND_FACTOR * (sum(fresh) + 1) / max(1, len(fresh)))
+        if held[decodes.index(holder)] + 1 <= bound:
+            return holder
+        return picked
 
     def _paired(self, pair: Pair, affinity: Affinity) -> Pair:
         """Conditional disaggregation: when the decode would compute fewer than
