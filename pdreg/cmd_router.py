@@ -46,6 +46,7 @@ from router.http.bounds import (
     FIRST_BYTE_TIMEOUT_S,
     IDLE_READ_TIMEOUT_S,
 )
+from router.kv.policy import DEFAULT_DISAGG_MIN_UNCACHED_TOKENS
 from router.kv.reporter import KvReporter
 from router.kv.tokenizer import parse_tokenizer_flags
 from router.latency import DECAY_S
@@ -81,10 +82,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
                         "name in the local cache) for MODEL; repeatable. Default: what the "
                         "model's members register")
-    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
-                   help="kv policy: a prompt the chosen decode would compute fewer than N "
-                        "tokens of itself skips the prefill leg (the decode prefills it); "
-                        "0 = off")
+    p.add_argument("--disagg-min-uncached-tokens", type=int, metavar="N",
+                   default=DEFAULT_DISAGG_MIN_UNCACHED_TOKENS,
+                   help="kv policy: a prompt the chosen decode holds part of and would "
+                        "compute fewer than N tokens of skips the prefill leg; 0 = off")
     add_secret_argument(p, API_KEY, "require Authorization: Bearer KEY from clients")
     p.add_argument("--models", default="", type=_models, metavar="NAME[,NAME]",
                    help="serve only these models: the view subscribes to their events "

@@ -106,8 +106,9 @@ def test_replaying_or_other_incarnations_claim_nothing():
 
 
 def test_conditional_disaggregation_serves_on_the_decode():
-    """Skip the prefill leg when the decode itself would compute little: what its own
-    cache (indexed when it publishes events) does not hold."""
+    """Skip the prefill leg when the decode holds part of the prompt and would compute
+    little itself: what its own cache (indexed when it publishes events) does not hold.
+    A prompt it holds nothing of keeps its prefill leg, however short."""
     index = indexed({"a": 9, "d": 9})
     almost = PROMPT[:38]  # the decode holds 9 blocks: 2 tokens left to compute
     pair = choose(index, [member("a"), DECODE], key=affinity(almost),
@@ -117,9 +118,9 @@ def test_conditional_disaggregation_serves_on_the_decode():
     pair = choose(indexed({"a": 9}), [member("a"), DECODE], key=affinity(almost),
                   disagg_min_uncached_tokens=8)  # a decode caching nothing: 38 to do
     assert pair is not None and not pair.direct and pair.prefill.id == "a"
-    pair = choose(indexed({"a": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
-                  disagg_min_uncached_tokens=8)  # a short prompt: the decode does it
-    assert pair is not None and pair.direct and pair.cached_tokens == 0
+    pair = choose(indexed({"a": 0, "d": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
+                  disagg_min_uncached_tokens=8)  # short, but the decode holds none of it
+    assert pair is not None and not pair.direct and pair.prefill.id == "a"
 
 
 def slow_a() -> LatencyTracker:

@@ -43,7 +43,12 @@ from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import KvIndex
 from router.kv.keys import multimodal, request_keys
 from router.kv.metrics import KvCollector
-from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
+from router.kv.policy import (
+    DEFAULT_DISAGG_MIN_UNCACHED_TOKENS,
+    KvAffinity,
+    KvPairer,
+    make_kv_pairer,
+)
 from router.kv.tokenizer import PromptTokenizer, TokenizerSet, prompt_ids
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
@@ -66,9 +71,9 @@ class KvOptions:
 
     # (model, tokenizer path or hub name): --tokenizer MODEL=PATH, else what members register
     tokenizers: tuple[tuple[str, str], ...] = ()
-    # A prompt the chosen decode would compute fewer tokens of than this itself skips
-    # the prefill leg (conditional disaggregation); 0: never.
-    disagg_min_uncached_tokens: int = 0
+    # A prompt the chosen decode holds part of and would compute fewer tokens of than
+    # this itself skips the prefill leg (conditional disaggregation); 0: never.
+    disagg_min_uncached_tokens: int = DEFAULT_DISAGG_MIN_UNCACHED_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
