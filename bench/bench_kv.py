@@ -25,8 +25,8 @@ with load ignored (the ceiling of hits alone).
 
     .venv/bin/python bench/bench_kv.py [--requests 300] [--utilisation 0.7] [--routers kv,...]
     .venv/bin/python bench/bench_kv.py --routers kv --decisions   # log every kv pick
-    .venv/bin/python bench/bench_kv.py --routers kv,kv+disagg=64   # conditional disagg.
-    .venv/bin/python bench/bench_kv.py --trace chat --routers kv,kv+disagg=256  # multi-turn
+    .venv/bin/python bench/bench_kv.py --routers kv+disagg=0,kv  # disagg=0: always P then D
+    .venv/bin/python bench/bench_kv.py --trace chat --routers kv+disagg=0,kv+disagg=1024
     .venv/bin/python bench/bench_kv.py --scale   # the index alone at 1,000 members
     .venv/bin/python bench/bench_kv.py --routers kv,sglang-router:cache_aware
 

@@ -24,16 +24,16 @@ On top, the bounded-load rule of `prefix` (router/choosers.py) with a looser fac
 members whose load is within KV_BOUND_FACTOR x the average (+1) compete, so a hot prefix
 never piles onto one prefill. The decode is chosen as `peak_ewma` chooses it (power of
 two over load x observed service time): every decode pulls the whole prompt's KV from its
-prefill (no decode-side cache here), so that part of the cost is the same for all.
+prefill, so that part of the cost is the same for all; except under conditional
+disaggregation.
 
 Conditional disaggregation (`disagg_min_uncached_tokens` > 0, by default
-DEFAULT_DISAGG_MIN_UNCACHED_TOKENS): when the chosen decode holds part of the prompt (a
-decode keeps the KV it pulls, and its KV events say so) and would compute fewer prompt
-tokens than that itself, the prefill leg is skipped and the decode serves the request
-alone, as Dynamo and llm-d do. With it on, the decode is
-the one holding most of the prompt (a decode keeps the KV it pulls: the conversation so
-far) unless its load is over `prefix`'s bound (AFFINITY_BOUND_FACTOR), so a
-conversation's next turn finds its decode; a prompt no decode holds goes as `peak_ewma`
+DEFAULT_DISAGG_MIN_UNCACHED_TOKENS): a decode keeps the KV it pulls and its KV events say
+so, so the decode is the one holding most of the prompt (a chat's conversation so far)
+unless its load is over `prefix`'s bound (AFFINITY_BOUND_FACTOR); and when that decode
+holds part of the prompt and would compute fewer prompt tokens than the threshold
+itself, the prefill leg is skipped and the decode serves the request alone, as Dynamo
+and llm-d do. A prompt no decode holds keeps its prefill leg, placed as `peak_ewma`
 places it.
 
 The index is not ahead of the engine: a request's blocks count at its prefill only once
