@@ -5,15 +5,22 @@ events), so the router claims a block only for a request the engine would hit it
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from raw_member import member_spec
+from test_kv_policy import publishing
+from test_policies import view
 
 from engine_agent.reference.prefix_cache import PLAIN, CacheScope, PrefixCache
+from router.choice import NO_AFFINITY
 from router.kv.index import MemberIndex
 from router.kv.keys import block_keys, multimodal, request_keys
+from router.kv.routing import KvOptions, KvRouting
+from router.metrics import RouterMetrics
 from wire.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from wire.protocol import Register, control_decoder, make_encoder
 from wire.validation import validate_spec
@@ -109,3 +116,19 @@ def test_too_many_adapters_do_not_decode() -> None:
     too_many = msgspec.structs.replace(SPEC, adapters=tuple(f"a{i}" for i in range(65)))
     with pytest.raises(msgspec.ValidationError):
         control_decoder().decode(make_encoder().encode(Register(too_many, b"n" * 16)))
+
+
+def test_a_multimodal_request_falls_back_and_is_counted() -> None:
+    """The engine hashes the image into its block keys, which the router cannot: the
+    prefill is chosen as peak_ewma chooses it, and the metric says why."""
+    metrics = RouterMetrics()
+    kv = KvRouting(metrics, KvOptions(), allows=lambda a: True)
+    try:
+        kv.on_members(view(publishing("p")))
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        body = {"model": "m", "messages": [{"role": "user", "content": [image]}]}
+        assert asyncio.run(kv.affinity(body, "m")) is NO_AFFINITY
+        text = metrics.render().decode()
+        assert 'pdreg_router_kv_inexact_requests_total{model="m",why="multimodal"} 1.0' in text
+    finally:
+        kv.close()
