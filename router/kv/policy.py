@@ -98,8 +98,8 @@ KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queu
 # holding them (67% hits); 2.0 gave 72%, 3.0 75%, none 77%, each with a lower TTFT.
 KV_BOUND_FACTOR: Final = 2.0
 # Conditional disaggregation's threshold, in uncached prompt tokens on a decode that
-# holds the rest. bench_kv.py (bench/RESULTS.md): multi-turn chat, TTFT p50 0.76x of
-# always disaggregating at 512 and at 1,024 alike; 128 and 256 skipped almost nothing.
+# holds the rest. bench_kv.py (bench/RESULTS.md): multi-turn chat, TTFT p50 0.78x of
+# always disaggregating at 512 (0.76x at 1,024); 128 and 256 skipped almost nothing.
 DEFAULT_DISAGG_MIN_UNCACHED_TOKENS: Final = 512
 
 
