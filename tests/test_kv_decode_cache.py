@@ -2,7 +2,8 @@
 engines publishing KV events, a `kv` router): the next turn of a chat finds the
 conversation cached on the decode, by the decode's own counters, both when the prefill
 leg runs again and when the router sends the turn to the decode alone (conditional
-disaggregation), and the answers are those of a single engine."""
+disaggregation), and the answers are those of a single engine (the torch model too:
+the decode reuses KV it pulled, token for token the same)."""
 
 from __future__ import annotations
 
@@ -58,15 +59,17 @@ def indexed_blocks(router: RouterServer, member_id: str) -> int:
     return next((m["blocks"] for m in members if m["id"] == member_id), 0)
 
 
+@pytest.mark.parametrize("backend", ["sim", "torch"])  # torch: reused KV, same answer
 def test_the_next_turn_finds_the_conversation_on_the_decode(
         registry: RegistryServer, view: MembershipView, router: RouterServer,
-        handles: list[EngineHandle]) -> None:
+        handles: list[EngineHandle], backend: str) -> None:
     control = registry.control_address
     p, d = start_engines([
-        {"role": "prefill", "registry": control, "extra_args": ["--kv-events"]},
-        {"role": "decode", "registry": control, "extra_args": ["--kv-events"]}])
+        {"role": role, "registry": control, "extra_args": ["--kv-events"], "backend": backend}
+        for role in ("prefill", "decode")])
     handles += [p, d]
-    mixed = start_engine(role="mixed")  # not registered: the single-instance reference
+    # Not registered: the single-instance reference.
+    mixed = start_engine(role="mixed", backend=backend)
     handles.append(mixed)
     assert view.wait_for(lambda m: all(i in m and m[i].record.state is MemberState.READY
                                        for i in (p.id, d.id)), WAIT_S)
