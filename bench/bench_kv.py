@@ -25,7 +25,8 @@ with load ignored (the ceiling of hits alone).
 
     .venv/bin/python bench/bench_kv.py [--requests 300] [--utilisation 0.7] [--routers kv,...]
     .venv/bin/python bench/bench_kv.py --routers kv --decisions   # log every kv pick
-    .venv/bin/python bench/bench_kv.py --routers kv,kv+disagg=64   # conditional disagg.
+    .venv/bin/python bench/bench_kv.py --routers kv+disagg=0,kv  # disagg=0: always P then D
+    .venv/bin/python bench/bench_kv.py --trace chat --routers kv+disagg=0,kv+disagg=1024
     .venv/bin/python bench/bench_kv.py --scale   # the index alone at 1,000 members
     .venv/bin/python bench/bench_kv.py --routers kv,sglang-router:cache_aware
     .venv/bin/python bench/bench_kv.py --routers kv,prefix --prompt-scale 0.5   # ~1k tokens
@@ -61,7 +62,14 @@ from reference_helpers import EngineHandle, metrics, start_engine, start_engines
 
 from bench import peers  # noqa: E402
 from bench.kv_index_alone import index_alone  # noqa: E402
-from bench.kv_trace import BLOCK, PREFILL_S_PER_TOKEN, arrivals, make_trace, oracle  # noqa: E402
+from bench.kv_trace import (  # noqa: E402
+    BLOCK,
+    PREFILL_S_PER_TOKEN,
+    arrivals,
+    make_chat_trace,
+    make_trace,
+    oracle,
+)
 from bench.load import first_token_s  # noqa: E402
 from bench.procs import remove_tree, router_process, source_tree, tree_cpu_s  # noqa: E402
 from bench.tables import percentiles, write_json  # noqa: E402
@@ -129,8 +137,9 @@ def cluster(cache_blocks: int) -> Iterator[tuple[RegistryServer, list[EngineHand
     try:
         specs = [{"role": "prefill", "registry": control, "extra_args": [
             *engine_args(cache_blocks), "--port", str(free_low_port())]} for _ in range(3)]
-        # Decodes cache and publish like prefills and compute a prompt at the same cost:
-        # what a decode serving a request alone (conditional disaggregation) would do.
+        # Decodes cache (what they compute and what they pull) and publish like prefills,
+        # and compute a prompt at the same cost: what a decode serving a request alone
+        # (conditional disaggregation) would do.
         # The sim does not slow a decode's other streams while it prefills one.
         specs += [{"role": "decode", "registry": control, "extra_args": [
             *engine_args(cache_blocks), "--max-running", "8",
@@ -365,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", default="1",
                         help="pdreg routers per run, e.g. 1,2,4: each count is a run of "
                              "its own, the client spreading requests across them")
+    parser.add_argument("--trace", choices=("mixed", "chat"), default="mixed",
+                        help="mixed: shared system prompts, sessions, unique prompts; "
+                             "chat: multi-turn conversations only (kv_trace.make_chat_trace)")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--decisions", action="store_true",
                         help="keep each pdreg router's DEBUG log (every kv pick) in "
@@ -400,7 +412,10 @@ def main() -> int:
         index_alone()
         return 0
     KV_EVENTS[0] = not args.no_kv_events
-    trace = make_trace(args.requests, args.seed, args.prompt_scale)
+    if args.trace == "chat":
+        trace = make_chat_trace(args.requests, args.seed)
+    else:
+        trace = make_trace(args.requests, args.seed, args.prompt_scale)
     times = arrivals(trace, args.utilisation, args.seed)
     joins_at, restarts_at = len(trace) // 3, 2 * len(trace) // 3
     fair = oracle(trace, times, args.cache_blocks, joins_at, restarts_at, bounded=True)

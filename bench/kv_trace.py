@@ -66,6 +66,37 @@ def make_trace(n: int, seed: int, scale: float = 1.0) -> list[str]:
     return trace
 
 
+CHAT_SESSIONS = 16  # conversations open at once
+CHAT_TURNS = 8  # turns per conversation; then a new one takes its place
+
+
+def make_chat_trace(n: int, seed: int) -> list[str]:
+    """Multi-turn chat only: CHAT_SESSIONS conversations at once, each on one of 4 system
+    prompts, a turn appending a question and an answer to its history; after CHAT_TURNS
+    turns a conversation ends and a new one starts. A turn's prompt is its previous
+    turn's prompt plus the new exchange, so a decode that kept the previous prompt's KV
+    lacks only that (`bench_kv.py --trace chat`: conditional disaggregation)."""
+    rng = random.Random(seed)
+    base = make_trace(4 * SESSIONS, seed)  # only for its vocabulary of system prompts
+
+    def text(chars: int) -> str:
+        return " ".join(rng.choice(base[0].split()) for _ in range(chars // 7))
+
+    systems = [f"[system {i}] " + text(rng.randint(1000, 2000)) for i in range(4)]
+    histories = [rng.choice(systems) for _ in range(CHAT_SESSIONS)]
+    turns = [0] * CHAT_SESSIONS
+    trace = []
+    for _ in range(n):
+        s = rng.randrange(CHAT_SESSIONS)
+        if turns[s] == CHAT_TURNS:
+            histories[s], turns[s] = rng.choice(systems) + f" [chat {rng.random()}]", 0
+        histories[s] += "\nUser: " + text(rng.randint(40, 150)) + "\nAssistant: " + \
+            text(rng.randint(60, 200))
+        turns[s] += 1
+        trace.append(histories[s])
+    return trace
+
+
 def arrivals(trace: list[str], utilisation: float, seed: int) -> list[float]:
     """Poisson arrival times (s from the start) offering `utilisation` of what the first
     PREFILLS prefills compute with no cache at all: busy, not permanently queued."""

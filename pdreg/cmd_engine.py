@@ -68,6 +68,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "socket) for `pdreg router --policy kv`; bound on --host")
     p.add_argument("--kv-events-port", type=int, default=0,
                    help="KV events PUB port (0 = any free one; the replay port is separate)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME[=PATH]",
+                   help="LoRA adapters served besides --model, as vLLM's flag names them: "
+                        "a request whose model is NAME uses it (the reference model has "
+                        "no adapter weights: only its prefix-cache blocks are the adapter's "
+                        "own); registered, so routers send NAME's requests here")
     add_label_argument(p)
     p.set_defaults(func=main)
 
@@ -88,5 +93,6 @@ def main(args: argparse.Namespace) -> int:
         sim_decode_s_per_token=args.sim_decode_s_per_token,
         sim_kv_bytes_per_token=args.sim_kv_bytes_per_token, labels=labels_of(args),
         prefix_cache_blocks=args.prefix_cache_blocks, block_size=args.block_size,
-        kv_events=args.kv_events, kv_events_port=args.kv_events_port)
+        kv_events=args.kv_events, kv_events_port=args.kv_events_port,
+        adapters=tuple(dict.fromkeys(m.split("=", 1)[0] for m in args.lora_modules)))
     return run(config)

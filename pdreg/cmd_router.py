@@ -48,6 +48,7 @@ from router.http.bounds import (
 )
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES
 from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT
+from router.kv.policy import DEFAULT_DISAGG_MIN_UNCACHED_TOKENS
 from router.kv.reporter import KvReporter
 from router.kv.routing import DEFAULT_MAX_PROMPT_TOKENS, MAX_BLOCK_SIZES
 from router.kv.tokenizer import parse_tokenizer_flags
@@ -264,10 +265,10 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
                    help="kv policy: the tokenizer (a directory with tokenizer.json, or a hub "
                         "name in the local cache) for MODEL; repeatable. Default: what the "
                         "model's members register")
-    p.add_argument("--disagg-min-uncached-tokens", type=int, default=0, metavar="N",
-                   help="kv policy: a prompt the chosen decode would compute fewer than N "
-                        "tokens of itself skips the prefill leg (the decode prefills it); "
-                        "0 = off")
+    p.add_argument("--disagg-min-uncached-tokens", type=int, metavar="N",
+                   default=DEFAULT_DISAGG_MIN_UNCACHED_TOKENS,
+                   help="kv policy: a prompt the chosen decode holds part of and would "
+                        "compute fewer than N tokens of skips the prefill leg; 0 = off")
     p.add_argument("--kv-max-prompt-tokens", type=_at_least_one, default=DEFAULT_MAX_PROMPT_TOKENS,
                    metavar="N",
                    help="kv policy: prompts over N tokens (or over 8 characters per token "

@@ -18,7 +18,7 @@ from router.latency import LatencyTracker
 from router.metrics import SeriesOf
 from router.policies import Pairer
 from router.quarantine import Quarantine
-from router.table import Pair, PairingTable
+from router.table import Pair, PairingTable, served
 from wire.protocol import Role
 
 __all__ = ["MAX_KNOWN_MODELS", "MembershipSource", "Pairing"]
@@ -89,8 +89,9 @@ class Pairing:
             self._urls = frozenset(c.http for pools in self._table.pools.values()
                                    for pool in pools for c in (*pool.prefills, *pool.decodes))
             if len(self._known_models) < MAX_KNOWN_MODELS:
-                self._known_models.update(m.record.spec.model for m in members.values()
-                                          if m.record.spec.role is not Role.API_SERVER)
+                self._known_models.update(name for m in members.values()
+                                          if m.record.spec.role is not Role.API_SERVER
+                                          for name in served(m.record.spec))
             self._latency.retain(members.keys())
             if self._on_members is not None:
                 self._on_members(members)

@@ -174,7 +174,7 @@ class Pairer:
         self._note_probe(PREFILL_ROLE, p, now)
         if p.role is Role.MIXED:
             return Pair(p, p, choice.cached_tokens, choice.exact)
-        d = self._decode.choose(_decodes_for(p, options, loads.base), loads.decode, affinity)
+        d = self._choose_decode(_decodes_for(p, options, loads.base), loads, affinity)
         self._note_probe(DECODE_ROLE, d, now)
         return self._paired(Pair(p, d, choice.cached_tokens, choice.exact), affinity)
 
@@ -205,6 +205,10 @@ class Pairer:
                         affinity: Affinity) -> Choice:
         """The prefill, by the policy's chooser (which predicts nothing of its cache)."""
         return Choice(self._prefill.choose(prefills, loads.prefill, affinity))
+
+    def _choose_decode(self, decodes: Sequence[Candidate], loads: Loads,
+                       affinity: Affinity) -> Candidate:
+        return self._decode.choose(decodes, loads.decode, affinity)
 
     def _paired(self, pair: Pair, affinity: Affinity) -> Pair:
         """The pair that serves the request: the one chosen (the `kv` policy may serve

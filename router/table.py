@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from registry.client import LiveMember
-from wire.protocol import MemberState, Role
+from wire.protocol import MemberSpec, MemberState, Role
 
-__all__ = ["Candidate", "Pair", "PairingTable", "ProtocolPool", "eligible"]
+__all__ = ["Candidate", "Pair", "PairingTable", "ProtocolPool", "eligible", "served"]
+
+
+def served(spec: MemberSpec) -> tuple[str, ...]:
+    """The model names a member answers to: its base model, then its LoRA adapters (a
+    request names an adapter in `model`, as vLLM's API does)."""
+    return (spec.model, *spec.adapters) if spec.adapters else (spec.model,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +108,15 @@ class PairingTable:
                 continue
             if protocols is not None and spec.protocol not in protocols:
                 continue  # a pair we could not drive
-            tiers = by_key.setdefault((spec.model, spec.protocol), {
-                "p": [], "ps": [], "d": [], "ds": []})
             candidate = Candidate.of(member, locality_key)
             suffix = "s" if record.suspect else ""
-            if spec.role in _PREFILL_ROLES:
-                tiers["p" + suffix].append(candidate)
-            if spec.role in _DECODE_ROLES:
-                tiers["d" + suffix].append(candidate)
+            for model in served(spec):  # the base model and its LoRA adapters
+                tiers = by_key.setdefault((model, spec.protocol), {
+                    "p": [], "ps": [], "d": [], "ds": []})
+                if spec.role in _PREFILL_ROLES:
+                    tiers["p" + suffix].append(candidate)
+                if spec.role in _DECODE_ROLES:
+                    tiers["d" + suffix].append(candidate)
         pools: dict[str, list[ProtocolPool]] = {}
         for (model, protocol), t in sorted(by_key.items()):
             pools.setdefault(model, []).append(ProtocolPool(
@@ -125,7 +132,7 @@ class PairingTable:
         if not changed:
             return self
         pools = dict(self.pools)
-        for model in {m.record.spec.model for m in changed.values()}:
+        for model in {name for m in changed.values() for name in served(m.record.spec)}:
             held = pools.get(model)
             if held:
                 pools[model] = tuple(pool.with_loads(changed) for pool in held)

@@ -4,6 +4,7 @@ disaggregation, and the fallback to `peak_ewma` where no match can be exact."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import msgspec
@@ -105,8 +106,9 @@ def test_replaying_or_other_incarnations_claim_nothing():
 
 
 def test_conditional_disaggregation_serves_on_the_decode():
-    """Skip the prefill leg when the decode itself would compute little: what its own
-    cache (indexed when it publishes events) does not hold."""
+    """Skip the prefill leg when the decode holds part of the prompt and would compute
+    little itself: what its own cache (indexed when it publishes events) does not hold.
+    A prompt it holds nothing of keeps its prefill leg, however short."""
     index = indexed({"a": 9, "d": 9})
     almost = PROMPT[:38]  # the decode holds 9 blocks: 2 tokens left to compute
     pair = choose(index, [member("a"), DECODE], key=affinity(almost),
@@ -116,9 +118,9 @@ def test_conditional_disaggregation_serves_on_the_decode():
     pair = choose(indexed({"a": 9}), [member("a"), DECODE], key=affinity(almost),
                   disagg_min_uncached_tokens=8)  # a decode caching nothing: 38 to do
     assert pair is not None and not pair.direct and pair.prefill.id == "a"
-    pair = choose(indexed({"a": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
-                  disagg_min_uncached_tokens=8)  # a short prompt: the decode does it
-    assert pair is not None and pair.direct and pair.cached_tokens == 0
+    pair = choose(indexed({"a": 0, "d": 0}), [member("a"), DECODE], key=affinity(PROMPT[:6]),
+                  disagg_min_uncached_tokens=8)  # short, but the decode holds none of it
+    assert pair is not None and not pair.direct and pair.prefill.id == "a"
 
 
 def slow_a() -> LatencyTracker:
@@ -209,3 +211,22 @@ def test_decodes_are_followed_only_for_conditional_disaggregation(disagg, follow
         assert wait_until(lambda: set(kv.index.members) == followed, 10)
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("d2_running", [0, 1, 2, 5])
+def test_conditional_disaggregation_finds_the_conversations_decode(d2_running):
+    """A decode keeps the KV it pulls, so the next turn goes to the decode holding the
+    conversation (and is served there alone), not to whichever decode power-of-two drew;
+    unless that decode's queue is over `prefix`'s bound: then peak_ewma's pick stands."""
+    index = indexed({"a": 9, "d1": 0, "d2": 9})
+    members = [member("a"), member("d1", Role.DECODE),
+               member("d2", Role.DECODE, running=d2_running)]
+    table = PairingTable.build(view(*members))
+    within = d2_running + 1 <= math.ceil(1.25 * (d2_running + 1) / 2)
+    for seed in range(8):
+        pairs = [make_kv_pairer(index, rng=random.Random(seed), disagg_min_uncached_tokens=n
+                                ).choose(table, "m", now=NOW, in_flight={},
+                                         affinity=affinity(PROMPT[:38])) for n in (8, 0)]
+        assert pairs[0] is not None and pairs[1] is not None
+        expected = "d2" if within else pairs[1].decode.id  # peak_ewma's own pick
+        assert pairs[0].decode.id == expected and pairs[0].direct == (expected == "d2")

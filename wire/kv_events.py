@@ -48,6 +48,7 @@ __all__ = [
     "decode_seq",
     "encode_batch",
     "encode_seq",
+    "vllm_extra_keys",
 ]
 
 MAX_BATCH_EVENTS: Final = 65_536  # events per batch (vLLM batches one scheduler step)
@@ -83,6 +84,19 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     extra_keys: ExtraKeys | None = None  # per block: mm hashes, LoRA, cache_salt...
     group_idx: int | None = None
     cache_salt: str | None = None  # SGLang's (vLLM puts it in extra_keys); omitted if None
+
+
+def vllm_extra_keys(lora_name: str | None, cache_salt: str | None,
+                    block_index: int) -> list[str] | None:
+    """A text prompt's block `block_index` extra keys as vLLM hashes and publishes them
+    (`BlockStored.extra_keys`, one entry per block): the LoRA adapter's name on every
+    block, then the cache salt on the first block only (the chain carries it on); None
+    when there is neither. Multimodal inputs would add their hashes: a router cannot
+    compute those, so it does not match such prompts."""
+    keys = [lora_name] if lora_name is not None else []
+    if cache_salt and block_index == 0:
+        keys.append(cache_salt)
+    return keys or None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

@@ -16,6 +16,7 @@ MAX_ID_CHARS: Final = 128
 MAX_NAME_CHARS: Final = 256
 MAX_URL_CHARS: Final = 512
 MAX_LABELS: Final = 32
+MAX_ADAPTERS: Final = 64  # LoRA adapters one member serves besides its base model
 MAX_LABEL_CHARS: Final = 128
 MAX_EXTRA_LOAD_FIELDS: Final = 16
 MAX_TOKEN_CHARS: Final = 256
@@ -37,6 +38,7 @@ Host = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Url = Annotated[str, msgspec.Meta(max_length=MAX_URL_CHARS)]
 LabelText = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
 Labels = Annotated[dict[LabelText, LabelText], msgspec.Meta(max_length=MAX_LABELS)]
+Adapters = Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_ADAPTERS)]  # LoRA names
 Incarnation = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Token = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

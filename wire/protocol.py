@@ -45,6 +45,7 @@ from wire.limits import (
     MAX_EXTRA_LOAD_FIELDS,
     MAX_PROBLEM_CHARS,
     NO_PROOF,
+    Adapters,
     Count,
     Fraction,
     Host,
@@ -120,7 +121,6 @@ def parse_role(text: str) -> Role:
 
 
 # --- Member description (sent once, at registration) -----------------------------------
-#
 # Structs that hold only strings, numbers and flat dicts cannot form reference cycles, so
 # they are `gc=False`: a 10,000-member snapshot then decodes without waking the collector.
 
@@ -184,6 +184,7 @@ class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     labels: Labels = {}
     started_at: UnixTime = 0.0  # unix time the process started, for uptime
     kv_events: KvEventsSpec | None = None  # None: publishes no KV events (old members)
+    adapters: Adapters = ()  # LoRA adapters served besides `model` (router/table.served)
 
 
 class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
@@ -461,7 +462,6 @@ def event_decoder() -> msgspec.msgpack.Decoder[Event]:
 
 
 # --- P/D handshakes (appended by the router's owner; one definition for every part) ------
-
 
 # A router's api_server `protocol` (what it speaks to clients): the planner finds routers by it.
 ROUTER_PROTOCOL: Final = "openai"

@@ -42,6 +42,9 @@ def _is_link_local(host: str) -> bool:
 def _problem_with_text(spec: MemberSpec) -> str | None:
     if not spec.model.isprintable():
         return f"model {spec.model!r} must be printable text"
+    for adapter in spec.adapters:
+        if not adapter or not adapter.isprintable() or adapter == spec.model:
+            return f"adapter {adapter!r} must be printable text, not the base model's name"
     for key, value in spec.labels.items():
         if not key or not key.isprintable() or not value.isprintable():
             return f"label {key!r}={value!r} must be printable text with a non-empty key"

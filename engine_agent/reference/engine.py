@@ -25,7 +25,7 @@ from engine_agent.reference.backend import Backend, SamplingParams, prompt_diges
 from engine_agent.reference.bootstrap import RouteResolver
 from engine_agent.reference.kv_store import HeldKv, KvStore
 from engine_agent.reference.kv_transfer import KvClient, KvFetchError
-from engine_agent.reference.prefix_cache import PrefixCache
+from engine_agent.reference.prefix_cache import PLAIN, CacheScope, PrefixCache
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.tokens import EOS_ID
 from wire.kv_events import KVEvent
@@ -69,6 +69,7 @@ class GenerationRequest:
     params: SamplingParams
     hold: HoldKv | None = None
     fetch: FetchKv | None = None
+    scope: CacheScope = PLAIN  # its LoRA adapter and cache salt: part of its block keys
 
 
 class Generation:
@@ -146,6 +147,8 @@ class Engine:
         self.publish = publish  # KV events out (kv_publisher), or None
         self.prompt_tokens_total = 0  # prompt tokens prefilled here
         self.prefix_cache_hit_tokens_total = 0  # of which the prefix cache already held
+        self.pulled_tokens_total = 0  # prompt tokens whose KV was pulled from a prefill
+        self.pulled_hit_tokens_total = 0  # of which this engine's prefix cache held already
 
     @property
     def in_flight(self) -> int:
@@ -191,8 +194,9 @@ class Engine:
         if request.fetch is not None:
             prefilled = await self._fetch(request.prompt, request.fetch)
             self.external_kv_tokens_total += prefilled.num_tokens
+            self._keep_pulled(request.prompt, prefilled, request.scope)
         else:
-            prefilled = await self._prefill(request.prompt)
+            prefilled = await self._prefill(request.prompt, request.scope)
         if request.hold is not None:
             return self._hold(request, prefilled, stack)
         sequence = self.backend.start_sequence(prefilled, request.params.max_tokens)
@@ -200,22 +204,40 @@ class Engine:
         stack.callback(self.scheduler.free_kv, prefilled.num_tokens)
         return Generation(self, request, stack, prefilled.logits, sequence, None)
 
-    async def _prefill(self, prompt: list[int]) -> Any:
+    async def _prefill(self, prompt: list[int], scope: CacheScope = PLAIN) -> Any:
         """Prefill, computing only what the prefix cache does not hold; cache the new
         full blocks and publish what changed."""
         self.prompt_tokens_total += len(prompt)
         cache = self.prefix_cache
         if cache is None:
             return await self.backend.prefill(prompt)
-        hit = cache.lookup(prompt)
+        hit = cache.lookup(prompt, scope)
         cached_tokens = hit.cached_blocks * cache.block_size
         self.prefix_cache_hit_tokens_total += cached_tokens
         prefilled = await self.backend.prefill_cached(prompt, cached_tokens, hit.payloads)
         events = cache.store(prompt, hit.keys, lambda i: self.backend.block_payload(
-            prefilled, i, cache.block_size))
+            prefilled, i, cache.block_size), scope)
         if events and self.publish is not None:
             self.publish(events)
         return prefilled
+
+    def _keep_pulled(self, prompt: list[int], prefilled: Any, scope: CacheScope) -> None:
+        """A decode keeps the prompt blocks it pulled in its prefix cache and publishes
+        them, as vLLM's decode does: the next turn of the conversation finds them here,
+        so a router may send it to this decode alone (conditional disaggregation). The
+        lookup is counted as vLLM's decode scheduler counts it (`vllm:prefix_cache_*`):
+        the prompt queried, the leading blocks held already. The whole prompt was pulled
+        all the same (vLLM pulls only the rest; the reference transfer is all or none)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        hit = cache.lookup(prompt, scope)
+        self.pulled_tokens_total += len(prompt)
+        self.pulled_hit_tokens_total += hit.cached_blocks * cache.block_size
+        events = cache.store(prompt, hit.keys, lambda i: self.backend.block_payload(
+            prefilled, i, cache.block_size), scope)
+        if events and self.publish is not None:
+            self.publish(events)
 
     def _hold(self, request: GenerationRequest, prefilled: Any,
               stack: contextlib.AsyncExitStack) -> Generation:

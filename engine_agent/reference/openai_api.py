@@ -18,6 +18,7 @@ reason.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from msgspec import UNSET, UnsetType
 from engine_agent.reference import tokens
 from engine_agent.reference.backend import SamplingParams
 from engine_agent.reference.engine import EngineError, FetchKv, GenerationRequest, HoldKv
+from engine_agent.reference.prefix_cache import CacheScope
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 
@@ -50,6 +52,7 @@ class _Common(msgspec.Struct, kw_only=True):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     request_id: str | None = None
+    cache_salt: str | None = None  # vLLM's: isolates this request's prefix-cache blocks
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -135,29 +138,42 @@ def _handshake(body: _Common, role: str, new_handle: str) -> tuple[
     return None, None
 
 
+def _scope(body: _Common, adapters: Mapping[str, int]) -> CacheScope:
+    """The request's LoRA adapter (its `model`, when that names one) and cache salt."""
+    if body.cache_salt is not None and not body.cache_salt:
+        raise EngineError("cache_salt must be a non-empty string")  # as vLLM says
+    lora_id = adapters.get(body.model)
+    return CacheScope(body.model if lora_id is not None else None, lora_id, body.cache_salt)
+
+
 def _request(body: _Common, prompt: list[int], max_tokens: int | None, *, role: str,
-             new_handle: str, max_model_len: int) -> GenerationRequest:
+             new_handle: str, max_model_len: int,
+             adapters: Mapping[str, int]) -> GenerationRequest:
     hold, fetch = _handshake(body, role, new_handle)
     params = _sampling(body, max_tokens, max_model_len - len(prompt))
-    return GenerationRequest(prompt=prompt, params=params, hold=hold, fetch=fetch)
+    return GenerationRequest(prompt=prompt, params=params, hold=hold, fetch=fetch,
+                             scope=_scope(body, adapters))
 
 
 def completion_request(body: CompletionBody, *, role: str, new_handle: str,
-                       max_model_len: int) -> GenerationRequest:
-    """`role` is the engine's: "prefill", "decode" or "mixed"."""
+                       max_model_len: int,
+                       adapters: Mapping[str, int] | None = None) -> GenerationRequest:
+    """`role` is the engine's: "prefill", "decode" or "mixed". `adapters`: the LoRA
+    adapters it serves, name -> id."""
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is UNSET else body.max_tokens
     return _request(body, _prompt_ids(body.prompt), max_tokens, role=role,
-                    new_handle=new_handle, max_model_len=max_model_len)
+                    new_handle=new_handle, max_model_len=max_model_len,
+                    adapters=adapters or {})
 
 
-def chat_request(body: ChatBody, *, role: str, new_handle: str,
-                 max_model_len: int) -> GenerationRequest:
+def chat_request(body: ChatBody, *, role: str, new_handle: str, max_model_len: int,
+                 adapters: Mapping[str, int] | None = None) -> GenerationRequest:
     text = tokens.chat_prompt([(m.role, _message_text(m)) for m in body.messages])
     max_tokens = body.max_completion_tokens
     if max_tokens is None and body.max_tokens is not UNSET:
         max_tokens = body.max_tokens
     return _request(body, tokens.encode(text), max_tokens, role=role, new_handle=new_handle,
-                    max_model_len=max_model_len)
+                    max_model_len=max_model_len, adapters=adapters or {})
 
 
 # --- Responses ---------------------------------------------------------------------------

@@ -13,7 +13,11 @@ Rules, as in vLLM's prefix caching:
   a lookup or a store makes a block the most recent;
 - blocks are stored in prompt order, so a stored block's parent is held at that moment
   (the router's index relies on it); if the capacity cannot hold the chain, storing
-  stops at the first block that would evict its own ancestors.
+  stops at the first block that would evict its own ancestors;
+- a request's LoRA adapter and `cache_salt` (its `CacheScope`) are part of every block's
+  key, as vLLM's block hash takes them as extra keys: the same tokens under another
+  adapter or salt are other blocks. Events say so as vLLM's do (`lora_id`, `lora_name`,
+  per-block `extra_keys`), so a router keys them the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +27,41 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_agent.reference.kv_blocks import block_keys
-from wire.kv_events import BlockRemoved, BlockStored
+import msgspec
 
-__all__ = ["Hit", "PrefixCache"]
+from engine_agent.reference.kv_blocks import ROOT_KEY, block_keys, chain_key
+from wire.kv_events import BlockRemoved, BlockStored, vllm_extra_keys
+
+__all__ = ["PLAIN", "CacheScope", "Hit", "PrefixCache"]
 
 MEDIUM = "GPU"  # what vLLM reports for its device tier; routers index only that tier
+_salt_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """What besides its tokens makes a request's blocks its own: the LoRA adapter it
+    names (`lora_id` counts from 1, as vLLM's) and its `cache_salt`."""
+
+    lora_name: str | None = None
+    lora_id: int | None = None
+    cache_salt: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.lora_name is None and not self.cache_salt
+
+    def extra_keys(self, index: int) -> list[str] | None:
+        """Block `index`'s extra keys, as vLLM publishes them."""
+        return vllm_extra_keys(self.lora_name, self.cache_salt, index)
+
+    def salt(self, index: int) -> bytes:
+        """What block `index`'s key takes besides its tokens (b"" for a plain request)."""
+        extra = self.extra_keys(index)
+        return _salt_encoder.encode(extra) if extra is not None else b""
+
+
+PLAIN = CacheScope()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +87,18 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def keys_of(self, prompt: Sequence[int]) -> list[int]:
-        return block_keys(prompt, self.block_size)
+    def keys_of(self, prompt: Sequence[int], scope: CacheScope = PLAIN) -> list[int]:
+        if scope.plain:
+            return block_keys(prompt, self.block_size)
+        size, parent, keys = self.block_size, ROOT_KEY, []
+        for i in range(len(prompt) // size):
+            parent = chain_key(parent, prompt[i * size:(i + 1) * size], scope.salt(i))
+            keys.append(parent)
+        return keys
 
-    def lookup(self, prompt: Sequence[int]) -> Hit:
+    def lookup(self, prompt: Sequence[int], scope: CacheScope = PLAIN) -> Hit:
         """The prompt's leading cached blocks (touched: most recently used)."""
-        keys = self.keys_of(prompt)
+        keys = self.keys_of(prompt, scope)
         limit = max(0, (len(prompt) - 1) // self.block_size)
         payloads: list[Any] = []
         for key in keys[:limit]:
@@ -80,9 +119,11 @@ class PrefixCache:
         return n
 
     def store(self, prompt: Sequence[int], keys: Sequence[int],
-              payload_of: Callable[[int], Any]) -> list[BlockStored | BlockRemoved]:
+              payload_of: Callable[[int], Any],
+              scope: CacheScope = PLAIN) -> list[BlockStored | BlockRemoved]:
         """Cache every full block of `prompt` not yet held (`payload_of(i)` gives block
-        i's KV). Returns the events, in order: evictions and stores as they happened."""
+        i's KV; `keys` are `keys_of(prompt, scope)`). Returns the events, in order:
+        evictions and stores as they happened."""
         events: list[BlockStored | BlockRemoved] = []
         run: list[int] = []  # indices of consecutive new blocks: one BlockStored
         protected = set(keys)  # this prompt's chain is never evicted to store itself
@@ -90,13 +131,13 @@ class PrefixCache:
             block = self._blocks.get(key)
             if block is not None:
                 self._blocks.move_to_end(key)
-                self._flush(run, keys, prompt, events)
+                self._flush(run, keys, prompt, events, scope)
                 continue
-            if not self._make_room(protected, run, keys, prompt, events):
+            if not self._make_room(protected, run, keys, prompt, events, scope):
                 break  # the chain does not fit: stop here (its parent stays held)
             self._blocks[key] = _Block(payload_of(i))
             run.append(i)
-        self._flush(run, keys, prompt, events)
+        self._flush(run, keys, prompt, events, scope)
         return events
 
     def clear(self) -> int:
@@ -105,23 +146,25 @@ class PrefixCache:
         return n
 
     def _make_room(self, protected: set[int], run: list[int], keys: Sequence[int],
-                   prompt: Sequence[int], events: list[BlockStored | BlockRemoved]) -> bool:
+                   prompt: Sequence[int], events: list[BlockStored | BlockRemoved],
+                   scope: CacheScope) -> bool:
         while len(self._blocks) >= self.capacity_blocks:
             victim = next((k for k in self._blocks if k not in protected), None)
             if victim is None:
                 return False
-            self._flush(run, keys, prompt, events)  # published order = the real order
+            self._flush(run, keys, prompt, events, scope)  # published order = the real order
             del self._blocks[victim]
             events.append(BlockRemoved([victim], MEDIUM))
         return True
 
     def _flush(self, run: list[int], keys: Sequence[int], prompt: Sequence[int],
-               events: list[BlockStored | BlockRemoved]) -> None:
+               events: list[BlockStored | BlockRemoved], scope: CacheScope) -> None:
         if not run:
             return
         first, size = run[0], self.block_size
         parent = keys[first - 1] if first else None
         tokens = list(prompt[first * size:(run[-1] + 1) * size])
-        events.append(BlockStored([keys[i] for i in run], parent, tokens, size, None, MEDIUM,
-                                  None))
+        extra = None if scope.plain else [scope.extra_keys(i) for i in run]
+        events.append(BlockStored([keys[i] for i in run], parent, tokens, size, scope.lora_id,
+                                  MEDIUM, scope.lora_name, extra_keys=extra))
         run.clear()

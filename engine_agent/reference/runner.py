@@ -75,13 +75,20 @@ class EngineConfig:
     sim_decode_s_per_token: float = 0.0
     sim_kv_bytes_per_token: int = 128
     labels: dict[str, str] = field(default_factory=dict)
-    # Prefix cache (prefill and mixed roles): on by default, like vLLM's. None = as many
-    # blocks as the KV capacity holds; 0 = off.
+    # Prefix cache (every role; a decode keeps what it pulls): on by default, like
+    # vLLM's. None = as many blocks as the KV capacity holds; 0 = off.
     prefix_cache_blocks: int | None = None
     block_size: int = 16  # tokens per cached block (vLLM's GPU default)
     kv_events: bool = False  # publish KV events (vLLM's wire format) for KV-aware routers
     kv_events_port: int = 0  # PUB port; 0 = any free one (advertised in the spec)
     kv_events_replay_port: int = 0
+    # LoRA adapters served besides `model` (vLLM's --lora-modules): a request naming one
+    # gets blocks of its own; the reference model has no adapter weights to apply.
+    adapters: tuple[str, ...] = ()
+
+    def adapter_ids(self) -> dict[str, int]:
+        """name -> LoRA id, from 1 as vLLM numbers them (in its events' `lora_id`)."""
+        return {name: i for i, name in enumerate(self.adapters, 1)}
 
 
 def make_backend(config: EngineConfig) -> Backend:
@@ -111,6 +118,7 @@ async def _warm_up(engine: Engine) -> None:
         await generation.close()
     engine.requests_total = engine.prompt_tokens_total = 0
     engine.prefix_cache_hit_tokens_total = 0
+    engine.pulled_tokens_total = engine.pulled_hit_tokens_total = 0
 
 
 async def _start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -163,10 +171,10 @@ async def run_engine(config: EngineConfig) -> int:
     resolver = RouteResolver()
     kv_client = KvClient(ctx)
     publisher: KvEventPublisher | None = None
-    caches = config.role in (Role.PREFILL, Role.MIXED)  # decodes get their KV from a prefill
+    # Every role caches: a decode keeps the blocks it pulls, as vLLM's does (Engine).
     blocks = (config.kv_capacity_tokens // config.block_size
               if config.prefix_cache_blocks is None else config.prefix_cache_blocks)
-    prefix_cache = PrefixCache(config.block_size, blocks) if caches and blocks > 0 else None
+    prefix_cache = PrefixCache(config.block_size, blocks) if blocks > 0 else None
     try:
         kv_events: KvEventsSpec | None = None
         if config.kv_events and prefix_cache is not None:
@@ -187,7 +195,7 @@ async def run_engine(config: EngineConfig) -> int:
                                                        config.bootstrap_port)
             runners.append(runner)
         state = ServerState(role=role, model=config.model, model_dir=model_dir,
-                            bootstrap_port=bootstrap_port)
+                            bootstrap_port=bootstrap_port, adapters=config.adapter_ids())
         runner, port = await _start_site(EngineServer(state).app(), config.host, config.port)
         runners.append(runner)
         url = f"http://{advertise}:{port}"
@@ -200,7 +208,7 @@ async def run_engine(config: EngineConfig) -> int:
                 endpoints=Endpoints(http=url, kv_host=advertise if kv_port else "",
                                     kv_port=kv_port, bootstrap_port=bootstrap_port),
                 capacity=config.max_running, labels=config.labels, started_at=time.time(),
-                kv_events=kv_events)
+                kv_events=kv_events, adapters=config.adapters)
 
         agent, spec = _make_agent(config, spec_for, scheduler.load, port)
         backend = await loop.run_in_executor(None, make_backend, config)

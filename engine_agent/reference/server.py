@@ -41,6 +41,7 @@ class ServerState:
     model: str
     model_dir: str  # an existing empty directory: peer routers look for a tokenizer there
     bootstrap_port: int = 0
+    adapters: dict[str, int] = field(default_factory=dict)  # LoRA adapters: name -> id
     engine: Engine | None = None
     draining: bool = False
     started_at: float = field(default_factory=time.time)
@@ -101,12 +102,14 @@ class EngineServer:
             if chat:
                 body: CompletionBody | ChatBody = self._chat_decoder.decode(raw)
                 gen_request = chat_request(body, role=self.state.role, new_handle=handle,
-                                           max_model_len=max_model_len)
+                                           max_model_len=max_model_len,
+                                           adapters=self.state.adapters)
             else:
                 body = self._completion_decoder.decode(raw)
                 gen_request = completion_request(body, role=self.state.role,
                                                  new_handle=handle,
-                                                 max_model_len=max_model_len)
+                                                 max_model_len=max_model_len,
+                                                 adapters=self.state.adapters)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return _error(f"invalid request body: {exc}", 400)
         except EngineError as exc:
@@ -170,9 +173,13 @@ class EngineServer:
     async def models(self, _: web.Request) -> web.Response:
         engine = self.state.engine
         max_len = engine.backend.max_model_len if engine is not None else None
-        return _json({"object": "list", "data": [{
-            "id": self.state.model, "object": "model", "created": int(self.state.started_at),
-            "owned_by": "pdreg", "root": self.state.model, "max_model_len": max_len}]})
+        created = int(self.state.started_at)
+        base = {"id": self.state.model, "object": "model", "created": created,
+                "owned_by": "pdreg", "root": self.state.model, "max_model_len": max_len}
+        # LoRA adapters as vLLM lists them: their own entries, `parent` the base model.
+        adapters = [{**base, "id": name, "root": name, "parent": self.state.model}
+                    for name in self.state.adapters]
+        return _json({"object": "list", "data": [base, *adapters]})
 
     async def server_info(self, _: web.Request) -> web.Response:
         mode = self.state.role if self.state.role in ("prefill", "decode") else "null"
@@ -205,13 +212,14 @@ def render_metrics(state: ServerState) -> str:
     engine = state.engine
     model = f'model_name="{state.model}"'
     running = waiting = held = held_tokens = transfers = expired = total = external = 0
-    prompt_tokens = hit_tokens = 0
+    prompt_tokens = hit_tokens = pulled = pulled_hits = 0
     usage = 0.0
     if engine is not None:
         sched = engine.scheduler
         running, waiting, usage = sched.running, sched.waiting, sched.kv_usage
         total, external = engine.requests_total, engine.external_kv_tokens_total
         prompt_tokens, hit_tokens = engine.prompt_tokens_total, engine.prefix_cache_hit_tokens_total
+        pulled, pulled_hits = engine.pulled_tokens_total, engine.pulled_hit_tokens_total
         if engine.store is not None:
             held, held_tokens = len(engine.store.held), engine.store.held_tokens
             transfers, expired = engine.store.transferred_total, engine.store.expired_total
@@ -226,11 +234,15 @@ def render_metrics(state: ServerState) -> str:
         ("sglang:token_usage", "gauge", model, usage),
         ("pdreg:engine_requests_total", "counter", model, total),
         # What the prefix cache really found: prompt tokens prefilled here, and of those
-        # the tokens whose KV was cached (vLLM's names count the same, in tokens).
+        # the tokens whose KV was cached. A decode's prompts pulled from a prefill are
+        # counted apart (what its own cache held of them); vLLM's names count both, as
+        # vLLM's decode counts its local hits on remote-prefill requests.
         ("pdreg:engine_prompt_tokens_total", "counter", model, prompt_tokens),
         ("pdreg:engine_prefix_cache_hit_tokens_total", "counter", model, hit_tokens),
-        ("vllm:prefix_cache_queries_total", "counter", model, prompt_tokens),
-        ("vllm:prefix_cache_hits_total", "counter", model, hit_tokens),
+        ("pdreg:engine_pulled_prompt_tokens_total", "counter", model, pulled),
+        ("pdreg:engine_pulled_prompt_cached_tokens_total", "counter", model, pulled_hits),
+        ("vllm:prefix_cache_queries_total", "counter", model, prompt_tokens + pulled),
+        ("vllm:prefix_cache_hits_total", "counter", model, hit_tokens + pulled_hits),
         ("pdreg:kv_held_entries", "gauge", model, held),
         ("pdreg:kv_held_tokens", "gauge", model, held_tokens),
         ("pdreg:kv_transfers_total", "counter", model, transfers),

@@ -53,7 +53,7 @@ from typing import Final
 import msgspec
 
 from registry.frozen_map import FrozenMap
-from router.kv.keys import ROOT_KEY, block_keys, chain_key
+from router.kv.keys import ROOT_KEY, block_keys, block_salt, chain_key
 from wire.kv_events import NO_EXTRA_KEYS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["Applied", "IndexSnapshot", "IndexState", "KvIndex", "MemberIndex", "MemberStats"]
@@ -66,7 +66,6 @@ MAX_PENDING: Final = 1024  # batches held back while a hole is open, per member
 DEFAULT_MAX_PENDING_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_BLOCKS: Final = 1_000_000  # per member: ~1M blocks x 128 tokens = 128M tokens
 _DEVICE_MEDIA: Final = (None, "GPU")
-_salt_encoder = msgspec.msgpack.Encoder()
 
 BlockHash = int | bytes
 
@@ -319,10 +318,8 @@ class MemberIndex:
                 # LoRA, multimodal hashes, cache salt (vLLM: extra_keys; SGLang:
                 # cache_salt): such a block never matches a plain prompt's key.
                 extra_i = extra[i] if extra is not None and i < len(extra) else None
-                salt_parts = (lora, None if _no_extra(extra_i) else extra_i,
-                              event.cache_salt)
-                salt = _salt_encoder.encode(salt_parts) \
-                    if salt_parts != (None, None, None) else b""
+                salt = block_salt(lora, None if _no_extra(extra_i) else extra_i,
+                                  event.cache_salt)
                 parent = chain_key(parent, tokens[i * size:(i + 1) * size], salt)
                 keys.append(parent)
         blocks, counts, copies = self.blocks, self.keys, self.copies  # the feed's hot loop

@@ -24,12 +24,17 @@ On top, the bounded-load rule of `prefix` (router/choosers.py) with a looser fac
 members whose load is within KV_BOUND_FACTOR x the average (+1) compete, so a hot prefix
 never piles onto one prefill. The decode is chosen as `peak_ewma` chooses it (power of
 two over load x observed service time): every decode pulls the whole prompt's KV from its
-prefill (no decode-side cache here), so that part of the cost is the same for all.
+prefill, so that part of the cost is the same for all; except under conditional
+disaggregation.
 
-Conditional disaggregation (`disagg_min_uncached_tokens` > 0): when the chosen decode
-would compute fewer prompt tokens than that itself (the prompt less what its own cache
-holds, if it publishes KV events; else the whole prompt), the prefill leg is skipped and
-the decode serves the request alone, as Dynamo and llm-d do.
+Conditional disaggregation (`disagg_min_uncached_tokens` > 0, by default
+DEFAULT_DISAGG_MIN_UNCACHED_TOKENS): a decode keeps the KV it pulls and its KV events say
+so, so the decode is the one holding most of the prompt (a chat's conversation so far)
+unless its load is over `prefix`'s bound (AFFINITY_BOUND_FACTOR); and when that decode
+holds part of the prompt and would compute fewer prompt tokens than the threshold
+itself, the prefill leg is skipped and the decode serves the request alone, as Dynamo
+and llm-d do. A prompt no decode holds keeps its prefill leg, placed as `peak_ewma`
+places it.
 
 The index is not ahead of the engine: a request's blocks count at its prefill only once
 that prefill's events list them, not from the pick on. bench_kv.py measured counting the
@@ -75,7 +80,8 @@ from router.latency import LatencyTracker
 from router.policies import DEFAULT_STALE_LOAD_S, Loads, Pairer
 from router.table import Candidate, Pair
 
-__all__ = ["KvAffinity", "KvChooser", "KvPairer", "make_kv_pairer"]
+__all__ = ["DEFAULT_DISAGG_MIN_UNCACHED_TOKENS", "KvAffinity", "KvChooser", "KvPairer",
+           "make_kv_pairer"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +97,10 @@ KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queu
 # bench_kv.py at 70% utilisation: 1.25 spilt ~9% of the prompt tokens off the prefill
 # holding them (67% hits); 2.0 gave 72%, 3.0 75%, none 77%, each with a lower TTFT.
 KV_BOUND_FACTOR: Final = 2.0
+# Conditional disaggregation's threshold, in uncached prompt tokens on a decode that
+# holds the rest. bench_kv.py (bench/RESULTS.md): multi-turn chat, TTFT p50 0.78x of
+# always disaggregating at 512 (0.76x at 1,024); 128 and 256 skipped almost nothing.
+DEFAULT_DISAGG_MIN_UNCACHED_TOKENS: Final = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,15 +251,37 @@ class KvPairer(Pairer):
             return self.kv.choose(prefills, loads.base, affinity, loads.in_flight)
         return super()._choose_prefill(prefills, loads, affinity)
 
+    def _choose_decode(self, decodes: Sequence[Candidate], loads: Loads,
+                       affinity: Affinity) -> Candidate:
+        """Under conditional disaggregation, the decode holding most of the prompt if it
+        is within the load bound; otherwise (or none holds any) `peak_ewma`'s pick."""
+        picked = super()._choose_decode(decodes, loads, affinity)
+        if (not self.disagg_min_uncached_tokens or not isinstance(affinity, KvAffinity)
+                or len(decodes) < 2):
+            return picked
+        holder, cached = max(((c, self.kv.cached_tokens(c, affinity)) for c in decodes),
+                             key=lambda held: held[1])
+        if not cached or holder is picked:
+            return picked
+        held = [loads.base(c) for c in decodes]
+        fresh = [v for v in held if v < SATURATED_SCORE]
+        # `prefix`'s own bound (1.25): the load bound of the prefill's cost rule is
+        # vacuous for two members, and a decode's queue is not weighed against its cache.
+        bound = math.ceil(AFFINITY_BOUND_FACTOR * (sum(fresh) + 1) / max(1, len(fresh)))
+        if held[decodes.index(holder)] + 1 <= bound:
+            return holder
+        return picked
+
     def _paired(self, pair: Pair, affinity: Affinity) -> Pair:
-        """Conditional disaggregation: when the decode would compute fewer than
-        `disagg_min_uncached_tokens` of the prompt itself (the prompt less what *it*
-        caches: a decode that publishes KV events is indexed too; one that does not
-        caches nothing here), the decode serves the request alone."""
+        """Conditional disaggregation: when the decode holds part of the prompt (its own
+        KV events say so: it kept what it pulled, the conversation so far) and would
+        compute fewer than `disagg_min_uncached_tokens` of it itself, the decode serves
+        the request alone. A prompt the decode holds nothing of keeps its prefill leg,
+        however short: only the conversation case was measured to win."""
         if not self.disagg_min_uncached_tokens or not isinstance(affinity, KvAffinity):
             return pair
         cached = self.kv.cached_tokens(pair.decode, affinity)
-        if affinity.prompt_tokens - cached < self.disagg_min_uncached_tokens:
+        if cached and affinity.prompt_tokens - cached < self.disagg_min_uncached_tokens:
             return Pair(pair.decode, pair.decode, cached, pair.exact)
         return pair
 

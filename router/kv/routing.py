@@ -22,13 +22,16 @@ only with `--policy kv`.
 Why a model falls back (`why`): `no_events` (none of its members publishes KV events:
 zero configuration, the common case without `--kv-events-config`), `no_block_size`,
 `no_tokenizer`, `tokenizer_error`; per request: `not_tokenized` (a shape we do not
-tokenize: tools, images, several prompts), `no_index` (its publishers are syncing or
-replaying), `too_long` (over `--kv-max-prompt-tokens`, or its text over
+tokenize: tools, several prompts), `multimodal` (images, audio, video or embeddings: the
+engine's block hashes take theirs, which we cannot compute), `no_index` (its publishers
+are syncing or replaying), `too_long` (over `--kv-max-prompt-tokens`, or its text over
 MAX_CHARS_PER_TOKEN characters per token of it, or a chat of over MAX_CHAT_MESSAGES
 messages: the engine would refuse it, and tokenizing it would cost every other request),
 `busy` (a long prompt while the long-prompt threads, or this client's share of them, are
-taken: router/kv/long_prompts.py). A model the fleet does not serve is labelled
-`unknown` (clients name it; the label set stays the fleet's).
+taken: router/kv/long_prompts.py). A request naming a LoRA adapter (a member's
+`adapters`) or carrying `cache_salt` is keyed with them (router/kv/keys.py), as the
+engine keys it. A model the fleet does not serve is labelled `unknown` (clients name it;
+the label set stays the fleet's).
 """
 
 from __future__ import annotations
@@ -47,14 +50,20 @@ from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES, KvIndex
 from router.kv.key_cache import PrefixKeyCache
+from router.kv.keys import multimodal, request_keys
 from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT, LongPromptGate
 from router.kv.metrics import KvCollector
-from router.kv.policy import KvAffinity, KvPairer, make_kv_pairer
+from router.kv.policy import (
+    DEFAULT_DISAGG_MIN_UNCACHED_TOKENS,
+    KvAffinity,
+    KvPairer,
+    make_kv_pairer,
+)
 from router.kv.tokenizer import ByteTokenizer, PromptTokenizer, TokenizerSet, prompt_ids
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
-from router.table import Pair
+from router.table import Pair, served
 from wire.protocol import MemberState, Role
 
 __all__ = ["MAX_BLOCK_SIZES", "KvOptions", "KvRouting"]
@@ -87,9 +96,9 @@ class KvOptions:
 
     # (model, tokenizer path or hub name): --tokenizer MODEL=PATH, else what members register
     tokenizers: tuple[tuple[str, str], ...] = ()
-    # A prompt the chosen decode would compute fewer tokens of than this itself skips
-    # the prefill leg (conditional disaggregation); 0: never.
-    disagg_min_uncached_tokens: int = 0
+    # A prompt the chosen decode holds part of and would compute fewer tokens of than
+    # this itself skips the prefill leg (conditional disaggregation); 0: never.
+    disagg_min_uncached_tokens: int = DEFAULT_DISAGG_MIN_UNCACHED_TOKENS
     gap_bytes: int = DEFAULT_MAX_PENDING_BYTES  # held behind a gap per member (index.py)
     max_block_sizes: int = MAX_BLOCK_SIZES  # distinct block sizes keyed per model
     # Prompts over this many tokens are not matched (`--kv-max-prompt-tokens`): set it
@@ -132,6 +141,7 @@ class KvRouting:
                                                 thread_name_prefix="kv-tokenize")
         self._models: dict[str, ModelKv] = {}  # models with members that publish
         self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
+        self._adapters: frozenset[str] = frozenset()  # of those, LoRA adapters' names
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
         self._logged: set[tuple[str, str]] = set()
         metrics.registry.register(KvCollector(self.index, self.feed))
@@ -148,26 +158,32 @@ class KvRouting:
         sizes: dict[str, list[int]] = {}  # of the ready members followed
         ids: dict[str, list[str]] = {}
         fleet: set[str] = set()
+        adapters: set[str] = set()
         for member in members.values():
             spec = member.record.spec
             if spec.role is not Role.API_SERVER:
-                fleet.add(spec.model)
+                fleet.update(served(spec))
+                adapters.update(spec.adapters)
             if spec.role is Role.API_SERVER or spec.kv_events is None:
                 continue
             if spec.role is Role.DECODE and not self.pairer.disagg_min_uncached_tokens:
                 continue  # a decode's cache matters only to conditional disaggregation
             kv = spec.kv_events
-            ids.setdefault(spec.model, []).append(spec.id)
-            if kv.tokenizer:
-                sources.setdefault(spec.model, kv.tokenizer)
+            models = served(spec)  # an adapter shares its base model's tokenizer
+            for model in models:
+                ids.setdefault(model, []).append(spec.id)
+                if kv.tokenizer:
+                    sources.setdefault(model, kv.tokenizer)
             if member.record.state is MemberState.READY:
                 follow.append(FeedMember(spec.id, spec.incarnation, kv))
                 if kv.block_size:
-                    sizes.setdefault(spec.model, []).append(kv.block_size)
+                    for model in models:
+                        sizes.setdefault(model, []).append(kv.block_size)
         self._models = {m: ModelKv(sources.get(m, ""),
                                    self._commonest(sizes.get(m, ())), tuple(member_ids))
                         for m, member_ids in ids.items()}
         self._fleet = frozenset(fleet)
+        self._adapters = frozenset(adapters)
         self._matching = {m: why for m, why in self._matching.items() if m in fleet}
         self.feed.update(follow)
 
@@ -181,6 +197,12 @@ class KvRouting:
         block_sizes = info.block_sizes or self._learnt_block_sizes(info)
         if not block_sizes:
             return self._inexact(model, "no_block_size")
+        salt = body.get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and salt):
+            return self._inexact(model, "not_tokenized")  # the engine refuses it anyway
+        if multimodal(body):  # the engine hashes the images: we cannot
+            return self._inexact(model, "multimodal")
+        scope = (model if model in self._adapters else None, salt)
         tokenizer = self.tokenizers.get(model, info.tokenizer_source)
         size, messages = _size(body)
         if size > self.max_prompt_tokens * MAX_CHARS_PER_TOKEN or messages > MAX_CHAT_MESSAGES:
@@ -196,12 +218,12 @@ class KvRouting:
                     loop = asyncio.get_running_loop()
                     keyed = await loop.run_in_executor(
                         self._long_threads, _key, tokenizer, body, block_sizes,
-                        self.key_cache, self.max_prompt_tokens)
+                        self.key_cache, self.max_prompt_tokens, scope)
                 finally:
                     self.long_prompts.leave(client)
             else:
                 keyed = _key(tokenizer, body, block_sizes, self.key_cache,
-                             self.max_prompt_tokens)
+                             self.max_prompt_tokens, scope)
         except Exception:  # a tokenizer that fails on odd input must not fail the request
             logger.exception("[kv] tokenizing a %s prompt failed; peak_ewma for it", model)
             return self._inexact(model, "tokenizer_error")
@@ -320,12 +342,17 @@ def _content_size(content: Any) -> int:
 
 
 def _key(tokenizer: PromptTokenizer | None, body: Mapping[str, Any],
-         block_sizes: tuple[int, ...], cache: PrefixKeyCache, max_tokens: int
+         block_sizes: tuple[int, ...], cache: PrefixKeyCache, max_tokens: int,
+         scope: tuple[str | None, str | None] = (None, None)
          ) -> tuple[int, dict[int, list[int]]] | str:
-    """The prompt's length and block keys per block size, or why it is not matched."""
+    """The prompt's length and block keys per block size, or why it is not matched.
+    `scope`: the request's LoRA adapter and cache salt, which salt its block keys (such
+    prompts are keyed whole: the prefix key cache holds plain keys only)."""
     ids: Sequence[int] | None = prompt_ids(tokenizer, body)
     if ids is None:
         return "no_tokenizer" if tokenizer is None else "not_tokenized"
     if len(ids) > max_tokens:
         return "too_long"
+    if scope != (None, None):
+        return len(ids), {size: request_keys(ids, size, *scope) for size in block_sizes}
     return len(ids), {size: cache.keys(ids, size) for size in block_sizes}
