@@ -30,12 +30,10 @@ with load ignored (the ceiling of hits alone).
     .venv/bin/python bench/bench_kv.py --scale   # the index alone at 1,000 members
     .venv/bin/python bench/bench_kv.py --routers kv,sglang-router:cache_aware
     .venv/bin/python bench/bench_kv.py --routers kv,prefix --prompt-scale 0.5   # ~1k tokens
-    .venv/bin/python bench/bench_kv.py --routers kv --replicas 1,2,4   # router replicas
     .venv/bin/python bench/bench_kv.py --routers kv@main,kv,prefix   # before/after
-
-Router replicas (`--replicas N`): N pdreg routers follow the same registry (each its own
-KV feed and in-flight counts) and the client spreads requests across them in turn;
-router CPU is their sum.
+    .venv/bin/python bench/bench_kv.py --routers kv --replicas 1,2,4   # router replicas:
+        # N routers on one registry (each its own KV feed and in-flight counts), the
+        # client spreading requests across them in turn; router CPU is their sum
 
 Writes bench/out/kv.json.
 """

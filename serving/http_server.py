@@ -51,12 +51,7 @@ from serving.http_messages import (
     openai_error,
 )
 
-__all__ = [
-    "ClientConnection",
-    "HttpApp",
-    "HttpServer",
-    "Limits",
-]
+__all__ = ["ClientConnection", "HttpApp", "HttpServer", "Limits"]
 
 logger = logging.getLogger(__name__)
 
