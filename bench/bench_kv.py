@@ -31,10 +31,8 @@ with load ignored (the ceiling of hits alone).
     .venv/bin/python bench/bench_kv.py --routers kv,sglang-router:cache_aware
     .venv/bin/python bench/bench_kv.py --routers kv,prefix --prompt-scale 0.5   # ~1k tokens
     .venv/bin/python bench/bench_kv.py --routers kv@main,kv,prefix   # before/after
-    .venv/bin/python bench/bench_kv.py --routers kv --replicas 1,2,4   # router replicas:
-        # N routers on one registry (each its own KV feed and in-flight counts), the
-        # client spreading requests across them in turn; router CPU is their sum
-
+    .venv/bin/python bench/bench_kv.py --routers kv --replicas 1,2,4   # N routers on one
+        # registry, each its own feed and counts, taking requests in turn; CPU summed
 Writes bench/out/kv.json.
 """
 
