@@ -64,7 +64,20 @@ class VllmNixlHandshake:
         decode_started = time.monotonic()
         return Exchange(await post_leg(pool, pair.decode, "decode", path, _encode(decode_body),
                                        request_id, quarantine_on_5xx=False), prefill_s=prefill_s,
-                        prefill_started=started, decode_started=decode_started)
+                        prefill_started=started, decode_started=decode_started,
+                        prefill_cached_tokens=reported_cached_tokens(reply))
+
+
+def reported_cached_tokens(reply: Any) -> int | None:
+    """The prompt tokens the engine found cached, as vLLM reports them (usage
+    `prompt_tokens_details.cached_tokens`, with --enable-prompt-tokens-details; the
+    reference engine always): None when absent or not a count."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        return cached
+    return None
 
 
 def _registered_kv_params(params: dict[str, Any], prefill: Candidate, host: str,
