@@ -23,7 +23,7 @@ from pdreg.args import (
 from pdreg.targets import HTTP_TIMEOUT, Target, add_targets_argument, ask_all, parse_targets
 from pdreg.watch import show
 from registry.security import ClientCurve
-from wire.protocol import PREFIX_CACHE_HIT_RATE
+from wire.figures import PREFIX_CACHE_HIT_RATE
 
 COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "ADDRESS", "RUN", "WAIT", "KV%", "HB AGE", "UPTIME")
 ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}

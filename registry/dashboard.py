@@ -31,8 +31,8 @@ from registry.change_log import ChangeLog, Chunk
 from registry.kv_reports import KvSummary, kv_index_json, summary_json
 from registry.published import Published
 from registry.views import member_json
+from wire.figures import PREFIX_CACHE_HIT_RATE
 from wire.protocol import (
-    PREFIX_CACHE_HIT_RATE,
     LeaveReason,
     LoadEntry,
     MemberJoined,

@@ -186,11 +186,6 @@ class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     kv_events: KvEventsSpec | None = None  # None: publishes no KV events (old members)
 
 
-# A `Load.extra` figure: the share of prompt tokens an engine's prefix cache held, by its
-# own counters (the reference engine's; status and the dashboard show it as HIT%).
-PREFIX_CACHE_HIT_RATE: Final = "prefix_cache_hit_rate"
-
-
 class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
     running: Count = 0
     waiting: Count = 0

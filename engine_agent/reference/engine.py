@@ -28,8 +28,8 @@ from engine_agent.reference.kv_transfer import KvClient, KvFetchError
 from engine_agent.reference.prefix_cache import PrefixCache
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.tokens import EOS_ID
+from wire.figures import PREFIX_CACHE_HIT_RATE
 from wire.kv_events import KVEvent
-from wire.protocol import PREFIX_CACHE_HIT_RATE
 
 logger = logging.getLogger(__name__)
 
