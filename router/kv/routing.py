@@ -279,7 +279,7 @@ class KvRouting:
 
 _HINTS: Final = {
     "no_events": "; its engines publish no KV events (vLLM/SGLang --kv-events-config, "
-                 "the reference engine --kv-events)",
+                 "the reference engine by default unless --no-kv-events)",
     "no_tokenizer": "; no tokenizer for it here (--tokenizer MODEL=PATH)",
     "no_block_size": "; its members registered no block size and no events came yet",
 }
