@@ -104,7 +104,8 @@ KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet
 
 
 def engine_args(cache_blocks: int) -> list[str]:
-    return ["--kv-events" if KV_EVENTS[0] else "--no-kv-events"] + [
+    return [
+        "--kv-events" if KV_EVENTS[0] else "--no-kv-events",
         "--max-running", "1", "--prefix-cache-blocks", str(cache_blocks),
         "--block-size", str(BLOCK), "--sim-prefill-delay", str(PREFILL_S_PER_TOKEN)]
 

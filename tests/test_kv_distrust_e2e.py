@@ -8,6 +8,7 @@ token could. The router (`--policy kv`) first splits the prefix's requests betwe
 two equal claims at random; the insider's engine reports 0 cached tokens each time, so
 after a few it is distrusted and every further request for the prefix goes to the honest
 prefill, which finds it cached. The router counts it, shows it in /v1/kv and /ready.
+Both handshakes: vLLM's (the prefill's answer is read) and SGLang's (drained beside D).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
 from router.kv.trust import STRIKES
 from router.service import RouterConfig, RouterServer
-from wire.protocol import Endpoints, KvEventsSpec, MemberSpec, MemberState, Role
+from wire.protocol import Endpoints, Handshake, KvEventsSpec, MemberSpec, MemberState, Role
 
 WAIT_S = 60.0
 BLOCK = 16
 PREFIX = ("You are a careful assistant. Answer in one short sentence, cite nothing, and "
           "never apologise. ") * 8  # ~750 bytes: 46 full blocks
-REQUESTS = 30
-LAST = 15  # the last requests, long after the insider struck out
+MAX_REQUESTS = 80  # until the insider strikes out (ties are at random: a few dozen)
+AFTER = 15  # requests for the prefix once it is distrusted
 
 
 @pytest.fixture
@@ -70,12 +71,12 @@ def kv_member(router: RouterServer, member_id: str) -> dict:
 
 
 def register_insider(registry: RegistryServer, engine: EngineHandle,
-                     publisher: KvEventPublisher) -> tuple[Agent, str]:
+                     publisher: KvEventPublisher, protocol: str) -> tuple[Agent, str]:
     """The insider's engine, registered with a spec whose KV events are the liar's."""
     member_id = default_member_id(Role.PREFILL, "127.0.0.1", int(engine.url.rsplit(":", 1)[1]))
     spec = MemberSpec(
         id=member_id, incarnation=new_incarnation(), role=Role.PREFILL, model="tiny",
-        protocol="vllm-nixl",
+        protocol=protocol,
         endpoints=Endpoints(http=engine.url, kv_host="127.0.0.1", kv_port=engine.kv_port,
                             bootstrap_port=engine.bootstrap_port),
         kv_events=KvEventsSpec(endpoint=f"tcp://127.0.0.1:{publisher.port}",
@@ -92,13 +93,16 @@ def ask(http: httpx.Client, router: RouterServer, prompt: str) -> None:
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("protocol", [Handshake.VLLM_NIXL, Handshake.SGLANG])
 def test_an_insider_whose_events_lie_stops_receiving_the_prefix(
         registry: RegistryServer, view: MembershipView, router: RouterServer,
-        handles: list[EngineHandle], lying_publisher: KvEventPublisher) -> None:
+        handles: list[EngineHandle], lying_publisher: KvEventPublisher, protocol: str) -> None:
     control = registry.control_address
-    honest, decode = start_engines([{"role": "prefill", "registry": control},
-                                    {"role": "decode", "registry": control}])
-    insider_engine = start_engine(role="prefill", extra_args=["--prefix-cache-blocks", "0"])
+    honest, decode = start_engines([
+        {"role": "prefill", "registry": control, "protocol": protocol},
+        {"role": "decode", "registry": control, "protocol": protocol}])
+    insider_engine = start_engine(role="prefill", protocol=protocol,
+                                  extra_args=["--prefix-cache-blocks", "0"])
     handles += [honest, decode, insider_engine]
     with httpx.Client(timeout=60) as http:
         assert view.wait_for(lambda m: all(i in m and m[i].record.state is MemberState.READY
@@ -111,18 +115,21 @@ def test_an_insider_whose_events_lie_stops_receiving_the_prefix(
         claimed = PrefixCache(BLOCK, 1024)
         ids = encode(PREFIX + "Warm up.")
         lying_publisher.publish(claimed.store(ids, claimed.lookup(ids).keys, lambda i: None))
-        agent, insider = register_insider(registry, insider_engine, lying_publisher)
+        agent, insider = register_insider(registry, insider_engine, lying_publisher,
+                                          protocol)
         try:
             assert wait_until(lambda: kv_member(router, insider).get("blocks", 0) >= 40,
                               WAIT_S)
-            before_last = 0.0
-            for i in range(REQUESTS):
-                if i == REQUESTS - LAST:
-                    before_last = picks(router, insider)
-                ask(http, router, PREFIX + f"Question {i}?")
+            sent = 0
+            while not kv_member(router, insider)["distrusted_s"]:
+                assert sent < MAX_REQUESTS, "the insider was never distrusted"
+                ask(http, router, PREFIX + f"Question {sent}?")
+                sent += 1
             drawn = picks(router, insider)
-            assert 1 <= drawn <= STRIKES  # it won ties until its reports gave it away...
-            assert drawn == before_last  # ...and none of the last requests
+            assert drawn == STRIKES  # it won ties until its reports gave it away...
+            for i in range(AFTER):
+                ask(http, router, PREFIX + f"Question {sent + i}?")
+            assert picks(router, insider) == drawn  # ...and none after that
             assert kv_member(router, insider)["distrusted_s"] > 0
             assert kv_member(router, honest.id)["distrusted_s"] is None
             text = httpx.get(router.url + "/metrics", timeout=10).text
@@ -130,7 +137,7 @@ def test_an_insider_whose_events_lie_stops_receiving_the_prefix(
             warnings = httpx.get(router.url + "/ready", timeout=10).json()["warnings"]
             assert any(insider in w for w in warnings)
             # The honest prefill found the prefix cached for every request it served.
-            served = REQUESTS + 1 - drawn
+            served = sent + AFTER + 1 - drawn
             hit = metrics(honest.url)["pdreg:engine_prefix_cache_hit_tokens_total"]
             assert hit >= (served - 1) * 40 * BLOCK
         finally:

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from test_kv_policy import BLOCK, affinity, indexed
 from test_policies import member, view
 
-from router.handshakes.vllm_nixl import reported_cached_tokens
+from router.handshakes.legs import reported_cached_tokens, reported_cached_tokens_in
 from router.kv.policy import make_kv_pairer
 from router.kv.trust import (
     DISTRUST_S,
@@ -103,6 +103,11 @@ def test_the_reported_count_is_read_as_vllm_writes_it() -> None:
                 {"cached_tokens": "32"}, {"cached_tokens": 1.5}):
         assert reported_cached_tokens(reply(bad)) is None
     assert reported_cached_tokens({}) is None and reported_cached_tokens([1]) is None
+    # SGLang's prefill answer, drained: only a whole JSON answer is looked into.
+    answer = b'{"usage": {"prompt_tokens_details": {"cached_tokens": 48}}}'
+    assert reported_cached_tokens_in(answer) == 48
+    for other in (b"data: " + answer + b"\n\n", b"{not json", b""):
+        assert reported_cached_tokens_in(other) is None
 
 
 # --- the policy ---------------------------------------------------------------------------

@@ -14,7 +14,12 @@ from typing import Any, Final
 import msgspec
 
 from router.handshakes.exchange import Exchange, LegFailure
-from router.handshakes.legs import kv_endpoint, post_leg, prefill_json
+from router.handshakes.legs import (
+    kv_endpoint,
+    post_leg,
+    prefill_json,
+    reported_cached_tokens,
+)
 from router.http.upstream import UpstreamPool
 from router.table import Candidate, Pair
 from wire.protocol import Handshake
@@ -66,18 +71,6 @@ class VllmNixlHandshake:
                                        request_id, quarantine_on_5xx=False), prefill_s=prefill_s,
                         prefill_started=started, decode_started=decode_started,
                         prefill_cached_tokens=reported_cached_tokens(reply))
-
-
-def reported_cached_tokens(reply: Any) -> int | None:
-    """The prompt tokens the engine found cached, as vLLM reports them (usage
-    `prompt_tokens_details.cached_tokens`, with --enable-prompt-tokens-details; the
-    reference engine always): None when absent or not a count."""
-    usage = reply.get("usage") if isinstance(reply, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
-        return cached
-    return None
 
 
 def _registered_kv_params(params: dict[str, Any], prefill: Candidate, host: str,
