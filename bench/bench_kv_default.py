@@ -35,7 +35,12 @@ DOCUMENTS = 12
 DOCUMENT_CHARS = 1000
 REPEATS = 3
 BLOCK = 16  # the reference engine's default block size
+QUESTION = " Question "  # after the document, before what differs per repeat
 WAIT_S = 60.0
+
+
+def prompt(document: str, repeat: int, i: int) -> str:
+    return f"{document}{QUESTION}{repeat}-{i}?"
 
 
 def hits(engine_flags: list[str]) -> tuple[float, int]:
@@ -60,13 +65,15 @@ def hits(engine_flags: list[str]) -> tuple[float, int]:
             for repeat in range(REPEATS):
                 for i, document in enumerate(documents):
                     r = http.post(router.url + "/v1/completions", json={
-                        "model": "tiny", "prompt": f"{document} Question {repeat}-{i}?",
+                        "model": "tiny", "prompt": prompt(document, repeat, i),
                         "max_tokens": 1})
                     r.raise_for_status()
         found = sum(metrics(h.url)["pdreg:engine_prefix_cache_hit_tokens_total"]
                     for h in handles[:3])
-        # BOS + the document: its full blocks, found by every repeat after the first.
-        ideal = DOCUMENTS * (REPEATS - 1) * ((1 + DOCUMENT_CHARS) // BLOCK) * BLOCK
+        # BOS + what the repeats share (the document and " Question "): its full blocks,
+        # found by every repeat after the first.
+        shared = 1 + DOCUMENT_CHARS + len(QUESTION)
+        ideal = DOCUMENTS * (REPEATS - 1) * (shared // BLOCK) * BLOCK
         return found, ideal
     finally:
         router.close()
