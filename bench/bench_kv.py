@@ -2,7 +2,7 @@
 two peers and two oracles, on engines whose prefix caches really work.
 
 Each router gets its own fresh cluster (same shape, same trace, same seed): a real
-registry, 3 sim prefills (`--kv-events`, one prefill at a time, a cost per *uncached*
+registry, 3 sim prefills (KV events on, their default; one prefill at a time, a cost per *uncached*
 prompt token, a prefix cache of --cache-blocks blocks of 16 tokens, LRU) and 2 sim
 decodes. A third of the way in a 4th prefill joins; two thirds in, prefill 1 restarts
 (empty cache, same id): the caches change under the router.
@@ -119,7 +119,8 @@ KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet
 
 
 def engine_args(cache_blocks: int) -> list[str]:
-    return ["--kv-events"] * KV_EVENTS[0] + [
+    return [
+        "--kv-events" if KV_EVENTS[0] else "--no-kv-events",
         "--max-running", "1", "--prefix-cache-blocks", str(cache_blocks),
         "--block-size", str(BLOCK), "--sim-prefill-delay", str(PREFILL_S_PER_TOKEN)]
 

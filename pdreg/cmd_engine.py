@@ -63,9 +63,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="prefix cache size in blocks (default: the KV capacity; 0 = off)")
     p.add_argument("--block-size", type=int, default=16,
                    help="tokens per prefix-cache block")
-    p.add_argument("--kv-events", action="store_true",
+    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
                    help="publish KV cache events (vLLM's ZeroMQ format, with a replay "
-                        "socket) for `pdreg router --policy kv`; bound on --host")
+                        "socket) for `pdreg router --policy kv`, on ports it picks and "
+                        "registers, bound on --host (the default where it caches: prefill "
+                        "and mixed); --no-kv-events: publish none")
     p.add_argument("--kv-events-port", type=int, default=0,
                    help="KV events PUB port (0 = any free one; the replay port is separate)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME[=PATH]",

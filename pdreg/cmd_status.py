@@ -23,6 +23,7 @@ from pdreg.args import (
 from pdreg.targets import HTTP_TIMEOUT, Target, add_targets_argument, ask_all, parse_targets
 from pdreg.watch import show
 from registry.security import ClientCurve
+from wire.figures import PREFIX_CACHE_HIT_RATE
 
 COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "ADDRESS", "RUN", "WAIT", "KV%", "HB AGE", "UPTIME")
 ROLE_ORDER = {"prefill": 0, "decode": 1, "mixed": 2, "api_server": 3}
@@ -57,8 +58,8 @@ def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
     for member in members:
         entry = indexed.get(member["id"])
         if entry is not None and entry["incarnation"] == member["incarnation"]:
-            member["kv_index"] = {k: entry[k] for k in ("state", "blocks", "lag_s", "gaps",
-                                                        "replays", "unknown")}
+            member["kv_index"] = {k: entry.get(k) for k in (
+                "state", "blocks", "lag_s", "gaps", "replays", "unknown", "distrusted_s")}
         elif member.get("kv_events"):
             member["kv_index"] = {"state": "not followed", "blocks": 0, "lag_s": None}
     models = body.get("models", {})
@@ -69,6 +70,18 @@ def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
             + (f"{p['pairing']} fallback ({p['why']})" if p["why"] else p["pairing"])
             + f", {p['publishers']} members publish KV events"
             for model, p in sorted(models.items())]
+
+
+def unmatched_models(members: list[dict[str, Any]]) -> list[str]:
+    """Without a router to ask: one line per model none of whose prefills publishes KV
+    events, whose requests a `--policy kv` router (the default) cannot match exactly."""
+    models: dict[str, bool] = {}
+    for m in members:
+        if m["role"] in ("prefill", "mixed"):
+            models[m["model"]] = models.get(m["model"], False) or bool(m.get("kv_events"))
+    return [f"kv pairing, model {model}: peak_ewma fallback (no_events: no prefill "
+            "publishes KV events)" for model, publishes in sorted(models.items())
+            if not publishes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +154,12 @@ def render_registries(fleet: Fleet) -> list[str]:
 
 
 def render(members: list[dict[str, Any]]) -> str:
-    """A table people read at a glance; a KV INDEX column when any member has one (the
+    """A table people read at a glance; a HIT% column when any engine reports its prefix
+    cache's hit rate (`Load.extra`), and a KV INDEX column when any member has one (the
     registry's summary of what routers report, or `--router`'s own index)."""
     with_kv = any("kv_index" in m for m in members)
-    rows = [(*COLUMNS, "KV INDEX") if with_kv else COLUMNS]
+    with_hits = any(PREFIX_CACHE_HIT_RATE in m["load"].get("extra", {}) for m in members)
+    rows = [(*COLUMNS, *(("HIT%",) if with_hits else ()), *(("KV INDEX",) if with_kv else ()))]
     for m in members:
         state = ("cordoned" if m.get("cordoned") else m["state"]) + (
             " (suspect)" if m["suspect"] else "")
@@ -154,6 +169,9 @@ def render(members: list[dict[str, Any]]) -> str:
                      str(load["running"]), str(load["waiting"]),
                      f"{100 * load['kv_usage']:.0f}", f"{m['heartbeat_age_s']:.1f}s",
                      _duration(m["uptime_s"])))
+        if with_hits:  # the engine's own prefix-cache counters, not the router's guess
+            rate = m["load"].get("extra", {}).get(PREFIX_CACHE_HIT_RATE)
+            rows[-1] = (*rows[-1], "-" if rate is None else f"{100 * rate:.0f}")
         if with_kv:
             rows[-1] = (*rows[-1], _kv_cell(m.get("kv_index")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -180,7 +198,9 @@ def _kv_cell(kv: dict[str, Any] | None) -> str:
         across = " (" + ", ".join(f"{n} {state}" for state, n in routers.items()) + ")"
     elif sum(routers.values()) > 1:
         across = f" ({sum(routers.values())} routers)"
-    return f"{kv['state']} {kv['blocks']} blocks{lag}{across}"
+    # This router scores it as holding nothing: its engine's reports contradict its events.
+    distrust = f" DISTRUSTED {kv['distrusted_s']:.0f}s" if kv.get("distrusted_s") else ""
+    return f"{kv['state']} {kv['blocks']} blocks{lag}{across}{distrust}"
 
 
 def _duration(seconds: float) -> str:
@@ -208,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         def table(once: bool) -> str:
             fleet = fetch()
             members = fleet.members
-            kv_lines = add_kv_index(members, args.router) if args.router else []
+            kv_lines = add_kv_index(members, args.router) if args.router \
+                else unmatched_models(members)
             if args.json:
                 return json.dumps(members, indent=2 if once else None)
             return "\n".join([render(members), *kv_lines, *render_registries(fleet)])

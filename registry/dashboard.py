@@ -31,7 +31,15 @@ from registry.change_log import ChangeLog, Chunk
 from registry.kv_reports import KvSummary, kv_index_json, summary_json
 from registry.published import Published
 from registry.views import member_json
-from wire.protocol import LeaveReason, MemberJoined, MemberLeft, MembershipEvent, role_name
+from wire.figures import PREFIX_CACHE_HIT_RATE
+from wire.protocol import (
+    LeaveReason,
+    LoadEntry,
+    MemberJoined,
+    MemberLeft,
+    MembershipEvent,
+    role_name,
+)
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode  # ~5x json.dumps: loads are the bulk of a push
@@ -82,8 +90,8 @@ def dashboard_state(published: Published,
 def render_ops(chunk: Chunk) -> str:
     """A chunk of the change log as the page's ops (a JSON array's inside): a member
     joined or changed (with its event), left; new loads, as rows of (id, incarnation,
-    running, waiting, kv_usage, heartbeat_age_s) in one op (the bulk: ~20k a second at
-    100k members); a router's KV summary."""
+    running, waiting, kv_usage, heartbeat_age_s[, prefix cache hit rate]) in one op (the
+    bulk: ~20k a second at 100k members); a router's KV summary."""
     ops: list[dict[str, Any]] = []
     if chunk.kind == "events":
         for event in chunk.items:
@@ -92,9 +100,7 @@ def render_ops(chunk: Chunk) -> str:
                 op["member"] = member_json(event.member, chunk.wall)
             ops.append(op)
     elif chunk.kind == "loads":
-        ops.append({"loads": [(e.id, e.incarnation, e.load.running, e.load.waiting,
-                               e.load.kv_usage, round(e.heartbeat_age_s, 3))
-                              for e in chunk.items]})
+        ops.append({"loads": [_load_row(e) for e in chunk.items]})
     elif chunk.kind == "kv":
         assert isinstance(chunk.items, dict)
         ops.extend({"kv": {"id": member_id,
@@ -223,3 +229,12 @@ async def _events(shared: SharedState, log: ChangeLog, request: Request,
     finally:
         log.unfollow()
         release()
+
+
+def _load_row(e: LoadEntry) -> tuple[Any, ...]:
+    """One member's load row; the hit rate only from engines that report one, so a
+    fleet without it pays nothing for it."""
+    row = (e.id, e.incarnation, e.load.running, e.load.waiting, e.load.kv_usage,
+           round(e.heartbeat_age_s, 3))
+    hit_rate = e.load.extra.get(PREFIX_CACHE_HIT_RATE)
+    return row if hit_rate is None else (*row, hit_rate)

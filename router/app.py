@@ -96,6 +96,8 @@ class Router:
         self.unroutable = Unroutable(self.upstream_policy, config.allow_upstream)
         self.readiness = Readiness()
         self.readiness.add(self.unroutable.warnings)
+        if self.kv is not None:
+            self.readiness.add(self.kv.warnings)
         self.pairing = Pairing(view, pairer, locality_label=config.pairing.locality_label,
                                protocols=self.handshakes, quarantine=self.quarantine,
                                in_flight=self.in_flight, picks_of=self.metrics.picks_of,
@@ -104,7 +106,8 @@ class Router:
                                on_first_pair=self.kv.picked if self.kv else None)
         # Only latency-aware policies read the samples; the others skip taking them.
         self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
-                                 self.metrics.quarantines_of, time.monotonic)
+                                 self.metrics.quarantines_of, time.monotonic,
+                                 on_cached=self.kv.observed if self.kv else None)
         self.record = RequestRecorder(self.metrics, self.pairing.serves)
         self.draining = False
         self._api_key = f"Bearer {config.api_key}".encode() if config.api_key else b""

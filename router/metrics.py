@@ -235,6 +235,14 @@ class RouterMetrics:
             "pdreg_router_kv_inexact_requests", "Requests the kv policy paired as peak_ewma, "
             "by why (no_events, no_tokenizer, not_tokenized, no_block_size, no_index)",
             "model", "why")
+        self.kv_cache_reports = counter(
+            "pdreg_router_kv_cache_reports", "Engine reports of a request's cached prompt "
+            "tokens checked against the kv policy's prediction, by verdict (kept: about "
+            "what it claimed; short: much less)", "verdict")
+        self.kv_distrusts = counter(
+            "pdreg_router_kv_distrusts", "Times a member's KV events were distrusted (its "
+            "reports kept falling short of its claims): scored as holding nothing for a "
+            "while", "member")
         self.tokenize_seconds = LoopHistogram(
             "pdreg_router_tokenize_seconds", "Time to tokenize a prompt and key its blocks "
             "(kv policy), on or off the event loop", ("model",),

@@ -1,6 +1,8 @@
 """The outcomes port: what the legs of a request showed, fed back into pairing.
 
-A leg's service time feeds the latency tracker (when the policy reads it); a failed leg
+A leg's service time feeds the latency tracker (when the policy reads it); the prompt
+tokens a prefill's engine reports it found cached go to the `kv` policy, which checks them
+against the pair's prediction (router/kv/trust.py); a failed leg
 is logged, and when its member is to blame, quarantined here and reported to the
 registries (router/ports.py: `OutcomesPort`).
 """
@@ -17,7 +19,7 @@ from router.metrics import SeriesOf
 from router.pairing import MembershipSource
 from router.policies import DECODE_ROLE, PREFILL_ROLE
 from router.quarantine import Quarantine
-from router.table import Candidate
+from router.table import Candidate, Pair
 
 __all__ = ["Outcomes"]
 
@@ -32,8 +34,11 @@ _NOT_REPORTED: Final = frozenset({"idle_timeout", "first_byte_timeout"})
 class Outcomes:
     def __init__(self, view: MembershipSource, quarantine: Quarantine,
                  latency: LatencyTracker | None, quarantines_of: SeriesOf,
-                 clock: Callable[[], float]) -> None:
-        """`latency`: the tracker the policy reads, None if it reads none."""
+                 clock: Callable[[], float], *,
+                 on_cached: Callable[[Pair, int], None] | None = None) -> None:
+        """`latency`: the tracker the policy reads, None if it reads none. `on_cached`:
+        who checks engines' reported cached tokens (the `kv` policy), None if nobody."""
+        self._on_cached = on_cached
         self._view = view
         self._quarantine = quarantine
         self._latency = latency
@@ -49,6 +54,10 @@ class Outcomes:
         if self._latency is not None:
             self._latency.observe(DECODE_ROLE, member.id, member.incarnation,
                                   seconds_per_token, self._clock())
+
+    def observe_cached(self, pair: Pair, reported_tokens: int) -> None:
+        if self._on_cached is not None:
+            self._on_cached(pair, reported_tokens)
 
     def on_failure(self, failure: LegFailure) -> None:
         member = failure.member

@@ -120,6 +120,7 @@ class Loads:
     base: Callable[[Candidate], float]
     prefill: Callable[[Candidate], float]
     decode: Callable[[Candidate], float]
+    now: float = 0.0  # the time of the choice (the `kv` policy's trust in members expires)
 
 
 Options = list[tuple[Sequence[Candidate], Sequence[Candidate]]]
@@ -176,7 +177,7 @@ class Pairer:
             return Pair(p, p, choice.cached_tokens, choice.exact)
         d = self._choose_decode(_decodes_for(p, options, loads.base), loads, affinity)
         self._note_probe(DECODE_ROLE, d, now)
-        return self._paired(Pair(p, d, choice.cached_tokens, choice.exact), affinity)
+        return self._paired(Pair(p, d, choice.cached_tokens, choice.exact), affinity, now)
 
     def loads(self, now: float, in_flight: Mapping[str, int],
               confirmed_at: float) -> Loads:
@@ -187,7 +188,7 @@ class Pairer:
 
         latency = self.latency
         if latency is None:
-            return Loads(in_flight, base, base, base)
+            return Loads(in_flight, base, base, base, now)
 
         def weighted(role: str) -> Callable[[Candidate], float]:
             def load(c: Candidate) -> float:
@@ -199,7 +200,7 @@ class Pairer:
                     return -1.0  # due a probe: it wins when sampled, once
                 return (s + 1.0) * weight
             return load
-        return Loads(in_flight, base, weighted(PREFILL_ROLE), weighted(DECODE_ROLE))
+        return Loads(in_flight, base, weighted(PREFILL_ROLE), weighted(DECODE_ROLE), now)
 
     def _choose_prefill(self, prefills: Sequence[Candidate], loads: Loads,
                         affinity: Affinity) -> Choice:
@@ -210,7 +211,7 @@ class Pairer:
                        affinity: Affinity) -> Candidate:
         return self._decode.choose(decodes, loads.decode, affinity)
 
-    def _paired(self, pair: Pair, affinity: Affinity) -> Pair:
+    def _paired(self, pair: Pair, affinity: Affinity, now: float) -> Pair:
         """The pair that serves the request: the one chosen (the `kv` policy may serve
         it on the decode alone instead)."""
         return pair

@@ -42,6 +42,8 @@ class PairingPort(Protocol):
 class OutcomesPort(Protocol):
     def observe_prefill(self, member: Candidate, seconds: float) -> None: ...
     def observe_decode(self, member: Candidate, seconds_per_token: float) -> None: ...
+    def observe_cached(self, pair: Pair, reported_tokens: int) -> None:
+        """The pair's prefill engine found `reported_tokens` of the prompt cached."""
     def on_failure(self, failure: LegFailure) -> None:
         """Log; quarantine and report the member if it is to blame."""
 

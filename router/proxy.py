@@ -412,8 +412,11 @@ class Proxy:
                 self.ports.outcomes.on_failure(failure)
 
     def _observe_prefill(self, opened: Opened) -> None:
-        if opened.exchange.prefill_s is not None:
-            self.ports.outcomes.observe_prefill(opened.pair.prefill, opened.exchange.prefill_s)
+        exchange = opened.exchange
+        if exchange.prefill_s is not None:
+            self.ports.outcomes.observe_prefill(opened.pair.prefill, exchange.prefill_s)
+        if exchange.prefill_cached_tokens is not None:
+            self.ports.outcomes.observe_cached(opened.pair, exchange.prefill_cached_tokens)
 
     def _observe_decode(self, opened: Opened, end: LegEnd) -> None:
         per_read = end.per_read_s()

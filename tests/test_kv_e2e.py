@@ -21,6 +21,7 @@ from registry.client import MembershipView
 from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
 from router.service import RouterConfig, RouterServer
+from wire.figures import PREFIX_CACHE_HIT_RATE
 from wire.protocol import MemberState
 
 WAIT_S = 30.0
@@ -67,10 +68,10 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         handles: list[EngineHandle]) -> None:
     control = registry.control_address
     port = free_low_port()
-    kv = ["--kv-events"]
+    kv: list[str] = []  # KV events are on by default: no flag
     p1, p2, d = start_engines([
         {"role": "prefill", "registry": control, "extra_args": [*kv, "--port", str(port)]},
-        {"role": "prefill", "registry": control, "extra_args": kv},
+        {"role": "prefill", "registry": control, "extra_args": ["--kv-events"]},  # accepted
         {"role": "decode", "registry": control}])
     handles += [p1, p2, d]
     assert view.wait_for(lambda m: ready(view, p1.id, p2.id, d.id), WAIT_S)
@@ -98,8 +99,14 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         other = next(i for i in by_id if i != holder)
         assert hits[holder] >= 3 * 40 * 16 and hits[other] == 0  # every repeat hit, there
         assert router_metric(router, "pdreg_router_prompt_tokens_cached_total") == hits[holder]
+        # Every prediction held against the engine's own report: nobody is distrusted.
+        checked = router_metric(router, "pdreg_router_kv_cache_reports_total")
+        assert checked == 3 and router_metric(router, "pdreg_router_kv_distrusts_total") == 0
+        assert httpx.get(router.url + "/ready", timeout=10).json()["warnings"] == []
 
-        # Operators see it: `pdreg status --router` shows the index per member.
+        # Operators see it: `pdreg status --router` shows the index per member, and the
+        # engines' own hit rate (a load figure, with the next heartbeat).
+        assert view.wait_for(lambda m: PREFIX_CACHE_HIT_RATE in m[holder].load.extra, WAIT_S)
         status = [sys.executable, "-m", "pdreg", "status", "--registry", control,
                   "--router", router.url]
         listed = subprocess.run([*status, "--json"], capture_output=True, text=True,
@@ -110,6 +117,7 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         assert members[d.id]["kv_events"] is None and "kv_index" not in members[d.id]
         table = subprocess.run(status, capture_output=True, text=True, timeout=60, check=True)
         assert "KV INDEX" in table.stdout and "live" in table.stdout
+        assert "HIT%" in table.stdout  # the engines' own hit rate, from their heartbeats
         assert "kv pairing, model tiny: exact, 2 members publish KV events" in table.stdout
         assert members[d.id]["kv_pairing"]["pairing"] == "exact"
 
@@ -135,17 +143,30 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
 def test_a_fleet_that_publishes_nothing_is_paired_as_peak_ewma(
         registry: RegistryServer, view: MembershipView, router: RouterServer,
         handles: list[EngineHandle], caplog: pytest.LogCaptureFixture) -> None:
-    """Zero configuration: engines without KV events, no tokenizer anywhere. Requests are
-    served, the router says per model that it pairs as peak_ewma and why, in /v1/kv and
-    its metrics, logs that once, and follows nobody (no feed thread)."""
+    """Engines told not to publish KV events. Requests are served; before any request the
+    router says per model that it pairs as peak_ewma and why, in /ready (and so in its
+    log) and plain `pdreg status` says it too; then in /v1/kv and its metrics, logged
+    once; it follows nobody (no feed thread)."""
     control = registry.control_address
-    p, d = start_engines([{"role": "prefill", "registry": control},
+    p, d = start_engines([{"role": "prefill", "registry": control,
+                           "extra_args": ["--no-kv-events"]},
                           {"role": "decode", "registry": control}])
     handles += [p, d]
     assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
-    caplog.set_level(logging.INFO, logger="router.kv.routing")
+    caplog.set_level(logging.INFO, logger="router")
     with httpx.Client(timeout=60) as http:
         assert wait_until(lambda: http.get(router.url + "/v1/models").json()["data"], WAIT_S)
+        warned = [w for w in http.get(router.url + "/ready").json()["warnings"]
+                  if "peak_ewma" in w]
+        assert warned == ["requests for a model cannot be matched to the engines' KV caches "
+                          "exactly; its prefills are chosen as peak_ewma: model tiny: "
+                          "no_events; its engines publish no KV events (vLLM/SGLang "
+                          "--kv-events-config, the reference engine by default unless "
+                          "--no-kv-events)"]
+        status = subprocess.run([sys.executable, "-m", "pdreg", "status", "--registry",
+                                 control], capture_output=True, text=True, timeout=60,
+                                check=True)
+        assert "kv pairing, model tiny: peak_ewma fallback (no_events" in status.stdout
         for question in ("Name a colour.", "Why is the sky blue?", "Count to three."):
             assert ask(http, router, SYSTEM + question)
         body = http.get(router.url + "/v1/kv").json()
@@ -156,4 +177,6 @@ def test_a_fleet_that_publishes_nothing_is_paired_as_peak_ewma(
     assert router_metric(router, "pdreg_router_kv_exact") == 0
     said = [r for r in caplog.records if "paired as peak_ewma" in r.getMessage()]
     assert len(said) == 1 and "no_events" in said[0].getMessage()
+    assert any("chosen as peak_ewma: model tiny" in r.getMessage() for r in caplog.records
+               if r.name == "router.readiness")  # said once it held, before any request
     assert not any(t.name == "kv-feed" for t in threading.enumerate())

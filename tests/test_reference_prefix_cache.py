@@ -4,6 +4,7 @@ capacity, and the KV events it publishes (real ZeroMQ sockets) rebuild it exactl
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import warnings
 
@@ -154,19 +155,31 @@ def test_publisher_speaks_vllms_pub_and_replay_contract():
 
 
 def test_engine_reports_hits_and_publishes_the_prompts_blocks():
-    with start_engine(role="mixed", backend="sim", extra_args=["--kv-events"]) as engine:
+    with start_engine(role="mixed", backend="sim") as engine:  # KV events: the default
         ready_line_endpoint = f"tcp://{engine.host}"
         prompt = "You are a helpful assistant who answers in haiku. " * 2
         body = {"model": "tiny", "prompt": prompt + "First?", "max_tokens": 2}
+        shared = (len(encode(prompt)) // 16) * 16
         with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
-            assert client.post(engine.url + "/v1/completions", json=body).status_code == 200
+            first_answer = client.post(engine.url + "/v1/completions", json=body)
             body["prompt"] = prompt + "Second?"
-            assert client.post(engine.url + "/v1/completions", json=body).status_code == 200
+            second_answer = client.post(engine.url + "/v1/completions", json=body)
+            # Per request, as vLLM reports it: the prompt tokens the cache held.
+            for response, cached in ((first_answer, 0), (second_answer, shared)):
+                assert response.status_code == 200
+                usage = response.json()["usage"]
+                assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
+            streamed = client.post(engine.url + "/v1/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}})
+            usage_event = [line for line in streamed.text.splitlines()
+                           if '"usage"' in line][-1]
+            assert json.loads(usage_event.removeprefix("data: "))["usage"][
+                "prompt_tokens_details"] == {"cached_tokens": shared}
         m = metrics(engine.url)
         ids = encode(prompt + "Second?")
-        assert m["pdreg:engine_prompt_tokens_total"] == len(encode(prompt + "First?")) + len(ids)
-        shared = (len(encode(prompt)) // 16) * 16
-        assert m["pdreg:engine_prefix_cache_hit_tokens_total"] == shared
+        assert m["pdreg:engine_prompt_tokens_total"] == len(encode(prompt + "First?")) \
+            + 2 * len(ids)
+        assert m["pdreg:engine_prefix_cache_hit_tokens_total"] == 2 * shared
         # Replay from 0: the stores name exactly the prompt's blocks by token content.
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)

@@ -4,7 +4,6 @@ HTTP or KV address is outside --allow-upstream, which no request can ever reach.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -26,6 +25,9 @@ BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
 
 def start_router(routers: list[RouterServer], fleet: Fleet, **config: Any) -> RouterServer:
+    """`peak_ewma` unless told: under the default `kv` policy these stand-ins, which
+    publish no KV events, would add a warning of their own (tests/test_kv_e2e.py)."""
+    config.setdefault("policy", "peak_ewma")
     server = RouterServer(RouterConfig(port=0, warm_connections=0, **config),
                           fleet.view).start()
     routers.append(server)
@@ -48,7 +50,8 @@ def kv_host_of(member: LiveMember, kv_host: str) -> LiveMember:
     spec = member.record.spec
     spec = msgspec.structs.replace(spec, endpoints=msgspec.structs.replace(
         spec.endpoints, kv_host=kv_host))
-    return dataclasses.replace(member, record=msgspec.structs.replace(member.record, spec=spec))
+    return msgspec.structs.replace(member, record=msgspec.structs.replace(member.record,
+                                                                          spec=spec))
 
 
 # --- over real sockets -----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from engine_agent.reference.kv_transfer import KvClient, KvFetchError
 from engine_agent.reference.prefix_cache import PLAIN, CacheScope, PrefixCache
 from engine_agent.reference.scheduler import Scheduler
 from engine_agent.reference.tokens import EOS_ID
+from wire.figures import PREFIX_CACHE_HIT_RATE
 from wire.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class Generation:
         self._first_logits = first_logits
         self._sequence = sequence
         self.kv_transfer_params = kv_transfer_params
+        # Prompt tokens the prefix cache already held (vLLM's usage
+        # `prompt_tokens_details.cached_tokens`): routers check it against their index.
+        self.cached_tokens = 0
         self.finish_reason = "length"
         self.completion_tokens = 0
         self._decoded_kv_tokens = 0  # KV positions added by decode steps, freed on close
@@ -149,6 +153,15 @@ class Engine:
         self.prefix_cache_hit_tokens_total = 0  # of which the prefix cache already held
         self.pulled_tokens_total = 0  # prompt tokens whose KV was pulled from a prefill
         self.pulled_hit_tokens_total = 0  # of which this engine's prefix cache held already
+        if prefix_cache is not None:
+            scheduler.figures = self.cache_figures
+
+    def cache_figures(self) -> dict[str, float]:
+        """The prefix cache's hit rate so far (its own counters: prompt tokens found
+        cached / prompt tokens prefilled), a load figure the registry shows; none before
+        the first request. Read from the agent's thread: two ints, no lock needed."""
+        prompt, hits = self.prompt_tokens_total, self.prefix_cache_hit_tokens_total
+        return {PREFIX_CACHE_HIT_RATE: round(hits / prompt, 3)} if prompt else {}
 
     @property
     def in_flight(self) -> int:
@@ -191,26 +204,31 @@ class Engine:
 
     async def _start_admitted(self, request: GenerationRequest,
                               stack: contextlib.AsyncExitStack) -> Generation:
+        cached_tokens = 0
         if request.fetch is not None:
             prefilled = await self._fetch(request.prompt, request.fetch)
             self.external_kv_tokens_total += prefilled.num_tokens
             self._keep_pulled(request.prompt, prefilled, request.scope)
         else:
-            prefilled = await self._prefill(request.prompt, request.scope)
+            prefilled, cached_tokens = await self._prefill(request.prompt, request.scope)
         if request.hold is not None:
-            return self._hold(request, prefilled, stack)
-        sequence = self.backend.start_sequence(prefilled, request.params.max_tokens)
-        self.scheduler.add_kv(prefilled.num_tokens)
-        stack.callback(self.scheduler.free_kv, prefilled.num_tokens)
-        return Generation(self, request, stack, prefilled.logits, sequence, None)
+            generation = self._hold(request, prefilled, stack)
+        else:
+            sequence = self.backend.start_sequence(prefilled, request.params.max_tokens)
+            self.scheduler.add_kv(prefilled.num_tokens)
+            stack.callback(self.scheduler.free_kv, prefilled.num_tokens)
+            generation = Generation(self, request, stack, prefilled.logits, sequence, None)
+        generation.cached_tokens = cached_tokens
+        return generation
 
-    async def _prefill(self, prompt: list[int], scope: CacheScope = PLAIN) -> Any:
+    async def _prefill(self, prompt: list[int], scope: CacheScope = PLAIN) -> tuple[Any, int]:
         """Prefill, computing only what the prefix cache does not hold; cache the new
-        full blocks and publish what changed."""
+        full blocks and publish what changed. Answers the prefill and the prompt tokens
+        the cache held."""
         self.prompt_tokens_total += len(prompt)
         cache = self.prefix_cache
         if cache is None:
-            return await self.backend.prefill(prompt)
+            return await self.backend.prefill(prompt), 0
         hit = cache.lookup(prompt, scope)
         cached_tokens = hit.cached_blocks * cache.block_size
         self.prefix_cache_hit_tokens_total += cached_tokens
@@ -219,7 +237,7 @@ class Engine:
             prefilled, i, cache.block_size), scope)
         if events and self.publish is not None:
             self.publish(events)
-        return prefilled
+        return prefilled, cached_tokens
 
     def _keep_pulled(self, prompt: list[int], prefilled: Any, scope: CacheScope) -> None:
         """A decode keeps the prompt blocks it pulled in its prefix cache and publishes

@@ -179,9 +179,13 @@ def chat_request(body: ChatBody, *, role: str, new_handle: str, max_model_len: i
 # --- Responses ---------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI's usage, with vLLM's `prompt_tokens_details.cached_tokens` (what vLLM
+    writes with --enable-prompt-tokens-details): the prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:
@@ -194,8 +198,9 @@ class ResponseShape:
     the fields vLLM writes: token ids as null unless asked for."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, prompt: list[int],
-                 return_token_ids: bool) -> None:
+                 return_token_ids: bool, cached_tokens: int = 0) -> None:
         self.chat = chat
+        self.cached_tokens = cached_tokens
         self.request_id = request_id
         self.model = model
         self.prompt = prompt
@@ -226,7 +231,7 @@ class ResponseShape:
         response = self._envelope(self.object, [choice])
         if self.chat:
             response["prompt_token_ids"] = self._ids(self.prompt)
-        response["usage"] = usage(len(self.prompt), len(token_ids))
+        response["usage"] = usage(len(self.prompt), len(token_ids), self.cached_tokens)
         if kv_transfer_params is not None:
             response["kv_transfer_params"] = kv_transfer_params
         return response
@@ -254,5 +259,5 @@ class ResponseShape:
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         response = self._envelope(self.chunk_object, [])
-        response["usage"] = usage(len(self.prompt), completion_tokens)
+        response["usage"] = usage(len(self.prompt), completion_tokens, self.cached_tokens)
         return response

@@ -79,7 +79,9 @@ class EngineConfig:
     # vLLM's. None = as many blocks as the KV capacity holds; 0 = off.
     prefix_cache_blocks: int | None = None
     block_size: int = 16  # tokens per cached block (vLLM's GPU default)
-    kv_events: bool = False  # publish KV events (vLLM's wire format) for KV-aware routers
+    # Publish KV events (vLLM's wire format) for KV-aware routers: on by default, so the
+    # router's default policy (`kv`) matches exactly with no flag; ports are picked (0).
+    kv_events: bool = True
     kv_events_port: int = 0  # PUB port; 0 = any free one (advertised in the spec)
     kv_events_replay_port: int = 0
     # LoRA adapters served besides `model` (vLLM's --lora-modules): a request naming one

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from wire.protocol import Load
@@ -27,6 +27,9 @@ class Scheduler:
         self.running = 0
         self.kv_tokens = 0
         self._queue: deque[asyncio.Future[None]] = deque()
+        # Engine figures beyond the three (Load.extra), e.g. the prefix cache's hit rate;
+        # the engine sets it once it exists (registration starts before the model loads).
+        self.figures: Callable[[], dict[str, float]] = dict
 
     @property
     def waiting(self) -> int:
@@ -37,7 +40,8 @@ class Scheduler:
         return min(1.0, self.kv_tokens / self.kv_capacity_tokens)
 
     def load(self) -> Load:
-        return Load(running=self.running, waiting=self.waiting, kv_usage=self.kv_usage)
+        return Load(running=self.running, waiting=self.waiting, kv_usage=self.kv_usage,
+                    extra=self.figures())
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:

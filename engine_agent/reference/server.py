@@ -125,7 +125,8 @@ class EngineServer:
         shape = ResponseShape(chat=chat, request_id=request_id,
                               model=body.model or self.state.model,
                               prompt=gen_request.prompt,
-                              return_token_ids=body.return_token_ids)
+                              return_token_ids=body.return_token_ids,
+                              cached_tokens=generation.cached_tokens)
         try:
             if body.stream:
                 include_usage = bool((body.stream_options or {}).get("include_usage"))

@@ -25,6 +25,13 @@ REQUEST_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 70.0  # a client finishes the request it is in before it stops
 PROMPTS = ("The quick brown fox", "Hello there", "Once upon a time", "Elastic serving is",
            "Prefill then decode", "A short prompt")
+# Every other prompt starts with one of a few shared documents (eleven 16-token blocks),
+# as a chat's system prompt or a RAG context would: what KV-aware pairing (the router's
+# default) sends to the prefill that holds it, and what the engines' HIT% shows. The
+# others start with their own number, cached nowhere: the router spreads those over
+# every prefill (its ring), so an engine that joins gets traffic at once.
+DOCUMENTS = tuple(f"Document {name}: " + (f"{name} notes for the elastic serving demo. " * 4)
+                  for name in ("alpha", "beta", "gamma"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +186,10 @@ class TrafficGenerator:
 
     async def _one_request(self, session: aiohttp.ClientSession, number: int
                            ) -> RequestRecord:
-        body = {"model": self.model, "prompt": f"{PROMPTS[number % len(PROMPTS)]} {number}",
+        question = PROMPTS[number % len(PROMPTS)]
+        prompt = (f"{DOCUMENTS[number // 2 % len(DOCUMENTS)]}{question} {number}"
+                  if number % 2 == 0 else f"Request {number}: {question}")
+        body = {"model": self.model, "prompt": prompt,
                 "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
         started = time.monotonic()
         read = await read_completion_stream(session, f"{self.url}/v1/completions", body)

@@ -71,6 +71,8 @@ class Exchange:
     `prefill_s`: how long the prefill's part took (None: a mixed member, or SGLang's P
     still running); set by the handshake, read for latency-aware pairing and TTFT.
     `prefill_started`, `decode_started`: when each leg's request went out (monotonic).
+    `prefill_cached_tokens`: the prompt tokens the prefill's engine says it found cached
+    (None: it did not say).
     """
 
     response: UpstreamResponse
@@ -78,6 +80,7 @@ class Exchange:
     prefill_s: float | None = None
     prefill_started: float = 0.0
     decode_started: float = 0.0
+    prefill_cached_tokens: int | None = None
     _closed: bool = field(default=False, repr=False)
     _reader: asyncio.Future[None] | None = field(default=None, repr=False)
 

@@ -24,6 +24,8 @@ __all__ = [
     "prefill_json",
     "read_all",
     "reject_4xx",
+    "reported_cached_tokens",
+    "reported_cached_tokens_in",
 ]
 
 ERROR_BODY_CHARS: Final = 300  # how much of an upstream error body a log line keeps
@@ -65,6 +67,30 @@ async def read_all(response: UpstreamResponse, member: Candidate, role: str,
         raise leg_failure(member, role, exc, "read") from None
     finally:
         response.release()
+
+
+def reported_cached_tokens(reply: Any) -> int | None:
+    """The prompt tokens the engine found cached, in an OpenAI answer's usage
+    `prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details,
+    SGLang with --enable-cache-report, the reference engine always): None when absent
+    or not a count."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        return cached
+    return None
+
+
+def reported_cached_tokens_in(body: bytes) -> int | None:
+    """`reported_cached_tokens` of a whole JSON answer; None for anything else (a
+    stream, an answer that is not JSON)."""
+    if not body.startswith(b"{"):
+        return None
+    try:
+        return reported_cached_tokens(_decode(body))
+    except msgspec.DecodeError:
+        return None
 
 
 async def reject_4xx(response: UpstreamResponse, member: Candidate, role: str) -> None:

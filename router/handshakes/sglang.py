@@ -18,7 +18,13 @@ from typing import Any, Final
 import msgspec
 
 from router.handshakes.exchange import Exchange
-from router.handshakes.legs import kv_endpoint, post_leg, read_all, reject_4xx
+from router.handshakes.legs import (
+    kv_endpoint,
+    post_leg,
+    read_all,
+    reject_4xx,
+    reported_cached_tokens_in,
+)
 from router.http.upstream import UpstreamPool
 from router.table import Candidate, Pair
 from wire.protocol import Handshake
@@ -62,8 +68,9 @@ class SglangHandshake:
         both_body["bootstrap_room"] = self._rng.randrange(SGLANG_ROOM_LIMIT)
         payload = _encode(both_body)
         started = time.monotonic()
+        reported: list[int] = []  # the prompt tokens P says it found cached, if it says
         prefill = asyncio.ensure_future(_drain_leg(pool, pair.prefill, path, payload,
-                                                   request_id))
+                                                   request_id, reported))
         # D's leg runs in this task (one task and no asyncio.wait per request): a prefill
         # that fails before D's headers are in cancels it, and the prefill's failure is
         # what this raises, so the request is retried on another pair.
@@ -100,6 +107,7 @@ class SglangHandshake:
                 response.close()  # abort D's answer, so the client hears of it at once
             else:
                 exchange.prefill_s = time.monotonic() - started
+                exchange.prefill_cached_tokens = reported[0] if reported else None
         if prefill.done():
             prefill_done(prefill)
         else:
@@ -108,7 +116,11 @@ class SglangHandshake:
 
 
 async def _drain_leg(pool: UpstreamPool, member: Candidate, path: str,
-                     payload: bytes, request_id: str) -> None:
+                     payload: bytes, request_id: str, reported: list[int]) -> None:
+    """P's leg, read to its end; the cached tokens its answer reports go in `reported`
+    (a whole JSON answer only: a stream's usage is not looked for)."""
     response = await post_leg(pool, member, "prefill", path, payload, request_id)
     await reject_4xx(response, member, "prefill")
-    await read_all(response, member, "prefill")
+    cached = reported_cached_tokens_in(await read_all(response, member, "prefill"))
+    if cached is not None:
+        reported.append(cached)

@@ -14,7 +14,12 @@ from typing import Any, Final
 import msgspec
 
 from router.handshakes.exchange import Exchange, LegFailure
-from router.handshakes.legs import kv_endpoint, post_leg, prefill_json
+from router.handshakes.legs import (
+    kv_endpoint,
+    post_leg,
+    prefill_json,
+    reported_cached_tokens,
+)
 from router.http.upstream import UpstreamPool
 from router.table import Candidate, Pair
 from wire.protocol import Handshake
@@ -64,7 +69,8 @@ class VllmNixlHandshake:
         decode_started = time.monotonic()
         return Exchange(await post_leg(pool, pair.decode, "decode", path, _encode(decode_body),
                                        request_id, quarantine_on_5xx=False), prefill_s=prefill_s,
-                        prefill_started=started, decode_started=decode_started)
+                        prefill_started=started, decode_started=decode_started,
+                        prefill_cached_tokens=reported_cached_tokens(reply))
 
 
 def _registered_kv_params(params: dict[str, Any], prefill: Candidate, host: str,

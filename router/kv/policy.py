@@ -42,6 +42,11 @@ blocks of requests in flight as "soon cached" too: no gain (71.2% hits with, 71.
 without), and the hits the router predicted equalled what the engines found (71.2% /
 71.2%), so the events were not lagging behind the next request sharing a prefix.
 
+A member's events are claims, and an insider may lie: each pick's prediction travels
+with its `Pair`, the engine reports the prompt tokens it found cached, and a member that
+keeps finding much less than it claimed is scored as holding nothing for a while
+(router/kv/trust.py). Ties in cost go at random, so equal claims split the work.
+
 Where the match cannot be exact, the prefill is chosen as `peak_ewma` chooses it (power
 of two over outstanding work x observed service time, router/policies.py), the default
 policy's scoring, so a fleet that publishes nothing is routed as well as before `kv`:
@@ -76,6 +81,7 @@ from router.choosers import (
     PrefixAffinity,
 )
 from router.kv.index import KvIndex
+from router.kv.trust import CacheTrust
 from router.latency import LatencyTracker
 from router.policies import DEFAULT_STALE_LOAD_S, Loads, Pairer
 from router.table import Candidate, Pair
@@ -124,9 +130,13 @@ class KvChooser:
     the index. The one thing it keeps between choices is W, the work a queued request
     brings."""
 
-    def __init__(self, index: KvIndex, bound_factor: float = KV_BOUND_FACTOR) -> None:
+    def __init__(self, index: KvIndex, bound_factor: float = KV_BOUND_FACTOR, *,
+                 trust: CacheTrust | None = None, rng: random.Random | None = None) -> None:
+        """`trust`: whose claims to ignore (router/kv/trust.py); `rng` breaks ties."""
         self.index = index
         self.bound_factor = bound_factor
+        self.trust = trust or CacheTrust()
+        self.rng = rng or random.Random()
         self.work = 0.0  # W: EWMA of uncached tokens per pick (0 until the first)
         # New prefixes go by `prefix`'s ring and its tighter bound: a miss costs the
         # whole prompt wherever it lands, so only a short queue is worth having there.
@@ -145,7 +155,11 @@ class KvChooser:
                 return True
         return False
 
-    def cached_tokens(self, c: Candidate, affinity: KvAffinity) -> int:
+    def cached_tokens(self, c: Candidate, affinity: KvAffinity, now: float) -> int:
+        """The prompt tokens `c` is predicted to hold: what its events claim, or none
+        while its own reports contradict its claims (`trust`)."""
+        if self.trust.distrusts(c.id, now):
+            return 0
         member = self.index.get(c.id, c.incarnation)
         if member is None or not member.block_size:
             return 0
@@ -155,16 +169,17 @@ class KvChooser:
         return member.cached_blocks(keys) * member.block_size
 
     def choose(self, eligible: Sequence[Candidate], load: LoadFn, affinity: KvAffinity,
-               in_flight: Mapping[str, int]) -> Choice:
+               in_flight: Mapping[str, int], now: float) -> Choice:
         """`load` is the plain score (queue + in-flight + KV pressure), not latency-
         weighted: the bound and the queue term count requests. `in_flight`: this
         router's own requests per member id (own(c) in the cost)."""
         loads = [load(c) for c in eligible]
         bound = self._bound(loads)
-        within = self._within(eligible, loads, bound, affinity)
+        within = self._within(eligible, loads, bound, affinity, now)
         if not within:  # everyone over the bound (stale loads): the least loaded
             i = min(range(len(eligible)), key=loads.__getitem__)
-            choice = Choice(eligible[i], self.cached_tokens(eligible[i], affinity), exact=True)
+            choice = Choice(eligible[i], self.cached_tokens(eligible[i], affinity, now),
+                            exact=True)
         elif not any(cached for _, _, cached in within):
             # Cached nowhere: place it by the prefix ring (bounded load), so the requests
             # that will share this prefix meet on one prefill instead of each caching it
@@ -174,7 +189,7 @@ class KvChooser:
         else:
             choice = self._cheapest(within, affinity, in_flight)
         if logger.isEnabledFor(logging.DEBUG):
-            self._log_pick(eligible, loads, bound, within, affinity, choice)
+            self._log_pick(eligible, loads, bound, within, affinity, choice, now)
         self._learn(affinity.prompt_tokens - choice.cached_tokens)
         return choice
 
@@ -185,20 +200,21 @@ class KvChooser:
         return math.ceil(self.bound_factor * (sum(fresh) + 1) / max(1, len(fresh)))
 
     def _within(self, eligible: Sequence[Candidate], loads: Sequence[float], bound: int,
-                affinity: KvAffinity) -> Within:
+                affinity: KvAffinity, now: float) -> Within:
         """The members within the bound, with what each holds of the prompt. A lone
         member is never over it."""
         alone = len(eligible) == 1
-        return [(c, c_load, self.cached_tokens(c, affinity))
+        return [(c, c_load, self.cached_tokens(c, affinity, now))
                 for c, c_load in zip(eligible, loads, strict=True)
                 if alone or c_load + 1 <= bound]  # over it: a hot prefix spills
 
     def _cheapest(self, within: Within, affinity: KvAffinity,
                   in_flight: Mapping[str, int]) -> Choice:
         """The least cost: uncached tokens + the queue's worth of work (the module
-        docstring); a member whose load is too old to see ranks last. Ties: the first."""
+        docstring); a member whose load is too old to see ranks last. Ties at random: an
+        order (the lower id, the lower KV use) would be a rule an insider could game."""
         work = self.work or float(affinity.prompt_tokens)
-        best: Choice | None = None
+        best: list[Choice] = []
         best_cost = 0.0
         for c, c_load, cached in within:
             if c_load >= SATURATED_SCORE:
@@ -208,10 +224,12 @@ class KvChooser:
                 queue = (own + OTHERS_WEIGHT * max(0, c.queue - own)
                          + c.kv_usage * KV_PRESSURE_REQS)
                 cost = (affinity.prompt_tokens - cached) + QUEUE_WEIGHT * queue * work
-            if best is None or cost < best_cost:
-                best, best_cost = Choice(c, cached, exact=True), cost
-        assert best is not None, "within the bound is never empty here"
-        return best
+            if not best or cost < best_cost:
+                best, best_cost = [Choice(c, cached, exact=True)], cost
+            elif cost == best_cost:
+                best.append(Choice(c, cached, exact=True))
+        assert best, "within the bound is never empty here"
+        return best[0] if len(best) == 1 else self.rng.choice(best)
 
     def _learn(self, uncached: int) -> None:
         """W follows the uncached tokens of each pick (an EWMA; the first pick sets it)."""
@@ -219,12 +237,12 @@ class KvChooser:
             (1 - WORK_EWMA_ALPHA) * self.work + WORK_EWMA_ALPHA * uncached
 
     def _log_pick(self, eligible: Sequence[Candidate], loads: Sequence[float], bound: int,
-                  within: Within, affinity: KvAffinity, choice: Choice) -> None:
+                  within: Within, affinity: KvAffinity, choice: Choice, now: float) -> None:
         kept = {id(c) for c, _, _ in within}
         logger.debug("[kv] pick tokens=%d work=%.0f bound=%d ring=%s %s -> %s cached=%d",
                      affinity.prompt_tokens, self.work or affinity.prompt_tokens, bound,
                      not any(cached for _, _, cached in within),
-                     " ".join(f"{c.id}:load={v:g}:cached={self.cached_tokens(c, affinity)}"
+                     " ".join(f"{c.id}:load={v:g}:cached={self.cached_tokens(c, affinity, now)}"
                               f"{'' if id(c) in kept else ':over'}"
                               for c, v in zip(eligible, loads, strict=True)),
                      choice.candidate.id, choice.cached_tokens)
@@ -248,7 +266,7 @@ class KvPairer(Pairer):
     def _choose_prefill(self, prefills: Sequence[Candidate], loads: Loads,
                         affinity: Affinity) -> Choice:
         if isinstance(affinity, KvAffinity) and self.kv.answers(prefills, affinity):
-            return self.kv.choose(prefills, loads.base, affinity, loads.in_flight)
+            return self.kv.choose(prefills, loads.base, affinity, loads.in_flight, loads.now)
         return super()._choose_prefill(prefills, loads, affinity)
 
     def _choose_decode(self, decodes: Sequence[Candidate], loads: Loads,
@@ -259,7 +277,8 @@ class KvPairer(Pairer):
         if (not self.disagg_min_uncached_tokens or not isinstance(affinity, KvAffinity)
                 or len(decodes) < 2):
             return picked
-        holder, cached = max(((c, self.kv.cached_tokens(c, affinity)) for c in decodes),
+        holder, cached = max(((c, self.kv.cached_tokens(c, affinity, loads.now))
+                              for c in decodes),
                              key=lambda held: held[1])
         if not cached or holder is picked:
             return picked
@@ -272,7 +291,7 @@ class KvPairer(Pairer):
             return holder
         return picked
 
-    def _paired(self, pair: Pair, affinity: Affinity) -> Pair:
+    def _paired(self, pair: Pair, affinity: Affinity, now: float) -> Pair:
         """Conditional disaggregation: when the decode holds part of the prompt (its own
         KV events say so: it kept what it pulled, the conversation so far) and would
         compute fewer than `disagg_min_uncached_tokens` of it itself, the decode serves
@@ -280,7 +299,7 @@ class KvPairer(Pairer):
         however short: only the conversation case was measured to win."""
         if not self.disagg_min_uncached_tokens or not isinstance(affinity, KvAffinity):
             return pair
-        cached = self.kv.cached_tokens(pair.decode, affinity)
+        cached = self.kv.cached_tokens(pair.decode, affinity, now)
         if cached and affinity.prompt_tokens - cached < self.disagg_min_uncached_tokens:
             return Pair(pair.decode, pair.decode, cached, pair.exact)
         return pair
@@ -289,9 +308,11 @@ class KvPairer(Pairer):
 def make_kv_pairer(index: KvIndex, *, rng: random.Random | None = None,
                    stale_after_s: float = DEFAULT_STALE_LOAD_S,
                    latency: LatencyTracker | None = None,
-                   disagg_min_uncached_tokens: int = 0) -> KvPairer:
-    """`latency`: the router's tracker (the one its outcomes feed), else one of its own."""
+                   disagg_min_uncached_tokens: int = 0,
+                   trust: CacheTrust | None = None) -> KvPairer:
+    """`latency`: the router's tracker (the one its outcomes feed), else one of its own;
+    `trust`: the router's record of members whose reports contradict their events."""
     rng = rng or random.Random()
-    return KvPairer(KvChooser(index), PowerOfTwo(rng), PowerOfTwo(rng),
+    return KvPairer(KvChooser(index, trust=trust, rng=rng), PowerOfTwo(rng), PowerOfTwo(rng),
                     latency=latency or LatencyTracker(), stale_after_s=stale_after_s,
                     disagg_min_uncached_tokens=disagg_min_uncached_tokens)

@@ -18,6 +18,13 @@ only with `--policy kv`.
   the prediction: `Pair.cached_tokens`); a request matched exactly whose eligible
   prefills had no index that could answer (`Pair.exact` false: why `no_index`) fell
   back too.
+- `observed`: the engine's own count of the prompt tokens it found cached, against the
+  pair's prediction: a member that keeps falling short is distrusted (router/kv/trust.py),
+  counted in `pdreg_router_kv_distrusts{member}`, shown in /v1/kv and `pdreg status
+  --router`, and warned of in /ready.
+
+`warnings` (a /ready source, so also logged when it appears: at start-up, not at the
+first request) names every model paired as peak_ewma and why, and distrusted members.
 
 Why a model falls back (`why`): `no_events` (none of its members publishes KV events:
 zero configuration, the common case without `--kv-events-config`), `no_block_size`,
@@ -60,9 +67,11 @@ from router.kv.policy import (
     make_kv_pairer,
 )
 from router.kv.tokenizer import ByteTokenizer, PromptTokenizer, TokenizerSet, prompt_ids
+from router.kv.trust import CacheTrust, Verdict
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
+from router.readiness import ReadyWarning
 from router.table import Pair, served
 from wire.protocol import MemberState, Role
 
@@ -128,9 +137,13 @@ class KvRouting:
         self.index = KvIndex(max_pending_bytes=options.gap_bytes)
         self.max_block_sizes = options.max_block_sizes
         self.feed = KvFeed(self.index, allows=allows)
+        self.trust = CacheTrust()  # members whose reports contradict their events
+        # member id -> monotonic time its distrust ends: replaced whole (never mutated) on
+        # the loop, so the reporter's thread reads it through `status` safely.
+        self._distrusted_until: Mapping[str, float] = {}
         self.pairer: KvPairer = make_kv_pairer(
             self.index, stale_after_s=stale_after_s, latency=latency,
-            disagg_min_uncached_tokens=options.disagg_min_uncached_tokens)
+            disagg_min_uncached_tokens=options.disagg_min_uncached_tokens, trust=self.trust)
         self.tokenizers = tokenizer_set or TokenizerSet(dict(options.tokenizers))
         self.key_cache = PrefixKeyCache()  # prompts sharing a prefix key it once
         self.max_prompt_tokens = options.max_prompt_tokens
@@ -246,6 +259,44 @@ class KvRouting:
             self.metrics.kv_inexact_requests.labels(model, "no_index").inc()
             self._note(model, "no_index")
 
+    def observed(self, pair: Pair, reported_tokens: int) -> None:
+        """The engine that computed `pair`'s prompt found `reported_tokens` of it cached;
+        `pair` carries what the policy predicted. A member that keeps falling short is
+        distrusted (router/kv/trust.py): counted, logged, shown in /v1/kv and /ready."""
+        if not pair.exact:
+            return  # predicted from load alone: no claim to check
+        verdict = self.trust.observe(pair.prefill.id, pair.cached_tokens, reported_tokens,
+                                     time.monotonic())
+        if verdict is Verdict.IGNORED:
+            return
+        self.metrics.kv_cache_reports.labels(
+            "kept" if verdict is Verdict.KEPT else "short").inc()
+        if verdict is Verdict.DISTRUSTED:
+            now = time.monotonic()
+            self._distrusted_until = {m: now + left
+                                      for m, left in self.trust.distrusted(now).items()}
+            self.metrics.kv_distrusts.labels(pair.prefill.id).inc()
+            left = self._distrusted_until[pair.prefill.id] - now
+            logger.warning("[kv] distrust id=%s for %.0fs: its engine keeps finding far "
+                           "fewer prompt tokens cached than its KV events claim (last: "
+                           "%d of %d); scored as holding nothing", pair.prefill.id, left,
+                           reported_tokens, pair.cached_tokens)
+
+    def warnings(self) -> list[ReadyWarning]:
+        """For /ready: models whose requests are not matched exactly (paired as
+        peak_ewma, and why), and members whose KV events are distrusted."""
+        out = [ReadyWarning("requests for a model cannot be matched to the engines' KV "
+                            "caches exactly; its prefills are chosen as peak_ewma",
+                            f"model {model}: {p['why']}{_HINTS.get(p['why'], '')}")
+               for model, p in self.models().items() if p["pairing"] == "peak_ewma"]
+        distrusted = sorted(self.trust.distrusted(time.monotonic()))
+        if distrusted:
+            out.append(ReadyWarning(
+                "members whose engines keep finding far fewer prompt tokens cached than "
+                "their KV events claim are scored as holding nothing",
+                "distrusted: " + ", ".join(distrusted)))
+        return out
+
     def report(self, now_wall: float) -> dict[str, Any]:
         """/v1/kv: `members` (`status`) and `models` (`models`)."""
         return {"members": self.status(now_wall), "models": self.models()}
@@ -267,12 +318,16 @@ class KvRouting:
         """Per member: index state, blocks, event lag; for /kv and `pdreg status`. From
         the index's published snapshot: any thread may call it (the reporter does)."""
         out = []
+        now, distrusted = time.monotonic(), self._distrusted_until
         for member_id, s in sorted(self.index.published.members.items()):
+            until = distrusted.get(member_id, 0.0)
+            left = until - now if until > now else None
             out.append({"id": member_id, "incarnation": s.incarnation,
                         "state": s.state.value, "blocks": s.blocks, "next_seq": s.next_seq,
                         "lag_s": round(max(0.0, now_wall - s.last_batch_ts), 3)
                         if s.last_batch_ts else None,
-                        "gaps": s.gaps, "replays": s.replays, "unknown": s.losses})
+                        "gaps": s.gaps, "replays": s.replays, "unknown": s.losses,
+                        "distrusted_s": round(left, 1) if left is not None else None})
         return out
 
     def _learnt_block_sizes(self, info: ModelKv) -> tuple[int, ...]:
@@ -309,7 +364,7 @@ class KvRouting:
 
 _HINTS: Final = {
     "no_events": "; its engines publish no KV events (vLLM/SGLang --kv-events-config, "
-                 "the reference engine --kv-events)",
+                 "the reference engine by default unless --no-kv-events)",
     "no_tokenizer": "; no tokenizer for it here (--tokenizer MODEL=PATH)",
     "no_block_size": "; its members registered no block size and no events came yet",
 }
