@@ -42,9 +42,7 @@ import argparse
 import statistics
 import sys
 import threading
-import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +56,7 @@ from reference_helpers import EngineHandle, metrics, start_engine, start_engines
 
 from bench import peers  # noqa: E402
 from bench.kv_index_alone import index_alone  # noqa: E402
+from bench.kv_open_loop import OpenLoop  # noqa: E402
 from bench.kv_trace import (  # noqa: E402
     BLOCK,
     PREFILL_S_PER_TOKEN,
@@ -66,7 +65,6 @@ from bench.kv_trace import (  # noqa: E402
     make_trace,
     oracle,
 )
-from bench.load import first_token_s  # noqa: E402
 from bench.procs import remove_tree, router_process, source_tree, tree_cpu_s  # noqa: E402
 from bench.tables import percentiles, write_json  # noqa: E402
 from pdreg.testing import free_low_port, wait_until  # noqa: E402
@@ -237,54 +235,6 @@ class MidRun:
             t.join()
 
 
-class OpenLoop:
-    """Each request at its arrival time, however the earlier ones fare (a closed loop of
-    a few clients keeps every prefill queued, whatever the router does): streamed
-    completions, one HTTP client per worker thread, time to first token each. Several
-    `urls` (router replicas): request i goes to urls[i % len(urls)]."""
-
-    def __init__(self, urls: Sequence[str]) -> None:
-        self.urls = list(urls)
-        self.lock = threading.Lock()
-        self.ttfts: list[float] = []
-        self.by_request: dict[int, float] = {}
-        self.errors = 0
-        self._local = threading.local()
-        self._clients: list[httpx.Client] = []
-
-    def run(self, trace: list[str], times: list[float], mid: MidRun) -> None:
-        with ThreadPoolExecutor(max_workers=MAX_CONCURRENT) as pool:
-            started = time.monotonic()
-            for i, at in enumerate(times):
-                mid.before(i)
-                delay = started + at - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                pool.submit(self._one, i, trace[i])
-        mid.join()
-        for c in self._clients:
-            c.close()
-
-    def _one(self, i: int, prompt: str) -> None:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = httpx.Client(timeout=120)
-            with self.lock:
-                self._clients.append(client)
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                "ignore_eos": True}
-        try:
-            t = first_token_s(client, self.urls[i % len(self.urls)], body)
-            with self.lock:
-                self.ttfts.append(t)
-                self.by_request[i] = t
-        except Exception as exc:
-            with self.lock:
-                self.errors += 1
-                if self.errors <= 3:
-                    print(f"   request {i} failed: {exc!r}", flush=True)
-
-
 def _wait_ready(registry: RegistryServer, count: int = 5) -> None:
     view = MembershipView(registry.control_address).start()
     try:
@@ -313,7 +263,7 @@ def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: 
                     assert wait_until(lambda u=url: httpx.get(u + "/v1/models").json()["data"],
                                       30)
             mid = MidRun(registry.control_address, handles, specs, cache_blocks, len(trace))
-            load = OpenLoop(urls)
+            load = OpenLoop(urls, max_tokens=MAX_TOKENS, workers=MAX_CONCURRENT)
             cpu_before = sum(tree_cpu_s(pid) for pid in pids)
             load.run(trace, times, mid)
             cpu = sum(tree_cpu_s(pid) for pid in pids) - cpu_before

@@ -5,7 +5,7 @@ have been sent: each worker sends its next request when its last one is answered
 request is, is a `Send`: `completion(url, body)` posts an OpenAI completion (the body
 encoded once, so the client's own CPU stays small beside the router's); a benchmark that
 drives a handshake itself writes its own. Open loops (arrivals at fixed times, however
-earlier requests fare) live with the benchmark that needs one (`bench_kv.py`) and in
+earlier requests fare) live with the benchmark that needs one (`kv_open_loop.py`) and in
 `pdreg.demo.open_loop` (the planner's).
 """
 
