@@ -27,6 +27,7 @@ from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
+from router.kv.routing import KvOptions
 from router.kv.trust import STRIKES
 from router.service import RouterConfig, RouterServer
 from wire.protocol import Endpoints, Handshake, KvEventsSpec, MemberSpec, MemberState, Role
@@ -41,8 +42,11 @@ AFTER = 15  # requests for the prefix once it is distrusted
 
 @pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
-    server = RouterServer(RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW),
-                          view).start()
+    # Every request takes a prefill leg (no conditional disaggregation: the decode, which
+    # keeps what it pulls, would serve the repeats alone): the prefill's choice is tested.
+    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW,
+                          kv=KvOptions(disagg_min_uncached_tokens=0))
+    server = RouterServer(config, view).start()
     try:
         yield server
     finally:

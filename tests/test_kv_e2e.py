@@ -20,6 +20,7 @@ from pdreg.testing import free_low_port, wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
+from router.kv.routing import KvOptions
 from router.service import RouterConfig, RouterServer
 from wire.figures import PREFIX_CACHE_HIT_RATE
 from wire.protocol import MemberState
@@ -31,7 +32,10 @@ SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite nothi
 
 @pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
-    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW)
+    # Every request takes its prefill leg (no conditional disaggregation): the prefills'
+    # caches are what this file checks (a decode's: tests/test_kv_decode_cache.py).
+    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW,
+                          kv=KvOptions(disagg_min_uncached_tokens=0))
     server = RouterServer(config, view).start()
     try:
         yield server
@@ -114,7 +118,10 @@ def test_shared_prefix_goes_to_its_prefill_and_a_restart_forgets_it(
         members = {m["id"]: m for m in json.loads(listed.stdout)}
         assert members[holder]["kv_index"]["state"] == "live"
         assert members[holder]["kv_index"]["blocks"] == kv_members(router)[holder]["blocks"]
-        assert members[d.id]["kv_events"] is None and "kv_index" not in members[d.id]
+        # The decode publishes too (by default), but a router that never skips the
+        # prefill leg has no use for its cache, so it follows none of it.
+        assert members[d.id]["kv_events"] is not None
+        assert members[d.id]["kv_index"]["state"] == "not followed"
         table = subprocess.run(status, capture_output=True, text=True, timeout=60, check=True)
         assert "KV INDEX" in table.stdout and "live" in table.stdout
         assert "HIT%" in table.stdout  # the engines' own hit rate, from their heartbeats

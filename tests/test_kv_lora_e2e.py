@@ -17,6 +17,7 @@ from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
 from router.guard import LOOPBACK_ALLOW
+from router.kv.routing import KvOptions
 from router.service import RouterConfig, RouterServer
 from wire.protocol import MemberState
 
@@ -28,8 +29,11 @@ HITS = "pdreg:engine_prefix_cache_hit_tokens_total"
 
 @pytest.fixture
 def router(view: MembershipView) -> Iterator[RouterServer]:
-    server = RouterServer(RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW),
-                          view).start()
+    # Every request takes a prefill leg (no conditional disaggregation): the prefills'
+    # hits are what this file compares with the router's predictions.
+    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW,
+                          kv=KvOptions(disagg_min_uncached_tokens=0))
+    server = RouterServer(config, view).start()
     try:
         yield server
     finally:
