@@ -32,6 +32,10 @@ from typing import Any, Final
 import msgspec
 
 from registry.client import LiveMember
+from router.admission.classes import ClassBook, default_book, load_classes
+from router.admission.gate import Admission, Ticket
+from router.admission.metrics import AdmissionMetrics
+from router.admission.requests import cost_of, key_of, who_of
 from router.choice import Affinity
 from router.config import RouterConfig
 from router.continuation import why_not_migratable
@@ -93,6 +97,8 @@ class Router:
         else:
             pairer = make_pairer(config.policy, stale_after_s=config.pairing.stale_load_s,
                                  latency=latency)
+        # Overload admission (router/admission/): None when --no-admission.
+        self.admission = self._admission_of(latency)
         self.unroutable = Unroutable(self.upstream_policy, config.allow_upstream)
         self.readiness = Readiness()
         self.readiness.add(self.unroutable.warnings)
@@ -101,7 +107,8 @@ class Router:
                                in_flight=self.in_flight, picks_of=self.metrics.picks_of,
                                latency=latency, clock=time.monotonic,
                                on_members=self._on_members,
-                               on_first_pair=self.kv.picked if self.kv else None)
+                               on_first_pair=self.kv.picked if self.kv else None,
+                               budgets=self.admission)
         # Only latency-aware policies read the samples; the others skip taking them.
         self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
                                  self.metrics.quarantines_of, time.monotonic)
@@ -114,6 +121,15 @@ class Router:
         self._ports: ProxyPorts | None = None
         self._warmer: Warmer | None = None
         self._follower: asyncio.Task[None] | None = None
+
+    def _admission_of(self, latency: LatencyTracker) -> Admission | None:
+        options = self.config.admission
+        if not options.enabled:
+            return None
+        book: ClassBook = load_classes(options.classes_file) if options.classes_file \
+            else default_book(options.ttft_slo_ms)
+        return Admission(options, book, lambda model: self.pairing.candidates(model),
+                         latency, AdmissionMetrics(self.metrics.registry), time.monotonic)
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -163,6 +179,8 @@ class Router:
         """Membership changed (not only loads): what follows it besides the table."""
         if self.kv is not None:
             self.kv.on_members(members)
+        if self.admission is not None:
+            self.admission.on_members(members)
         self.unroutable.on_members(members)
         self.metrics.unroutable.labels().set(len(self.unroutable.members))
 
@@ -173,6 +191,8 @@ class Router:
             try:
                 self.pairing.table()
                 self.readiness.warnings()
+                if self.admission is not None:  # engines may have come back: admit
+                    self.admission.pump()
             except Exception:  # a bad view must not end the following for good
                 logger.exception("[router] following membership failed")
             await asyncio.sleep(FOLLOW_S)
@@ -209,9 +229,15 @@ class Router:
     # --- small handlers -----------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
-        if not self._api_key:
+        """--api-key, or a key of the `--classes` file; anyone when neither is set."""
+        keys = self.admission is not None and bool(self.admission.book.keys)
+        if not self._api_key and not keys:
             return True
-        return hmac.compare_digest(request.headers.get(b"authorization", b""), self._api_key)
+        if self._api_key and hmac.compare_digest(
+                request.headers.get(b"authorization", b""), self._api_key):
+            return True
+        return keys and self.admission is not None \
+            and key_of(self.admission.book, request) is not None
 
     async def handle_models(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -269,6 +295,10 @@ class Router:
         if isinstance(admitted, Response):
             return admitted
         assert self._ports is not None, "the app has not started"
+        ticket = await self._ticket(request, admitted)
+        if isinstance(ticket, Response):
+            return ticket
+        admitted.ticket = ticket
         proxy = Proxy(admitted, self._ports)
         try:
             response = await (proxy.stream(request) if admitted.stream else proxy.whole())
@@ -279,6 +309,9 @@ class Router:
         except BaseException:  # the client left (cancel, reset) while we waited upstream
             self.record.outcome(admitted.model, "cancelled")
             raise
+        finally:
+            if ticket is not None:  # held on no pair: what it reserved goes back
+                ticket.settle()
         if self.draining:
             # Answer, then close the connection: a keep-alive client reconnects through
             # its load balancer, to a router that is not draining.
@@ -322,6 +355,19 @@ class Router:
             include_usage=isinstance(stream_options, dict)
             and stream_options.get("include_usage") is True,
             migratable=why_not_migratable(request.path, body) if stream else "not streamed")
+
+    async def _ticket(self, request: Request, call: Call) -> Ticket | Response | None:
+        """Admission's ticket for the call, or its refusal (router/admission/gate.py).
+        None when admission is off, or the model has no pool (pairing answers 404/503)."""
+        admission = self.admission
+        if admission is None or not self.pairing.serves(call.model):
+            return None
+        who = who_of(admission.book, request, key_of(admission.book, request))
+        if isinstance(who, Response):
+            return self._refuse("bad_class", who)
+        return await admission.admit(call.model, who,
+                                     cost_of(request, call.body, call.affinity),
+                                     len(request.body))
 
     def _refuse(self, reason: str, response: Response) -> Response:
         self.metrics.refused_of(reason).inc()
