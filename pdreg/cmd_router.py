@@ -29,10 +29,19 @@ from pdreg.args import (
     secret_of,
 )
 from registry.client import MembershipView, parse_models
+from router.admission.classes import DEFAULT_TTFT_SLO_MS, load_classes
+from router.admission.options import (
+    DECODE_BUDGET_TOKENS,
+    MAX_QUEUE_BYTES,
+    MAX_QUEUE_REQUESTS,
+    PREFILL_BUDGET_TOKENS,
+    STARVATION_S,
+)
 from router.config import (
     DRAIN_DELAY_S,
     MAX_ATTEMPTS,
     MAX_MIGRATIONS,
+    AdmissionOptions,
     KvOptions,
     Limits,
     PairingOptions,
@@ -132,6 +141,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--latency-decay", type=float, default=DECAY_S, metavar="S",
                    help="peak_ewma and kv: how fast a member's latency estimate forgets (the old "
                         "estimate's weight after t seconds is exp(-t/S))")
+    _add_admission_arguments(p)
+    _add_registration_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_registration_arguments(p: argparse.ArgumentParser) -> None:
+    """How the router joins the fleet (it is a member, role api_server)."""
     p.add_argument("--advertise-host", default="",
                    help="host to register as the router's address (default --host)")
     add_secret_argument(p, TOKEN, "the registry's fleet token (the router registers)")
@@ -140,7 +156,52 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="listen beyond loopback with no API key, token or CURVE")
     p.add_argument("--no-register", action="store_true",
                    help="do not register the router itself as an api_server member")
-    p.set_defaults(func=run)
+
+
+def _add_admission_arguments(p: argparse.ArgumentParser) -> None:
+    """Overload admission (router/admission/; docs/operations.md "Overload")."""
+    p.add_argument("--no-admission", action="store_true",
+                   help="forward every request at once, with no budgets and no queue")
+    p.add_argument("--classes", default="", type=_classes_file, metavar="FILE",
+                   help="traffic classes and API keys (TOML): priority, TTFT SLO, sheddable, "
+                        "weight per class; tenant and class per key. Default: one class")
+    p.add_argument("--ttft-slo-ms", type=_positive, default=DEFAULT_TTFT_SLO_MS, metavar="MS",
+                   help="without --classes: the one class's TTFT SLO; a request that cannot "
+                        "start within it gets 503 with Retry-After")
+    p.add_argument("--prefill-budget-tokens", type=int, default=PREFILL_BUDGET_TOKENS,
+                   metavar="N", help="uncached prompt tokens a prefill may have in flight "
+                                     "(split among the routers registered; 0: no limit)")
+    p.add_argument("--decode-budget-tokens", type=int, default=DECODE_BUDGET_TOKENS,
+                   metavar="N",
+                   help="KV tokens (prompt + answer) a decode may hold (split among the "
+                        "routers; 0: bounded by its capacity and reported KV use only)")
+    p.add_argument("--max-queue-requests", type=int, default=MAX_QUEUE_REQUESTS, metavar="N",
+                   help="requests waiting for budget, per model (then 503)")
+    p.add_argument("--max-queue-bytes", type=int, default=MAX_QUEUE_BYTES, metavar="N",
+                   help="bytes of request bodies waiting for budget, per model (then 503)")
+    p.add_argument("--starvation-guard", type=_positive, default=STARVATION_S, metavar="S",
+                   help="a class whose oldest request has waited this long goes before "
+                        "higher priorities")
+
+
+def _classes_file(path: str) -> str:
+    if not path:
+        return path  # argparse passes the default through the type too
+    try:
+        load_classes(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"a positive number is required, not {text!r}")
+    return value
 
 
 def _models(text: str) -> tuple[str, ...]:
@@ -226,7 +287,15 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
                                stale_load_s=args.stale_load, quarantine_s=args.quarantine,
                                latency_decay_s=args.latency_decay),
         kv=KvOptions(tokenizers=tuple(args.tokenizer),
-                     disagg_min_uncached_tokens=args.disagg_min_uncached_tokens))
+                     disagg_min_uncached_tokens=args.disagg_min_uncached_tokens),
+        admission=AdmissionOptions(
+            enabled=not args.no_admission, classes_file=args.classes,
+            ttft_slo_ms=args.ttft_slo_ms,
+            prefill_budget_tokens=max(0, args.prefill_budget_tokens),
+            decode_budget_tokens=max(0, args.decode_budget_tokens),
+            max_queue_requests=max(0, args.max_queue_requests),
+            max_queue_bytes=max(0, args.max_queue_bytes),
+            starvation_s=args.starvation_guard))
 
 
 def _router_spec(host: str, server: RouterServer) -> MemberSpec:

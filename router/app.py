@@ -146,6 +146,7 @@ class Router:
         if serve_metrics:
             app.add("GET", "/metrics", self.handle_metrics)
         app.add("GET", "/v1/kv", self.handle_kv)
+        app.add("GET", "/v1/admission", self.handle_admission)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -274,6 +275,14 @@ class Router:
         self.pairing.table()  # follow membership first
         kv = self.kv.report(time.time()) if self.kv is not None else {"members": []}
         return Response(200, _encode({"policy": self.config.policy, **kv}))
+
+    async def handle_admission(self, request: Request) -> Response:
+        """Admission's state: classes, queues, answers, budgets per member."""
+        if not self._authorized(request):
+            return self._refuse("unauthorized", unauthorized())
+        if self.admission is None:
+            return Response(200, _encode({"enabled": False}))
+        return Response(200, _encode({"enabled": True, **self.admission.report()}))
 
     async def _affinity(self, request: Request, body: dict[str, Any],
                         model: str) -> Affinity:

@@ -28,7 +28,7 @@ ALLOWED: dict[str, int] = {
     "engine_agent/reference/runner.py::run_engine": 102,
     "engine_agent/standins.py::_handler_for": 61,
     "pdreg/cmd_planner.py::add_parser": 69,
-    "pdreg/cmd_router.py::add_parser": 81,
+    "pdreg/cmd_router.py::add_parser": 75,
     "registry/metrics.py::RegistryCollector.collect": 70,
     "wire/protocol.py": 479,
 }

@@ -31,7 +31,7 @@ import logging
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from registry.client import LiveMember
 from router.admission.budgets import Budgets, Grant, Limit, Releasable
@@ -315,6 +315,36 @@ class Admission:
 
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
+
+    def report(self) -> dict[str, Any]:
+        """What `GET /v1/admission` answers (and `pdreg status --router` shows): the
+        classes, the routers splitting each budget, per model the queue and the answers
+        so far, per member the budget used and this router's share of it."""
+        metrics = self.metrics
+        models: dict[str, dict[str, Any]] = {}
+        for (model, klass, outcome), value in metrics.admission.values():
+            entry = models.setdefault(model, {"queued": {}, "bytes": 0, "outcomes": {}})
+            entry["outcomes"].setdefault(klass, {})[outcome] = int(value)
+        for (model, klass), value in metrics.queue_depth.values():
+            models.setdefault(model, {"queued": {}, "bytes": 0, "outcomes": {}})
+            models[model]["queued"][klass] = int(value)
+        for (model,), value in metrics.queue_bytes.values():
+            models.setdefault(model, {"queued": {}, "bytes": 0, "outcomes": {}})
+            models[model]["bytes"] = int(value)
+        limits = dict(metrics.budget_limit.values())
+        budgets = {PREFILL: self.prefills, DECODE: self.decodes}
+        members = [{"id": member_id, "role": role, "used": int(used),
+                    "requests": budgets[role].requests(member_id),
+                    "limit": int(limits.get((member_id, role), 0))}
+                   for (member_id, role), used in sorted(metrics.budget_used.values())]
+        return {
+            "routers": self.routers,
+            "seconds_per_token": self.predictor.seconds_per_token(),
+            "classes": [{"name": c.name, "priority": c.priority, "ttft_slo_ms": c.ttft_slo_ms,
+                         "sheddable": c.sheddable, "weight": c.weight,
+                         "deadline_ms": c.deadline_s * 1000}
+                        for c in self.book.classes.values()],
+            "models": models, "members": members}
 
 
 class _Both:
