@@ -31,6 +31,7 @@ from pdreg.args import (
 from registry.client import MembershipView, parse_models
 from router.admission.classes import DEFAULT_TTFT_SLO_MS, load_classes
 from router.admission.options import (
+    BUDGET_SLO_SHARE,
     DECODE_BUDGET_TOKENS,
     MAX_QUEUE_BYTES,
     MAX_QUEUE_REQUESTS,
@@ -171,6 +172,10 @@ def _add_admission_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-budget-tokens", type=int, default=PREFILL_BUDGET_TOKENS,
                    metavar="N", help="uncached prompt tokens a prefill may have in flight "
                                      "(split among the routers registered; 0: no limit)")
+    p.add_argument("--budget-slo-share", type=float, default=BUDGET_SLO_SHARE, metavar="F",
+                   help="once a prefill's speed is measured, its budget is what it gets "
+                        "through in this share of the top class's TTFT SLO, if less than "
+                        "--prefill-budget-tokens (0: the flag's budget alone)")
     p.add_argument("--decode-budget-tokens", type=int, default=DECODE_BUDGET_TOKENS,
                    metavar="N",
                    help="KV tokens (prompt + answer) a decode may hold (split among the "
@@ -292,6 +297,7 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
             enabled=not args.no_admission, classes_file=args.classes,
             ttft_slo_ms=args.ttft_slo_ms,
             prefill_budget_tokens=max(0, args.prefill_budget_tokens),
+            budget_slo_share=max(0.0, args.budget_slo_share),
             decode_budget_tokens=max(0, args.decode_budget_tokens),
             max_queue_requests=max(0, args.max_queue_requests),
             max_queue_bytes=max(0, args.max_queue_bytes),

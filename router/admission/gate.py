@@ -117,6 +117,8 @@ class Admission:
         self._decode_latency = decode_latency
         self._clock = clock
         self._queues: dict[str, FairQueue] = {}
+        top = max(book.classes.values(), key=lambda c: c.priority)
+        self._guarded_slo_s = top.ttft_slo_s  # the SLO the measured budgets protect
 
     # --- limits -------------------------------------------------------------------------
 
@@ -126,12 +128,23 @@ class Admission:
         capacity = member.record.spec.capacity if member is not None else 0
         requests = max(1, capacity // self.routers) if capacity else 0
         if role == PREFILL:
-            tokens = self.options.prefill_budget_tokens
+            tokens = self._prefill_tokens(candidate.id)
         else:
             if candidate.kv_usage >= KV_FULL:
                 return Limit(units=1, requests=1)  # full: one of ours at a time, at most
             tokens = self.options.decode_budget_tokens
         return Limit(units=max(1, tokens // self.routers) if tokens else 0, requests=requests)
+
+    def _prefill_tokens(self, member_id: str) -> int:
+        """The flag's budget, or, once the member's speed is measured, what it gets
+        through in BUDGET_SLO_SHARE of the most important class's SLO, if less."""
+        cap = self.options.prefill_budget_tokens
+        share = self.options.budget_slo_share
+        speed = self.predictor.member_seconds_per_token(member_id) if share > 0 else 0.0
+        if speed <= 0:
+            return cap
+        measured = max(1, int(share * self._guarded_slo_s / speed))
+        return min(cap, measured) if cap else measured
 
     def on_members(self, members: Mapping[str, LiveMember]) -> None:
         """Membership changed: count the routers, forget members gone, admit what fits."""
