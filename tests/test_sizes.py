@@ -27,7 +27,6 @@ ALLOWED: dict[str, int] = {
     "engine_agent/link.py::Link.on_reply": 62,
     "engine_agent/reference/runner.py::run_engine": 102,
     "engine_agent/standins.py::_handler_for": 61,
-    "pdreg/cmd_planner.py::add_parser": 69,
     "pdreg/cmd_router.py::add_parser": 75,
     "registry/metrics.py::RegistryCollector.collect": 70,
     "wire/protocol.py": 479,
