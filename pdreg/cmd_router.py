@@ -173,9 +173,10 @@ def _add_admission_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="uncached prompt tokens a prefill may have in flight "
                                      "(split among the routers registered; 0: no limit)")
     p.add_argument("--budget-slo-share", type=float, default=BUDGET_SLO_SHARE, metavar="F",
-                   help="once a prefill's speed is measured, its budget is what it gets "
-                        "through in this share of the top class's TTFT SLO, if less than "
-                        "--prefill-budget-tokens (0: the flag's budget alone)")
+                   help="each prefill's budget follows its legs: lowered when a leg takes "
+                        "longer than this share of the top class's TTFT SLO, raised while "
+                        "they take less, never above --prefill-budget-tokens (0: the "
+                        "flag's budget alone)")
     p.add_argument("--decode-budget-tokens", type=int, default=DECODE_BUDGET_TOKENS,
                    metavar="N",
                    help="KV tokens (prompt + answer) a decode may hold (split among the "

@@ -1,4 +1,5 @@
-"""The admission queue and budgets (router/admission/fair_queue.py, budgets.py), pure:
+"""The admission queue and budgets (router/admission/fair_queue.py, budgets.py,
+adaptive.py), pure:
 Hypothesis histories checked against a recount, and the three promises: no class
 starves, tenants' shares follow their weights within one request's cost, and a budget
 is exactly what is in flight: never negative, nothing left after every release."""
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.admission.adaptive import GROWTH, AdaptiveLimit
 from router.admission.budgets import Budgets, Limit
 from router.admission.fair_queue import FairQueue, Waiter
 
@@ -203,3 +205,38 @@ def test_fits(in_flight: list[int], units: int, limit: Limit, fits: bool) -> Non
         budgets.take("m", n)
     assert budgets.fits("m", units, limit) is fits
     assert budgets.full("m", limit) is (bool(in_flight) and not budgets.fits("m", 0, limit))
+
+
+# --- a prefill's budget, steered by its legs (router/admission/adaptive.py) ---------------
+
+
+@pytest.mark.parametrize(("start", "seconds", "work", "expected"), [
+    (1000, 2.0, 800, 400),  # slower than the 1 s target: what it does in 1 s
+    (1000, 0.5, 800, 1250),  # within target, near the budget: up a quarter
+    (1000, 0.5, 100, 1000),  # within target but far from the budget: says nothing
+    (4000, 0.5, 3900, 4000),  # never above the cap
+    (1000, 100.0, 1, 1),  # never below one unit
+])
+def test_adaptive_limit_table(start: int, seconds: float, work: int, expected: int) -> None:
+    limits = AdaptiveLimit(cap=4000, target_s=1.0)
+    limits._limits["p"] = start
+    limits.observe("p", seconds, work)
+    assert limits.limit("p") == expected
+
+
+@given(st.floats(0.0001, 0.01), st.integers(1, 8), st.floats(0.1, 2.0))
+def test_adaptive_limit_finds_a_serial_engines_budget_and_a_batching_engines_cap(
+        seconds_per_unit: float, parallel: int, target_s: float) -> None:
+    """A serial engine (a leg takes work x speed) settles where its legs take about the
+    target; an engine that does any work in the same time is given the cap."""
+    serial = AdaptiveLimit(cap=100_000, target_s=target_s)
+    batching = AdaptiveLimit(cap=100_000, target_s=target_s)
+    for _ in range(200):
+        work = serial.limit("p")
+        serial.observe("p", work * seconds_per_unit / parallel, work)
+        batching.observe("p", target_s / 2, batching.limit("p"))
+        assert 1 <= serial.limit("p") <= 100_000
+    settled = serial.limit("p") * seconds_per_unit / parallel
+    assert settled <= target_s * GROWTH + seconds_per_unit or serial.limit("p") == 1
+    assert serial.limit("p") == 100_000 or settled >= target_s / GROWTH - seconds_per_unit
+    assert batching.limit("p") == 100_000

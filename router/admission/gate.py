@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
+from router.admission.adaptive import AdaptiveLimit
 from router.admission.budgets import Budgets, Grant, Limit, Releasable
 from router.admission.classes import ClassBook, TrafficClass
 from router.admission.fair_queue import FairQueue, Waiter
@@ -117,8 +118,11 @@ class Admission:
         self._decode_latency = decode_latency
         self._clock = clock
         self._queues: dict[str, FairQueue] = {}
+        # The budgets protect the top class's SLO: each prefill's follows its legs.
         top = max(book.classes.values(), key=lambda c: c.priority)
-        self._guarded_slo_s = top.ttft_slo_s  # the SLO the measured budgets protect
+        share = options.budget_slo_share
+        self.adaptive = AdaptiveLimit(cap=options.prefill_budget_tokens,
+                                      target_s=share * top.ttft_slo_s) if share > 0 else None
 
     # --- limits -------------------------------------------------------------------------
 
@@ -128,23 +132,21 @@ class Admission:
         capacity = member.record.spec.capacity if member is not None else 0
         requests = max(1, capacity // self.routers) if capacity else 0
         if role == PREFILL:
-            tokens = self._prefill_tokens(candidate.id)
-        else:
-            if candidate.kv_usage >= KV_FULL:
-                return Limit(units=1, requests=1)  # full: one of ours at a time, at most
-            tokens = self.options.decode_budget_tokens
+            return Limit(units=self._prefill_tokens(candidate.id), requests=requests)
+        if candidate.kv_usage >= KV_FULL:
+            return Limit(units=1, requests=1)  # full: one of ours at a time, at most
+        tokens = self.options.decode_budget_tokens
         return Limit(units=max(1, tokens // self.routers) if tokens else 0, requests=requests)
 
     def _prefill_tokens(self, member_id: str) -> int:
-        """The flag's budget, or, once the member's speed is measured, what it gets
-        through in BUDGET_SLO_SHARE of the most important class's SLO, if less."""
+        """The flag's budget, or what the member's legs allow (adaptive.py), if less;
+        the flag's budget is split among the routers, the adaptive one is this
+        router's own already (its legs, its work)."""
         cap = self.options.prefill_budget_tokens
-        share = self.options.budget_slo_share
-        speed = self.predictor.member_seconds_per_token(member_id) if share > 0 else 0.0
-        if speed <= 0:
+        if self.adaptive is None:
             return cap
-        measured = max(1, int(share * self._guarded_slo_s / speed))
-        return min(cap, measured) if cap else measured
+        steered = self.adaptive.limit(member_id)
+        return min(steered, max(1, cap // self.routers)) if cap else steered
 
     def on_members(self, members: Mapping[str, LiveMember]) -> None:
         """Membership changed: count the routers, forget members gone, admit what fits."""
@@ -152,6 +154,8 @@ class Admission:
                                   if m.record.spec.role is Role.API_SERVER))
         self.metrics.routers.labels().set(self.routers)
         self.predictor.retain(members.keys())
+        if self.adaptive is not None:
+            self.adaptive.retain(members.keys())
         self.pump()
 
     def full(self, model: str) -> frozenset[str]:
@@ -301,6 +305,8 @@ class Admission:
         self.metrics.budget_used.labels(member_id, PREFILL).set(self.prefills.used(member_id))
         if seconds >= 0.0:
             self.predictor.observe(member_id, seconds, work, self._clock())
+            if self.adaptive is not None:
+                self.adaptive.observe(member_id, seconds, work)
         self.pump()
 
     def _decode_released(self, member_id: str, seconds: float, work: int) -> None:

@@ -54,13 +54,6 @@ class TtftPredictor:
             return sum(known) / len(known)
         return self._typical.cost if self._typical is not None else 0.0
 
-    def member_seconds_per_token(self, member_id: str) -> float:
-        """One member's estimate, else the fleet's; 0.0 before any sample."""
-        held = self._members.get(member_id)
-        if held is not None:
-            return held.cost
-        return self._typical.cost if self._typical is not None else 0.0
-
     def predict(self, *, ahead: int, own: int, prefills: Collection[str],
                 decode_s: float) -> float:
         per_token = self.seconds_per_token(prefills)
