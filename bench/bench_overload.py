@@ -53,7 +53,8 @@ from registry.server import RegistryConfig, RegistryServer  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "overload.json"
 PLOT = REPO / "bench" / "plots" / "overload.png"
-PROMPT = "overload " * 11  # 100 byte tokens on the sim (BOS included): 0.5 s of prefill
+PROMPT = "overload " * 10  # with a unique first word (no prefix-cache hits), about 100
+# byte tokens on the sim: 0.5 s of prefill, one prompt at a time per prefill
 SIM_ARGS = ["--sim-prefill-delay", "0.005", "--sim-decode-delay", "0.005",
             "--max-running", "1"]
 MAX_TOKENS = 8
@@ -72,8 +73,8 @@ sheddable = true
 """
 TENANTS = 10  # t0 is the noisy one: half the traffic
 ANSWER_TIMEOUT_S = 60.0
-CAPACITY_REQUESTS = 128
-CAPACITY_CONCURRENCY = 32
+CAPACITY_REQUESTS = 40
+CAPACITY_CONCURRENCY = 8
 # sglang-router's limit: what the fleet serves at once (2 prefills x 1 slot), a queue
 # of two seconds' arrivals at capacity, and the standard SLO as its timeout.
 SGLANG_LIMIT = ["--max-concurrent-requests", "2", "--queue-size", "8",
@@ -121,7 +122,7 @@ class Target:
 async def _one(session: aiohttp.ClientSession, url: str, klass: str, tenant: str
                ) -> Outcome:
     started = time.monotonic()
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+    body = {"model": "tiny", "prompt": _prompt(), "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "stream": True}
     headers = {"x-pdreg-priority": klass, "x-pdreg-tenant": tenant}
     try:
@@ -140,6 +141,10 @@ async def _one(session: aiohttp.ClientSession, url: str, klass: str, tenant: str
                            "Retry-After" in response.headers)
     except (aiohttp.ClientError, TimeoutError):
         return Outcome(klass, tenant, 0, time.monotonic() - started, None, False)
+
+
+def _prompt() -> str:
+    return f"{random.getrandbits(40):010x} {PROMPT}"
 
 
 def _arrivals(rate: float, duration_s: float, seed: int) -> list[tuple[float, str, str]]:
@@ -256,8 +261,14 @@ def _ready(url: str) -> None:
 def capacity(url: str) -> float:
     """Requests/s the fleet completes when always busy (pdreg without admission)."""
     _ready(url)
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    load = run_closed_loop(completion(url, body), CAPACITY_REQUESTS, CAPACITY_CONCURRENCY)
+
+    async def send(session: aiohttp.ClientSession) -> bool:
+        body = {"model": "tiny", "prompt": _prompt(), "max_tokens": MAX_TOKENS,
+                "ignore_eos": True}
+        async with session.post(url + "/v1/completions", json=body) as response:
+            await response.read()
+            return response.status == 200
+    load = run_closed_loop(send, CAPACITY_REQUESTS, CAPACITY_CONCURRENCY)
     return len(load.latencies) / load.wall_s
 
 
