@@ -41,6 +41,7 @@ def main(source: str, target: str) -> int:
     for axis in (goodput, critical):
         axis.set_xticks(sorted({c["load"] for c in data["cells"]}))
         axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(target, dpi=110)

@@ -67,7 +67,7 @@ class TrafficClass:
     ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS
     sheddable: bool = False  # 429 at once when the predicted TTFT misses the SLO
     weight: float = 1.0  # each tenant's share in the fair queue, relative to others'
-    deadline_ms: float = 0.0  # longest wait in the queue (0: the TTFT SLO)
+    deadline_ms: float = 0.0  # longest wait in the queue (0: the SLO less the service)
 
     @property
     def ttft_slo_s(self) -> float:

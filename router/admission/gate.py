@@ -8,7 +8,8 @@ instead of in every engine's queue at once.
             a sheddable request that would miss its SLO gets 429 with Retry-After at
             once; any other waits in the model's fair queue (fair_queue.py), bounded in
             requests and bytes (503 with Retry-After when full), until budget frees up
-            or its class deadline passes (503 with Retry-After). Every request gets an
+            or its class deadline passes (503 with Retry-After; the deadline is its SLO
+            less its own predicted service, unless the class sets one). Every request gets an
             answer; one whose client leaves is taken out of the queue.
     charge  when the request is held on a pair, the pair's own grants replace the
             reservation: the prefill's uncached prompt tokens (the `kv` policy's
@@ -190,13 +191,26 @@ class Admission:
                             f"{predicted * 1000:.0f} ms)", "slo_shed", predicted)
         pending = _Pending(asyncio.get_running_loop().create_future(), cost)
         waiter = Waiter(who.klass.name, who.klass.priority, who.tenant, who.weight,
-                        cost.prompt_tokens, size, now, now + who.klass.deadline_s, pending)
+                        cost.prompt_tokens, size, now,
+                        now + self._deadline_s(who.klass, prefills, cost), pending)
         if not queue.push(waiter):
             self._count(model, who, "queue_full")
             return _refusal(503, "the router's queue is full", "queue_full", predicted)
         self._gauges(model, queue)
         self.pump()
         return await self._wait(model, who, waiter, pending, predicted)
+
+    def _deadline_s(self, klass: TrafficClass, prefills: Sequence[str], cost: Cost) -> float:
+        """How long the request may wait: its class's `deadline_ms` when the file sets
+        one; else its SLO less its own predicted service (its prefill alone, the first
+        token), since a request admitted later would miss the SLO anyway: better a 503 the
+        client can retry elsewhere than a late answer."""
+        if klass.deadline_ms:
+            return klass.deadline_s
+        service = self.predictor.predict(ahead=0, own=cost.prompt_tokens,
+                                         prefills=prefills[:1],
+                                         decode_s=self._decode_latency.typical(DECODE))
+        return max(0.0, klass.ttft_slo_s - service)
 
     async def _wait(self, model: str, who: Who, waiter: Waiter, pending: _Pending,
                     predicted: float) -> Ticket | Response:
