@@ -33,7 +33,15 @@ from router.admission.predict import TtftPredictor
 from router.latency import LatencyTracker
 from router.table import Candidate, Pair
 from serving.http_messages import Response
-from wire.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
+from wire.protocol import (
+    ROUTER_PROTOCOL,
+    Endpoints,
+    Load,
+    MemberRecord,
+    MemberSpec,
+    MemberState,
+    Role,
+)
 
 CRITICAL = TrafficClass("critical", priority=2, ttft_slo_ms=5000)
 STANDARD = TrafficClass("standard", priority=1, ttft_slo_ms=5000)
@@ -41,8 +49,9 @@ BATCH = TrafficClass("batch", priority=0, ttft_slo_ms=100, sheddable=True)
 BOOK = ClassBook({c.name: c for c in (CRITICAL, STANDARD, BATCH)}, "standard")
 
 
-def live(member_id: str, role: Role, *, capacity: int = 0, kv: float = 0.0) -> LiveMember:
-    spec = MemberSpec(id=member_id, incarnation=1, role=role, model="m", protocol="vllm-nixl",
+def live(member_id: str, role: Role, *, capacity: int = 0, kv: float = 0.0,
+         protocol: str = "vllm-nixl") -> LiveMember:
+    spec = MemberSpec(id=member_id, incarnation=1, role=role, model="m", protocol=protocol,
                       endpoints=Endpoints(http="http://127.0.0.1:1"), capacity=capacity)
     load = Load(kv_usage=kv)
     record = MemberRecord(spec=spec, state=MemberState.READY, load=load)
@@ -184,10 +193,15 @@ def test_higher_priority_goes_first_and_pairing_avoids_full_members() -> None:
 def test_routers_split_each_members_budget_and_a_full_kv_takes_one_request() -> None:
     async def run() -> None:
         admission = gate(prefill_budget_tokens=1000, decode_budget_tokens=900)
-        routers = {f"r{i}": live(f"r{i}", Role.API_SERVER) for i in range(3)}
-        admission.on_members({"p1": live("p1", Role.PREFILL), **routers})
+        routers = {f"r{i}": live(f"r{i}", Role.API_SERVER, protocol=ROUTER_PROTOCOL)
+                   for i in range(3)}
+        planner = live("planner", Role.API_SERVER, protocol="pdreg-planner")  # not a router
+        admission.on_members({"p1": live("p1", Role.PREFILL), "planner": planner, **routers})
         assert admission.routers == 3
         assert admission.limit(P1, "prefill").units == 333
+        unsteered = gate(prefill_budget_tokens=1000, budget_slo_share=0.0)
+        unsteered.on_members(routers)
+        assert unsteered.limit(P1, "prefill").units == 333
         assert admission.limit(D1, "decode").units == 300
         small = Candidate.of(live("d2", Role.DECODE, capacity=7))
         assert admission.limit(small, "decode").requests == 2

@@ -45,7 +45,7 @@ from router.admission.predict import TtftPredictor
 from router.latency import LatencyTracker
 from router.table import Candidate, Pair
 from serving.http_messages import Response, openai_error
-from wire.protocol import Role
+from wire.protocol import ROUTER_PROTOCOL, Role
 
 __all__ = ["Admission", "Cost", "Ticket", "Who"]
 
@@ -144,15 +144,18 @@ class Admission:
         the flag's budget is split among the routers, the adaptive one is this
         router's own already (its legs, its work)."""
         cap = self.options.prefill_budget_tokens
+        share = max(1, cap // self.routers) if cap else 0
         if self.adaptive is None:
-            return cap
+            return share
         steered = self.adaptive.limit(member_id)
-        return min(steered, max(1, cap // self.routers)) if cap else steered
+        return min(steered, share) if share else steered
 
     def on_members(self, members: Mapping[str, LiveMember]) -> None:
-        """Membership changed: count the routers, forget members gone, admit what fits."""
+        """Membership changed: count the routers (api_server members that speak the
+        router protocol: not the planner), forget members gone, admit what fits."""
         self.routers = max(1, sum(1 for m in members.values()
-                                  if m.record.spec.role is Role.API_SERVER))
+                                  if m.record.spec.role is Role.API_SERVER
+                                  and m.record.spec.protocol == ROUTER_PROTOCOL))
         self.metrics.routers.labels().set(self.routers)
         self.predictor.retain(members.keys())
         if self.adaptive is not None:
