@@ -5,8 +5,11 @@ refuses what it cannot serve: 401 (API key), 400 (not JSON, nested too deep, no 
 404 `model_not_found` (no member serves or has served the model), 503 `no_capacity` (a
 known model, no routable pair now), 508 (a request from a router: a loop). The HTTP
 server (serving/http_server.py) answers before admission for what never arrives whole:
-408, 413, 431. `Proxy` (router/proxy.py) does the rest: pairing, retries, relaying and
-migration.
+408, 413, 431. Then overload admission (router/admission/, on unless --no-admission)
+admits the request while an eligible pair has budget, or queues it, or refuses it: 429
+`slo_shed`, 503 `queue_deadline` / `queue_full`, each with Retry-After; 400/403 for a
+class the request may not name. `Proxy` (router/proxy.py) does the rest: pairing,
+retries, relaying and migration.
 
 `Router` is built from one `RouterConfig` (router/config.py). It wires what requests
 share and hands each `Proxy` only the narrow ports it uses (router/ports.py): `Pairing`
