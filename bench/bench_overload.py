@@ -241,10 +241,10 @@ def pdreg(registry: str, admission: bool) -> Iterator[Target]:
 
 
 @contextmanager
-def peer(start: Callable[[], peers.PeerRouter]) -> Iterator[Target]:
+def peer(start: Callable[[], peers.PeerRouter], label: str = "") -> Iterator[Target]:
     router = start()
     try:
-        yield Target(router.name, router.url, router.proc.pid)
+        yield Target(label or router.name, router.url, router.proc.pid)
     finally:
         router.stop()
 
@@ -303,7 +303,7 @@ def lineups(with_peers: bool) -> Iterator[tuple[str, list[Callable[..., Abstract
         yield "sglang", [
             lambda reg, hs: peer(lambda: peers.start_sglang_router(
                 [(h.url, h.bootstrap_port) for h in prefills(hs)], decodes(hs),
-                extra_args=SGLANG_LIMIT)),
+                extra_args=SGLANG_LIMIT), "sglang-router (limit)"),
             lambda reg, hs: peer(lambda: peers.start_sglang_router(
                 [(h.url, h.bootstrap_port) for h in prefills(hs)], decodes(hs)))]
 
