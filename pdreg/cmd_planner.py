@@ -56,26 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "their events alone (with --model: both sets)")
     p.add_argument("--interval", type=_positive, default=2.0, metavar="S",
                    help="seconds between planning rounds")
-    g = p.add_argument_group("targets")
-    g.add_argument("--ttft-slo", type=_positive, default=1.0, metavar="S",
-                   help="time-to-first-token objective (prefills scale on it)")
-    g.add_argument("--itl-slo", type=_positive, default=0.05, metavar="S",
-                   help="inter-token latency objective (decodes scale on it)")
-    g.add_argument("--latency-quantile", type=_fraction, default=0.9, metavar="Q",
-                   help="which quantile of the routers' latency meets the objectives")
-    g.add_argument("--load-window", type=float, default=10.0, metavar="S",
-                   help="running, waiting and KV use are averaged over this (0: latest)")
-    g.add_argument("--latency-window", type=_positive, default=30.0, metavar="S",
-                   help="how far back latency quantiles and request rates look")
-    g.add_argument("--target-utilization", type=_positive, default=0.7, metavar="U",
-                   help="(running + waiting) / declared capacity to aim for, per role")
-    g.add_argument("--target-kv", type=_fraction, default=0.7, metavar="U",
-                   help="decodes' mean KV cache use to aim for")
-    g.add_argument("--target-queue", type=_positive, default=2.0, metavar="N",
-                   help="waiting requests per replica to scale up at, where no member "
-                        "declares a capacity")
-    g.add_argument("--default-capacity", type=int, default=0, metavar="N",
-                   help="capacity of members that declare none (0: their role's mean)")
+    _add_target_arguments(p)
     h = p.add_argument_group("stability (Kubernetes HPA semantics)")
     h.add_argument("--tolerance", type=float, default=0.1,
                    help="no change while every signal is within this fraction of target")
@@ -102,6 +83,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_target_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("targets")
+    g.add_argument("--ttft-slo", type=_positive, default=1.0, metavar="S",
+                   help="time-to-first-token objective (prefills scale on it)")
+    g.add_argument("--itl-slo", type=_positive, default=0.05, metavar="S",
+                   help="inter-token latency objective (decodes scale on it)")
+    g.add_argument("--latency-quantile", type=_fraction, default=0.9, metavar="Q",
+                   help="which quantile of the routers' latency meets the objectives")
+    g.add_argument("--load-window", type=float, default=10.0, metavar="S",
+                   help="running, waiting and KV use are averaged over this (0: latest)")
+    g.add_argument("--latency-window", type=_positive, default=30.0, metavar="S",
+                   help="how far back latency quantiles and request rates look")
+    g.add_argument("--target-utilization", type=_positive, default=0.7, metavar="U",
+                   help="(running + waiting) / declared capacity to aim for, per role")
+    g.add_argument("--target-kv", type=_fraction, default=0.7, metavar="U",
+                   help="decodes' mean KV cache use to aim for")
+    g.add_argument("--target-queue", type=_positive, default=2.0, metavar="N",
+                   help="waiting requests per replica to scale up at, where no member "
+                        "declares a capacity")
+    g.add_argument("--target-queue-wait", type=_positive, default=0.25, metavar="S",
+                   help="the routers' admission queue wait (the --latency-quantile) to "
+                        "scale prefills up at, before engine queues grow")
+    g.add_argument("--default-capacity", type=int, default=0, metavar="N",
+                   help="capacity of members that declare none (0: their role's mean)")
+
+
 def _add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape-timeout", type=_positive, default=2.0, metavar="S",
                    help="per-router /metrics timeout")
@@ -115,7 +122,8 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
     rule = RuleConfig(
         ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo,
         target_utilization=args.target_utilization, target_kv_usage=args.target_kv,
-        target_queue=args.target_queue, tolerance=args.tolerance,
+        target_queue=args.target_queue, target_queue_wait_s=args.target_queue_wait,
+        tolerance=args.tolerance,
         scale_up_window_s=args.scale_up_window, scale_down_window_s=args.scale_down_window,
         latency_window_s=args.latency_window, slo_memory_s=args.slo_memory,
         prefill=Bounds(args.min_prefill, args.max_prefill),

@@ -29,10 +29,20 @@ from pdreg.args import (
     secret_of,
 )
 from registry.client import MembershipView, parse_models
+from router.admission.classes import DEFAULT_TTFT_SLO_MS, load_classes
+from router.admission.options import (
+    BUDGET_SLO_SHARE,
+    DECODE_BUDGET_TOKENS,
+    MAX_QUEUE_BYTES,
+    MAX_QUEUE_REQUESTS,
+    PREFILL_BUDGET_TOKENS,
+    STARVATION_S,
+)
 from router.config import (
     DRAIN_DELAY_S,
     MAX_ATTEMPTS,
     MAX_MIGRATIONS,
+    AdmissionOptions,
     KvOptions,
     Limits,
     PairingOptions,
@@ -128,6 +138,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--latency-decay", type=float, default=DECAY_S, metavar="S",
                    help="peak_ewma and kv: how fast a member's latency estimate forgets (the old "
                         "estimate's weight after t seconds is exp(-t/S))")
+    _add_admission_arguments(p)
+    _add_registration_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_registration_arguments(p: argparse.ArgumentParser) -> None:
+    """How the router joins the fleet (it is a member, role api_server)."""
     p.add_argument("--advertise-host", default="",
                    help="host to register as the router's address (default --host)")
     add_secret_argument(p, TOKEN, "the registry's fleet token (the router registers)")
@@ -136,7 +153,57 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="listen beyond loopback with no API key, token or CURVE")
     p.add_argument("--no-register", action="store_true",
                    help="do not register the router itself as an api_server member")
-    p.set_defaults(func=run)
+
+
+def _add_admission_arguments(p: argparse.ArgumentParser) -> None:
+    """Overload admission (router/admission/; docs/operations.md "Overload")."""
+    p.add_argument("--no-admission", action="store_true",
+                   help="forward every request at once, with no budgets and no queue")
+    p.add_argument("--classes", default="", type=_classes_file, metavar="FILE",
+                   help="traffic classes and API keys (TOML): priority, TTFT SLO, sheddable, "
+                        "weight per class; tenant and class per key. Default: one class")
+    p.add_argument("--ttft-slo-ms", type=_positive, default=DEFAULT_TTFT_SLO_MS, metavar="MS",
+                   help="without --classes: the one class's TTFT SLO; a request that cannot "
+                        "start within it gets 503 with Retry-After")
+    p.add_argument("--prefill-budget-tokens", type=int, default=PREFILL_BUDGET_TOKENS,
+                   metavar="N", help="uncached prompt tokens a prefill may have in flight "
+                                     "(split among the routers registered; 0: no limit)")
+    p.add_argument("--budget-slo-share", type=float, default=BUDGET_SLO_SHARE, metavar="F",
+                   help="each prefill's budget follows its legs: lowered when a leg takes "
+                        "longer than this share of the top class's TTFT SLO, raised while "
+                        "they take less, never above --prefill-budget-tokens (0: the "
+                        "flag's budget alone)")
+    p.add_argument("--decode-budget-tokens", type=int, default=DECODE_BUDGET_TOKENS,
+                   metavar="N",
+                   help="KV tokens (prompt + answer) a decode may hold (split among the "
+                        "routers; 0: bounded by its capacity and reported KV use only)")
+    p.add_argument("--max-queue-requests", type=int, default=MAX_QUEUE_REQUESTS, metavar="N",
+                   help="requests waiting for budget, per model (then 503)")
+    p.add_argument("--max-queue-bytes", type=int, default=MAX_QUEUE_BYTES, metavar="N",
+                   help="bytes of request bodies waiting for budget, per model (then 503)")
+    p.add_argument("--starvation-guard", type=_positive, default=STARVATION_S, metavar="S",
+                   help="a class whose oldest request has waited this long goes before "
+                        "higher priorities")
+
+
+def _classes_file(path: str) -> str:
+    if not path:
+        return path  # argparse passes the default through the type too
+    try:
+        load_classes(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"a positive number is required, not {text!r}")
+    return value
 
 
 def _models(text: str) -> tuple[str, ...]:
@@ -226,7 +293,16 @@ def config_of(args: argparse.Namespace, api_key: str) -> RouterConfig:
                      gap_bytes=args.kv_gap_bytes, max_block_sizes=args.kv_max_block_sizes,
                      max_prompt_tokens=args.kv_max_prompt_tokens,
                      long_prompt_threads=args.kv_long_prompt_threads,
-                     long_prompts_per_client=args.kv_long_prompts_per_client))
+                     long_prompts_per_client=args.kv_long_prompts_per_client),
+        admission=AdmissionOptions(
+            enabled=not args.no_admission, classes_file=args.classes,
+            ttft_slo_ms=args.ttft_slo_ms,
+            prefill_budget_tokens=max(0, args.prefill_budget_tokens),
+            budget_slo_share=max(0.0, args.budget_slo_share),
+            decode_budget_tokens=max(0, args.decode_budget_tokens),
+            max_queue_requests=max(0, args.max_queue_requests),
+            max_queue_bytes=max(0, args.max_queue_bytes),
+            starvation_s=args.starvation_guard))
 
 
 def _router_spec(host: str, server: RouterServer) -> MemberSpec:

@@ -40,18 +40,52 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", action="store_true", help="refresh the table in place")
     p.add_argument("--router", default="", metavar="URL",
                    help="show what this router's KV index holds per member (`--policy "
-                        "kv`): index state, blocks indexed, event lag (its API key from "
+                        "kv`): index state, blocks indexed, event lag, and its admission: "
+                        "queues per class, answers, budget per member (its API key from "
                         "PDREG_API_KEY); without it, the KV INDEX column is the registry's "
                         "summary of what every registered router reports")
     p.set_defaults(func=run)
 
 
+def _router_get(router: str, path: str) -> httpx.Response:
+    key = os.environ.get("PDREG_API_KEY", "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(router.rstrip("/") + path, headers=headers, timeout=5.0)
+
+
+def admission_lines(router: str) -> list[str]:
+    """The router's admission (GET /v1/admission): one line for its classes and the
+    routers sharing each budget, one per model (queue, answers), one per member budget."""
+    response = _router_get(router, "/v1/admission")
+    if response.status_code == 404:  # a router from before admission
+        return []
+    response.raise_for_status()
+    body = response.json()
+    if not body.get("enabled"):
+        return ["admission: off (--no-admission)"]
+    classes = ", ".join(f"{c['name']} (priority {c['priority']}, SLO {c['ttft_slo_ms']:.0f} ms"
+                        + (", sheddable)" if c["sheddable"] else ")") for c in body["classes"])
+    lines = [f"admission: {body['routers']} routers share each budget; classes: {classes}"]
+    for model, entry in sorted(body["models"].items()):
+        queued = ", ".join(f"{k} {n}" for k, n in sorted(entry["queued"].items())) or "0"
+        answers = {}
+        for outcomes in entry["outcomes"].values():
+            for outcome, n in outcomes.items():
+                answers[outcome] = answers.get(outcome, 0) + n
+        told = ", ".join(f"{k} {n}" for k, n in sorted(answers.items())) or "none yet"
+        lines.append(f"admission, model {model}: queued {queued} ({entry['bytes']} bytes); "
+                     f"answers: {told}")
+    for member in body["members"]:
+        limit = member["limit"] or "no limit"
+        lines.append(f"budget {member['id']} ({member['role']}): {member['used']}/{limit} "
+                     f"tokens, {member['requests']} requests")
+    return lines
+
+
 def add_kv_index(members: list[dict[str, Any]], router: str) -> list[str]:
     """Merge a router's /v1/kv (per member: state, blocks, lag; per model: exact or the
     peak_ewma fallback, `kv_pairing`) into `members`; one line per model for the table."""
-    key = os.environ.get("PDREG_API_KEY", "")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    response = httpx.get(router.rstrip("/") + "/v1/kv", headers=headers, timeout=5.0)
+    response = _router_get(router, "/v1/kv")
     response.raise_for_status()
     body = response.json()
     indexed = {m["id"]: m for m in body["members"]}
@@ -228,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
         def table(once: bool) -> str:
             fleet = fetch()
             members = fleet.members
-            kv_lines = add_kv_index(members, args.router) if args.router \
-                else unmatched_models(members)
+            kv_lines = [*add_kv_index(members, args.router), *admission_lines(args.router)] \
+                if args.router else unmatched_models(members)
             if args.json:
                 return json.dumps(members, indent=2 if once else None)
             return "\n".join([render(members), *kv_lines, *render_registries(fleet)])

@@ -46,6 +46,10 @@ class PlannerMetrics:
         self.itl = Gauge("pdreg_planner_input_itl_seconds",
                          "Routers' mean inter-token latency over the window", ("model",),
                          registry=r)
+        self.queue_wait = Gauge("pdreg_planner_input_queue_wait_seconds",
+                                f"Routers' admission queue wait, quantile "
+                                f"{latency_quantile:g} over the window", ("model",),
+                                registry=r)
         self.request_rate = Gauge("pdreg_planner_input_request_rate",
                                   "Requests per second reaching the routers",
                                   ("model",), registry=r)
@@ -81,7 +85,8 @@ class PlannerMetrics:
         self.capacity.labels(*labels).set(signals.capacity)
         self.kv_usage.labels(*labels).set(signals.kv_usage)
         for gauge, value in ((self.ttft, signals.ttft_s), (self.itl, signals.itl_s),
-                             (self.request_rate, signals.request_rate)):
+                             (self.request_rate, signals.request_rate),
+                             (self.queue_wait, signals.queue_wait_s)):
             if value is None:
                 _remove(gauge, (decision.model,))
             else:
@@ -98,7 +103,7 @@ class PlannerMetrics:
                           self.running, self.waiting, self.capacity, self.kv_usage):
                 for role in ("prefill", "decode"):
                     _remove(gauge, (model, role))
-            for gauge in (self.ttft, self.itl, self.request_rate):
+            for gauge in (self.ttft, self.itl, self.request_rate, self.queue_wait):
                 _remove(gauge, (model,))
             self._models.discard(model)
 

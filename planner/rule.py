@@ -10,6 +10,10 @@ Every tick, per (model, role):
    - kv_usage     decodes: mean KV use against the target; up and down.
    - queue        only where no member declares a capacity: waiting per replica against
                   the target; up only (an empty queue says nothing about how few suffice).
+   - queue_wait   the routers' admission queue wait quantile against its target: up
+                  only, like a latency vote; the prefills' (admission budgets their
+                  uncached tokens), the decodes' when their KV is at target: requests
+                  wait in the router before any engine queue grows, so this comes first.
    - ttft, itl    the routers' TTFT quantile and mean ITL against the SLOs; up only, at
                   most doubling per vote, and only the role at fault. TTFT is the fault
                   of the role that queues; ITL the decodes', when their batches are not
@@ -50,6 +54,7 @@ class Reason(enum.StrEnum):
     UTILIZATION = "utilization"
     KV_USAGE = "kv_usage"
     QUEUE = "queue"
+    QUEUE_WAIT = "queue_wait"
     TTFT = "ttft"
     ITL = "itl"
     SLO_FLOOR = "slo_floor"
@@ -62,7 +67,7 @@ class Reason(enum.StrEnum):
     HOLD = "hold"  # bad input: the last decision stands
 
 
-_LATENCY = frozenset({Reason.TTFT, Reason.ITL})
+_LATENCY = frozenset({Reason.TTFT, Reason.ITL, Reason.QUEUE_WAIT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,7 @@ class RuleConfig:
     target_utilization: float = 0.7  # (running + waiting) / capacity
     target_kv_usage: float = 0.7  # decodes' mean KV use, 0..1
     target_queue: float = 2.0  # waiting per replica, used when no capacity is declared
+    target_queue_wait_s: float = 0.25  # the routers' admission queue wait quantile
     tolerance: float = 0.1  # HPA's default
     scale_up_window_s: float = 0.0  # HPA's default
     scale_down_window_s: float = 300.0  # HPA's default
@@ -93,7 +99,7 @@ class RuleConfig:
 
     def __post_init__(self) -> None:
         for name in ("ttft_slo_s", "itl_slo_s", "target_utilization", "target_kv_usage",
-                     "target_queue"):
+                     "target_queue", "target_queue_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("tolerance", "scale_up_window_s", "scale_down_window_s",
@@ -117,6 +123,7 @@ class RoleSignals:
     ttft_s: float | None = None  # the model's TTFT quantile over the latency window
     itl_s: float | None = None  # the model's mean inter-token latency
     request_rate: float | None = None  # requests/s reaching the model's routers
+    queue_wait_s: float | None = None  # the routers' admission queue wait quantile
 
     @property
     def utilization(self) -> float | None:
@@ -283,6 +290,9 @@ class Planner:
                                f"KV {s.kv_usage:.0%} vs target {cfg.target_kv_usage:.0%} "
                                f"-> {count}"))
         settled = now - state.replicas_changed_at >= cfg.latency_window_s
+        budget_bound = role is Role.PREFILL or s.kv_usage >= cfg.target_kv_usage
+        votes.append(_latency_vote(Reason.QUEUE_WAIT, s.queue_wait_s, cfg.target_queue_wait_s,
+                                   current, budget_bound, settled, role, cfg.tolerance))
         votes.append(_latency_vote(Reason.TTFT, s.ttft_s, cfg.ttft_slo_s, current,
                                    s.queueing, settled, role, cfg.tolerance))
         if role is Role.DECODE:
@@ -308,9 +318,11 @@ def _latency_vote(reason: Reason, observed: float | None, slo: float, current: i
     if ratio <= 1.0 + tolerance:
         return None
     name = reason.value.upper()
-    what = f"{name} {observed * 1e3:.0f} ms over the {slo * 1e3:.0f} ms SLO"
+    what = f"{name} {observed * 1e3:.0f} ms over the {slo * 1e3:.0f} ms " + (
+        "target" if reason is Reason.QUEUE_WAIT else "SLO")
     if not at_fault:
-        why = "no {} queues" if reason is Reason.TTFT else "{} batches are small"
+        why = {Reason.TTFT: "no {} queues", Reason.ITL: "{} batches are small",
+               Reason.QUEUE_WAIT: "{} KV is below target"}[reason]
         return _Vote(current, reason, f"{what}, but {why.format(role_name(role))}: "
                                       "no scale-down")
     if not settled:

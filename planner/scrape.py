@@ -3,7 +3,8 @@
 Names (CONTRACT.md, the router's side): `pdreg_router_ttft_seconds{model}`,
 `pdreg_router_itl_seconds{model}` (histograms; of ITL the planner uses the mean, from
 `_sum` and `_count`), `pdreg_router_requests_total{model, outcome}` (every outcome is an
-arrival, 503s included). A router is another process the
+arrival, 503s included), `pdreg_router_queue_wait_seconds{model, class}` (admission's
+queue wait, summed over classes). A router is another process the
 planner does not trust blindly: the body is size-capped, every number must be finite,
 and a page that does not parse is an error the caller counts, never a crash.
 """
@@ -28,6 +29,7 @@ __all__ = ["MAX_BODY_BYTES", "RouterFigures", "ScrapeError", "fetch_metrics",
 TTFT_FAMILY = "pdreg_router_ttft_seconds"
 ITL_FAMILY = "pdreg_router_itl_seconds"
 REQUESTS_FAMILY = "pdreg_router_requests"  # the parser drops the counter's `_total`
+QUEUE_WAIT_FAMILY = "pdreg_router_queue_wait_seconds"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_MODELS_PER_ROUTER = 1024
 MAX_BUCKETS = 128
@@ -45,6 +47,7 @@ class RouterFigures:
     itl: dict[str, Cumulative] = field(default_factory=dict)
     itl_sum: dict[str, float] = field(default_factory=dict)  # seconds, all gaps
     requests: dict[str, float] = field(default_factory=dict)
+    queue_wait: dict[str, Cumulative] = field(default_factory=dict)  # all classes
 
 
 def metrics_url(endpoints: Endpoints) -> str:
@@ -91,7 +94,8 @@ async def fetch_metrics(client: httpx.AsyncClient, url: str) -> str:
 def parse_router_metrics(text: str) -> RouterFigures:
     """The figures the planner reads; ScrapeError if the page is not Prometheus text."""
     buckets: dict[str, dict[str, dict[float, float]]] = {
-        TTFT_FAMILY: defaultdict(dict), ITL_FAMILY: defaultdict(dict)}
+        TTFT_FAMILY: defaultdict(dict), ITL_FAMILY: defaultdict(dict),
+        QUEUE_WAIT_FAMILY: defaultdict(dict)}
     requests: dict[str, float] = defaultdict(float)
     itl_sum: dict[str, float] = {}
     try:
@@ -101,7 +105,8 @@ def parse_router_metrics(text: str) -> RouterFigures:
                     model = sample.labels.get("model", "")
                     if sample.name.endswith("_bucket"):
                         bound = float(sample.labels.get("le", "nan"))
-                        buckets[family.name][model][bound] = _finite(sample.value)
+                        held = buckets[family.name][model]  # classes add up
+                        held[bound] = held.get(bound, 0.0) + _finite(sample.value)
                     elif family.name == ITL_FAMILY and sample.name.endswith("_sum"):
                         itl_sum[model] = _finite(sample.value)
             elif family.name == REQUESTS_FAMILY and family.type == "counter":
@@ -110,7 +115,8 @@ def parse_router_metrics(text: str) -> RouterFigures:
                         requests[sample.labels.get("model", "")] += _finite(sample.value)
         figures = RouterFigures(ttft=_histograms(buckets[TTFT_FAMILY]),
                                 itl=_histograms(buckets[ITL_FAMILY]), itl_sum=itl_sum,
-                                requests=dict(requests))
+                                requests=dict(requests),
+                                queue_wait=_histograms(buckets[QUEUE_WAIT_FAMILY]))
     except (ValueError, TypeError, IndexError) as exc:
         raise ScrapeError(f"not Prometheus text the router writes: {exc}") from None
     models = set(figures.ttft) | set(figures.itl) | set(figures.requests)

@@ -229,6 +229,7 @@ class PlanningLoop:
         itl = self.latency.delta(("itl", model), now)
         itl_sum = self.latency.delta(("itl_sum", model), now)
         requests = self.latency.delta(("requests", model), now)
+        queue_wait = self.latency.delta(("queue_wait", model), now)
         return RoleSignals(
             replicas=fleet.replicas, running=load.running, waiting=load.waiting,
             capacity=fleet.capacity, kv_usage=load.kv_usage,
@@ -237,7 +238,8 @@ class PlanningLoop:
             # DistServe's TPOT): single gaps jitter, a stream's pace is what users see.
             itl_s=(itl_sum[0].total / itl[0].total
                    if itl and itl_sum and itl[0].total > 0 else None),
-            request_rate=requests[0].total / requests[1] if requests else None)
+            request_rate=requests[0].total / requests[1] if requests else None,
+            queue_wait_s=quantile(queue_wait[0], q) if queue_wait else None)
 
     async def _scrape(self, client: httpx.AsyncClient, routers: list[LiveMember],
                       now: float) -> list[tuple[str, str] | None]:
@@ -259,6 +261,8 @@ class PlanningLoop:
                 self.latency.add(source, ("itl", model), histogram, now)
             for model, seconds in figures.itl_sum.items():
                 self.latency.add(source, ("itl_sum", model), Cumulative.counter(seconds), now)
+            for model, histogram in figures.queue_wait.items():
+                self.latency.add(source, ("queue_wait", model), histogram, now)
             for model, count in figures.requests.items():
                 self.latency.add(source, ("requests", model), Cumulative.counter(count), now)
             return None

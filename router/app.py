@@ -5,8 +5,11 @@ refuses what it cannot serve: 401 (API key), 400 (not JSON, nested too deep, no 
 404 `model_not_found` (no member serves or has served the model), 503 `no_capacity` (a
 known model, no routable pair now), 508 (a request from a router: a loop). The HTTP
 server (serving/http_server.py) answers before admission for what never arrives whole:
-408, 413, 431. `Proxy` (router/proxy.py) does the rest: pairing, retries, relaying and
-migration.
+408, 413, 431. Then overload admission (router/admission/, on unless --no-admission)
+admits the request while an eligible pair has budget, or queues it, or refuses it: 429
+`slo_shed`, 503 `queue_deadline` / `queue_full`, each with Retry-After; 400/403 for a
+class the request may not name. `Proxy` (router/proxy.py) does the rest: pairing,
+retries, relaying and migration.
 
 `Router` is built from one `RouterConfig` (router/config.py). It wires what requests
 share and hands each `Proxy` only the narrow ports it uses (router/ports.py): `Pairing`
@@ -32,6 +35,10 @@ from typing import Any, Final
 import msgspec
 
 from registry.client import LiveMember
+from router.admission.classes import ClassBook, default_book, load_classes
+from router.admission.gate import Admission, Ticket
+from router.admission.metrics import AdmissionMetrics
+from router.admission.requests import cost_of, key_of, who_of
 from router.choice import Affinity
 from router.config import RouterConfig
 from router.continuation import why_not_migratable
@@ -93,6 +100,8 @@ class Router:
         else:
             pairer = make_pairer(config.policy, stale_after_s=config.pairing.stale_load_s,
                                  latency=latency)
+        # Overload admission (router/admission/): None when --no-admission.
+        self.admission = self._admission_of(latency)
         self.unroutable = Unroutable(self.upstream_policy, config.allow_upstream)
         self.readiness = Readiness()
         self.readiness.add(self.unroutable.warnings)
@@ -103,7 +112,8 @@ class Router:
                                in_flight=self.in_flight, picks_of=self.metrics.picks_of,
                                latency=latency, clock=time.monotonic,
                                on_members=self._on_members,
-                               on_first_pair=self.kv.picked if self.kv else None)
+                               on_first_pair=self.kv.picked if self.kv else None,
+                               budgets=self.admission)
         # Only latency-aware policies read the samples; the others skip taking them.
         self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
                                  self.metrics.quarantines_of, time.monotonic,
@@ -117,6 +127,15 @@ class Router:
         self._ports: ProxyPorts | None = None
         self._warmer: Warmer | None = None
         self._follower: asyncio.Task[None] | None = None
+
+    def _admission_of(self, latency: LatencyTracker) -> Admission | None:
+        options = self.config.admission
+        if not options.enabled:
+            return None
+        book: ClassBook = load_classes(options.classes_file) if options.classes_file \
+            else default_book(options.ttft_slo_ms)
+        return Admission(options, book, lambda model: self.pairing.candidates(model),
+                         latency, AdmissionMetrics(self.metrics.registry), time.monotonic)
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -133,6 +152,7 @@ class Router:
         if serve_metrics:
             app.add("GET", "/metrics", self.handle_metrics)
         app.add("GET", "/v1/kv", self.handle_kv)
+        app.add("GET", "/v1/admission", self.handle_admission)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -166,6 +186,8 @@ class Router:
         """Membership changed (not only loads): what follows it besides the table."""
         if self.kv is not None:
             self.kv.on_members(members)
+        if self.admission is not None:
+            self.admission.on_members(members)
         self.unroutable.on_members(members)
         self.metrics.unroutable.labels().set(len(self.unroutable.members))
 
@@ -176,6 +198,8 @@ class Router:
             try:
                 self.pairing.table()
                 self.readiness.warnings()
+                if self.admission is not None:  # engines may have come back: admit
+                    self.admission.pump()
             except Exception:  # a bad view must not end the following for good
                 logger.exception("[router] following membership failed")
             await asyncio.sleep(FOLLOW_S)
@@ -212,9 +236,15 @@ class Router:
     # --- small handlers -----------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
-        if not self._api_key:
+        """--api-key, or a key of the `--classes` file; anyone when neither is set."""
+        keys = self.admission is not None and bool(self.admission.book.keys)
+        if not self._api_key and not keys:
             return True
-        return hmac.compare_digest(request.headers.get(b"authorization", b""), self._api_key)
+        if self._api_key and hmac.compare_digest(
+                request.headers.get(b"authorization", b""), self._api_key):
+            return True
+        return keys and self.admission is not None \
+            and key_of(self.admission.book, request) is not None
 
     async def handle_models(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -252,6 +282,14 @@ class Router:
         kv = self.kv.report(time.time()) if self.kv is not None else {"members": []}
         return Response(200, _encode({"policy": self.config.policy, **kv}))
 
+    async def handle_admission(self, request: Request) -> Response:
+        """Admission's state: classes, queues, answers, budgets per member."""
+        if not self._authorized(request):
+            return self._refuse("unauthorized", unauthorized())
+        if self.admission is None:
+            return Response(200, _encode({"enabled": False}))
+        return Response(200, _encode({"enabled": True, **self.admission.report()}))
+
     async def _affinity(self, request: Request, body: dict[str, Any],
                         model: str) -> Affinity:
         """The request's input to pairing: the `kv` policy's exact prompt blocks
@@ -272,6 +310,10 @@ class Router:
         if isinstance(admitted, Response):
             return admitted
         assert self._ports is not None, "the app has not started"
+        ticket = await self._ticket(request, admitted)
+        if isinstance(ticket, Response):
+            return ticket
+        admitted.ticket = ticket
         proxy = Proxy(admitted, self._ports)
         try:
             response = await (proxy.stream(request) if admitted.stream else proxy.whole())
@@ -282,6 +324,9 @@ class Router:
         except BaseException:  # the client left (cancel, reset) while we waited upstream
             self.record.outcome(admitted.model, "cancelled")
             raise
+        finally:
+            if ticket is not None:  # held on no pair: what it reserved goes back
+                ticket.settle()
         if self.draining:
             # Answer, then close the connection: a keep-alive client reconnects through
             # its load balancer, to a router that is not draining.
@@ -325,6 +370,19 @@ class Router:
             include_usage=isinstance(stream_options, dict)
             and stream_options.get("include_usage") is True,
             migratable=why_not_migratable(request.path, body) if stream else "not streamed")
+
+    async def _ticket(self, request: Request, call: Call) -> Ticket | Response | None:
+        """Admission's ticket for the call, or its refusal (router/admission/gate.py).
+        None when admission is off, or the model has no pool (pairing answers 404/503)."""
+        admission = self.admission
+        if admission is None or not self.pairing.serves(call.model):
+            return None
+        who = who_of(admission.book, request, key_of(admission.book, request))
+        if isinstance(who, Response):
+            return self._refuse("bad_class", who)
+        return await admission.admit(call.model, who,
+                                     cost_of(request, call.body, call.affinity),
+                                     len(request.body))
 
     def _refuse(self, reason: str, response: Response) -> Response:
         self.metrics.refused_of(reason).inc()

@@ -9,6 +9,8 @@
     pairing   locality, when a load is stale, quarantine, latency memory (`PairingOptions`)
     kv        the `kv` policy's tokenizers and conditional disaggregation
               (router.kv.routing.KvOptions)
+    admission overload admission: classes, budgets per member, the bounded queue
+              (router.admission.options.AdmissionOptions)
 
 Each default is defined once, beside the code that uses it; `pdreg router` builds the
 config straight from its flags, and a flag's value keeps its name on the way
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from router.admission.options import AdmissionOptions
 from router.http.bounds import Timeouts
 from router.kv.routing import KvOptions
 from router.latency import DECAY_S
@@ -32,6 +35,7 @@ __all__ = [
     "DRAIN_DELAY_S",
     "MAX_ATTEMPTS",
     "MAX_MIGRATIONS",
+    "AdmissionOptions",
     "KvOptions",
     "Limits",
     "PairingOptions",
@@ -75,5 +79,4 @@ class RouterConfig:
     retries: Retries = field(default_factory=Retries)
     pairing: PairingOptions = field(default_factory=PairingOptions)
     kv: KvOptions = field(default_factory=KvOptions)
-    # Overload admission (budgets per member, a bounded queue) adds its group here,
-    # `admission: AdmissionOptions`, and `Router` builds it beside `pairing`.
+    admission: AdmissionOptions = field(default_factory=AdmissionOptions)

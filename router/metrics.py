@@ -141,6 +141,10 @@ class LoopMetric:
                 self._children[values] = child
         return child
 
+    def values(self) -> list[tuple[tuple[str, ...], float]]:
+        """(label values, value) of every series, for a JSON report."""
+        return [(labels, child.value) for labels, child in list(self._children.items())]
+
     def describe(self) -> list[Metric]:
         return [self.family(self.name, self.documentation, labels=self.labelnames)]
 
@@ -200,7 +204,7 @@ class RouterMetrics:
             "by why (no_token_ids, request_shape, budget, no_pair)", "why")
         self.refused = counter(
             "pdreg_router_refused", "Client requests refused before pairing, by reason "
-            "(not_json, too_deep, no_model, loop, unauthorized; from the HTTP server: "
+            "(not_json, too_deep, no_model, loop, unauthorized, bad_class; from the HTTP server: "
             "malformed_http, head_too_large, body_too_large, body_timeout, header_timeout)",
             "reason")
 

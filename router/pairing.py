@@ -8,8 +8,8 @@ choose and hold pairs (router/ports.py: `PairingPort`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
-from typing import Final, Protocol
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Final, Protocol
 
 from registry.client import LiveMember
 from router.choice import Affinity
@@ -18,10 +18,10 @@ from router.latency import LatencyTracker
 from router.metrics import SeriesOf
 from router.policies import Pairer
 from router.quarantine import Quarantine
-from router.table import Pair, PairingTable, served
+from router.table import Candidate, Pair, PairingTable, eligible, served
 from wire.protocol import Role
 
-__all__ = ["MAX_KNOWN_MODELS", "MembershipSource", "Pairing"]
+__all__ = ["MAX_KNOWN_MODELS", "BudgetPort", "MembershipSource", "Pairing"]
 
 MAX_KNOWN_MODELS: Final = 10_000  # models remembered for 404-vs-503 (registry-bounded)
 
@@ -41,19 +41,31 @@ class MembershipSource(Protocol):
         """Queue a failure report for the registries; must not block (called on the loop)."""
 
 
+class BudgetPort(Protocol):
+    """What pairing asks of admission (router/admission/gate.py `Admission`)."""
+
+    def full(self, model: str) -> Collection[str]:
+        """Members of `model` with no budget left: chosen only if no other is eligible."""
+
+    def charge(self, ticket: Any, pair: Pair) -> tuple[Any, Any]:
+        """The request's budget grants on `pair` (decode's, prefill's or None), each with
+        a `release()`."""
+
+
 class Pairing:
     def __init__(self, view: MembershipSource, pairer: Pairer, *, locality_label: str,
                  protocols: Collection[str], quarantine: Quarantine, in_flight: InFlight,
                  picks_of: SeriesOf, latency: LatencyTracker,
                  clock: Callable[[], float],
                  on_members: Callable[[Mapping[str, LiveMember]], None] | None = None,
-                 on_first_pair: Callable[[str, Affinity, Pair], None] | None = None
-                 ) -> None:
+                 on_first_pair: Callable[[str, Affinity, Pair], None] | None = None,
+                 budgets: BudgetPort | None = None) -> None:
         """`on_members`: called with the members whenever membership (not only loads)
         changed, before the next choice (the `kv` policy follows its publishers).
         `on_first_pair(model, affinity, pair)`: called with each request's first pair,
         not with a retry's or a migration's (the `kv` policy counts the prompt tokens
-        routed and those the pair predicts cached)."""
+        routed and those the pair predicts cached). `budgets`: admission's, when it is on
+        (members without budget are avoided; a held pair is charged)."""
         self.view = view
         self.pairer = pairer
         self.quarantine = quarantine
@@ -65,6 +77,7 @@ class Pairing:
         self._clock = clock
         self._on_members = on_members
         self._on_first_pair = on_first_pair
+        self._budgets = budgets
         self._seen: Mapping[str, LiveMember] | None = None
         self._table = PairingTable({})
         self._known_models: set[str] = set()
@@ -119,23 +132,45 @@ class Pairing:
                despite_quarantine: bool = False) -> Pair | None:
         now = self._clock()
         quarantined = None if despite_quarantine else self.quarantine.active(now)
+        exclude: Collection[str] = tried
+        if self._budgets is not None:
+            full = self._budgets.full(model)
+            if full:
+                exclude = {*tried, *full}
         pair = self.pairer.choose(self.table(), model, now=now,
                                   in_flight=self.in_flight.counts, quarantined=quarantined,
-                                  exclude=tried, affinity=affinity,
+                                  exclude=exclude, affinity=affinity,
                                   loads_confirmed_at=self.view.loads_confirmed_at(model))
         if pair is not None and not tried and self._on_first_pair is not None:
             self._on_first_pair(model, affinity, pair)
         return pair
 
-    def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
-        """Count the pick; an in-flight slot on D, and on P unless it is D itself."""
+    def candidates(self, model: str) -> tuple[Sequence[Candidate], Sequence[Candidate]]:
+        """The eligible prefills and decodes of `model` (routable, else suspect; not
+        quarantined), over every protocol pool."""
+        pools = self.table().pools.get(model, ())
+        quarantined = self.quarantine.active(self._clock())
+        prefills: list[Candidate] = []
+        decodes: list[Candidate] = []
+        for pool in pools:
+            prefills.extend(eligible(pool.prefills, pool.prefills_suspect, quarantined))
+            decodes.extend(eligible(pool.decodes, pool.decodes_suspect, quarantined))
+        return prefills, decodes
+
+    def hold(self, pair: Pair, ticket: Any = None) -> tuple[Hold, Hold | None]:
+        """Count the pick; an in-flight slot on D, and on P unless it is D itself. With
+        admission's `ticket`, the slots carry the request's budget on the pair."""
+        decode_grant = prefill_grant = None
+        if ticket is not None and self._budgets is not None:
+            decode_grant, prefill_grant = self._budgets.charge(ticket, pair)
         picks = self._picks_of
         picks(pair.decode.id, "decode").inc()
-        decode = self.in_flight.hold(pair.decode.id)
+        decode = self.in_flight.hold(pair.decode.id, decode_grant and decode_grant.release)
         if pair.direct:
             return decode, None
         picks(pair.prefill.id, "prefill").inc()
-        return decode, self.in_flight.hold(pair.prefill.id)
+        return decode, self.in_flight.hold(pair.prefill.id,
+                                           prefill_grant and prefill_grant.release)
 
 
 def _loads_only(seen: Mapping[str, LiveMember] | None, members: Mapping[str, LiveMember]

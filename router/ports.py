@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from router.choice import Affinity
 from router.handshakes.catalog import Handshakes
@@ -32,8 +32,9 @@ class PairingPort(Protocol):
         `despite_quarantine`: a stream under way is better continued on a member that
         failed a moment ago than ended."""
 
-    def hold(self, pair: Pair) -> tuple[Hold, Hold | None]:
-        """An in-flight slot on D, and on P unless P is D."""
+    def hold(self, pair: Pair, ticket: Any = None) -> tuple[Hold, Hold | None]:
+        """An in-flight slot on D, and on P unless P is D; with admission's `ticket`,
+        they carry the request's budget on the pair."""
 
     def knows(self, model: str) -> bool:
         """Some member serves or has served `model` (a 503, not a 404, when none can)."""

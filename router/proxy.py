@@ -72,6 +72,7 @@ class Call:
     wants_ids: bool  # the client asked for return_token_ids itself
     include_usage: bool
     migratable: str | None  # why its stream could not be continued; None if it can
+    ticket: Any = None  # admission's (router/admission/gate.py Ticket), when it is on
 
     @property
     def chat(self) -> bool:
@@ -164,7 +165,7 @@ class Proxy:
                          ) -> Opened | None:
         """The pair's handshake; None if a leg failed (recorded, for a retry)."""
         ports = self.ports
-        decode_hold, prefill_hold = ports.pairing.hold(pair)
+        decode_hold, prefill_hold = ports.pairing.hold(pair, self.call.ticket)
         try:
             exchange = await handshake_for(ports.handshakes, pair).open(
                 ports.pool, pair, path, body, self.call.request_id)

@@ -236,7 +236,7 @@ def test_the_registry_serves_the_documented_endpoints(fleet: dict[str, str]) -> 
 
 ROUTER_ENDPOINTS = {"/v1/completions": "POST", "/v1/chat/completions": "POST",
                     "/v1/models": "GET", "/health": "GET", "/ready": "GET", "/metrics": "GET",
-                    "/v1/kv": "GET"}
+                    "/v1/kv": "GET", "/v1/admission": "GET"}
 
 
 def test_the_router_serves_the_documented_endpoints(fleet: dict[str, str]) -> None:

@@ -14,6 +14,7 @@ from planner.histogram import Cumulative, Window, quantile
 from planner.inputs import fleet_of, routers_of
 from planner.scrape import ScrapeError, metrics_url, parse_router_metrics
 from planner.smoothing import LoadMeans, MeanLoad
+from router.admission.metrics import AdmissionMetrics
 from router.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S, RouterMetrics
 from wire.protocol import Endpoints, Load, MemberState, Role
 
@@ -97,6 +98,15 @@ def test_parses_what_the_router_writes() -> None:
     assert itl.bounds == (*ITL_BUCKETS_S, INF) and itl.total == 4
     assert figures.itl_sum["llama"] == pytest.approx(0.28)
     assert quantile(itl, 0.5) == pytest.approx(0.0375)  # rank 2 of 3 in (0.025, 0.05]
+
+
+def test_parses_the_queue_wait_summed_over_classes() -> None:
+    metrics = RouterMetrics()
+    waits = AdmissionMetrics(metrics.registry)
+    for klass, seconds in (("critical", 0.02), ("batch", 0.3), ("batch", 4.0)):
+        waits.queue_wait.labels("llama", klass).observe(seconds)
+    wait = parse_router_metrics(metrics.render().decode()).queue_wait["llama"]
+    assert wait.total == 3 and quantile(wait, 0.5) == pytest.approx(0.25 + 0.25 * 0.5)
 
 
 def test_a_router_without_the_itl_histogram_is_fine() -> None:

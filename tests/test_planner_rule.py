@@ -88,6 +88,21 @@ def test_ttft_over_slo_scales_the_role_that_queues() -> None:
     assert decode.desired == 2 and "no decode queues" in decode.why
 
 
+def test_queue_wait_scales_prefills_before_any_engine_queue_grows() -> None:
+    """The engines show no queue (admission holds requests in the router): the routers'
+    queue wait alone scales prefills up, at most doubling; decodes only when their KV is
+    at target, else it only forbids scaling them down."""
+    quiet = dict(running=8, capacity=16, queue_wait_s=1.0)  # 4x the 0.25 s target
+    prefill = decide(P, RoleSignals(2, **quiet))  # type: ignore[arg-type]
+    assert (prefill.desired, prefill.reason) == (4, Reason.QUEUE_WAIT), prefill.why
+    decode = decide(D, RoleSignals(2, kv_usage=0.3, **quiet))  # type: ignore[arg-type]
+    assert decode.desired == 2 and "KV is below target" in decode.why
+    full = decide(D, RoleSignals(2, kv_usage=0.7, **quiet))  # type: ignore[arg-type]
+    assert (full.desired, full.reason) == (4, Reason.QUEUE_WAIT), full.why
+    short = decide(P, RoleSignals(2, running=8, capacity=16, queue_wait_s=0.2))
+    assert short.reason is not Reason.QUEUE_WAIT
+
+
 def test_latency_over_slo_without_a_queue_blocks_scale_down() -> None:
     idle_but_slow = RoleSignals(4, running=2, capacity=32, ttft_s=1.5)
     d = decide(P, idle_but_slow)
@@ -200,7 +215,7 @@ def signals(draw: st.DrawFn) -> RoleSignals:
     capacity = draw(st.sampled_from([0, 8, 16])) * replicas
     return RoleSignals(replicas, draw(counts), draw(counts), capacity,
                        draw(st.floats(0.0, 1.0)), draw(latency), draw(latency),
-                       draw(st.none() | st.floats(0.0, 100.0)))
+                       draw(st.none() | st.floats(0.0, 100.0)), draw(latency))
 
 
 def heavier(base: RoleSignals, data: st.DataObject) -> RoleSignals:
@@ -212,7 +227,8 @@ def heavier(base: RoleSignals, data: st.DataObject) -> RoleSignals:
     return dataclasses.replace(
         base, running=base.running + data.draw(counts), waiting=base.waiting + data.draw(counts),
         kv_usage=more(base.kv_usage, 1.0), ttft_s=more(base.ttft_s, 20.0),
-        itl_s=more(base.itl_s, 20.0), request_rate=more(base.request_rate, 100.0))
+        itl_s=more(base.itl_s, 20.0), request_rate=more(base.request_rate, 100.0),
+        queue_wait_s=more(base.queue_wait_s, 20.0))
 
 
 configs = st.builds(

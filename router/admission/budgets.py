@@ -1,0 +1,134 @@
+"""What this router has in flight on each member, in the units P/D spends. Pure: the
+clock is a parameter, nothing here does I/O.
+
+One `Budgets` per role: a prefill's budget is uncached prompt tokens (what it must
+compute), a decode's is tokens of KV it must hold (prompt + answer). A `Grant` is one
+request's units on one member; it is taken when the request is held on a pair and
+released when that leg ends (a prefill's when the handshake is done, a decode's when
+the answer is). `release` is safe twice, so a cancellation, a retry on a new pair or a
+migration can never free a unit twice or leave one behind: the counts are exactly the
+sum of the grants not yet released, never negative.
+
+A member fits a request when the request's units fit under its limit, or when nothing
+of this router's is in flight there: a prompt larger than the whole budget is still
+served, alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["UNLIMITED", "Budgets", "Grant", "Limit", "Releasable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """What one member may have in flight from this router. 0: no limit of that kind."""
+
+    units: int = 0
+    requests: int = 0
+
+
+UNLIMITED = Limit()
+
+
+class Releasable(Protocol):
+    def release(self) -> None:
+        """Give back what was taken; safe twice."""
+
+# Called after every release: (member id, seconds the grant was held (-1.0 when it was
+# not timed), units in flight on the member when it was taken, its own included): how
+# fast the member works through units.
+OnRelease = Callable[[str, float, int], None]
+
+
+class Grant:
+    __slots__ = ("_budgets", "member_id", "taken_at", "timed", "units", "work")
+
+    def __init__(self, budgets: Budgets, member_id: str, units: int, taken_at: float,
+                 work: int, timed: bool) -> None:
+        self._budgets: Budgets | None = budgets
+        self.member_id = member_id
+        self.units = units
+        self.taken_at = taken_at
+        self.work = work
+        self.timed = timed  # its release is a sample of the member's speed
+
+    @property
+    def released(self) -> bool:
+        return self._budgets is None
+
+    def release(self) -> None:
+        """Give the units back. Safe twice."""
+        budgets, self._budgets = self._budgets, None
+        if budgets is not None:
+            budgets._give_back(self)
+
+
+class Budgets:
+    """member id -> (units, requests) in flight. One event loop uses it; no locks."""
+
+    def __init__(self, clock: Callable[[], float], on_release: OnRelease | None = None
+                 ) -> None:
+        self._clock = clock
+        self._on_release = on_release
+        self._units: dict[str, int] = {}
+        self._requests: dict[str, int] = {}
+
+    def used(self, member_id: str) -> int:
+        return self._units.get(member_id, 0)
+
+    def requests(self, member_id: str) -> int:
+        return self._requests.get(member_id, 0)
+
+    def members(self) -> Iterator[tuple[str, int, int]]:
+        """(member id, units, requests) for every member with something in flight."""
+        for member_id, requests in self._requests.items():
+            yield member_id, self._units.get(member_id, 0), requests
+
+    def fits(self, member_id: str, units: int, limit: Limit) -> bool:
+        requests = self._requests.get(member_id, 0)
+        if requests == 0:
+            return True  # alone, anything fits: a large prompt must not wait forever
+        if limit.requests and requests + 1 > limit.requests:
+            return False
+        return not limit.units or self._units.get(member_id, 0) + units <= limit.units
+
+    def full(self, member_id: str, limit: Limit) -> bool:
+        """No request at all may be added (pairing skips such a member)."""
+        requests = self._requests.get(member_id, 0)
+        if requests == 0:
+            return False
+        return bool(limit.requests and requests >= limit.requests) or bool(
+            limit.units and self._units.get(member_id, 0) >= limit.units)
+
+    def free(self, member_id: str, limit: Limit) -> float:
+        """Units left under the limit (inf when it has none)."""
+        if not limit.units:
+            return float("inf")
+        return max(0, limit.units - self._units.get(member_id, 0))
+
+    def take(self, member_id: str, units: int, *, timed: bool = False) -> Grant:
+        """`timed`: the grant spans the member's work on it, so its release is reported
+        (`on_release`); a reservation's is not."""
+        if units < 0:
+            raise ValueError("units must be >= 0")
+        used = self._units.get(member_id, 0) + units
+        self._units[member_id] = used
+        self._requests[member_id] = self._requests.get(member_id, 0) + 1
+        return Grant(self, member_id, units, self._clock(), used, timed)
+
+    def _give_back(self, grant: Grant) -> None:
+        member_id = grant.member_id
+        requests = self._requests[member_id] - 1
+        if requests:
+            self._requests[member_id] = requests
+            self._units[member_id] -= grant.units
+        else:  # nothing left: drop the entry, so the maps are bounded by what is in flight
+            del self._requests[member_id]
+            self._units.pop(member_id, None)
+        if self._on_release is not None:
+            seconds = self._clock() - grant.taken_at if grant.timed else -1.0
+            self._on_release(member_id, seconds, grant.work)
