@@ -4,7 +4,6 @@ HTTP or KV address is outside --allow-upstream, which no request can ever reach.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -48,7 +47,7 @@ def kv_host_of(member: LiveMember, kv_host: str) -> LiveMember:
     spec = member.record.spec
     spec = msgspec.structs.replace(spec, endpoints=msgspec.structs.replace(
         spec.endpoints, kv_host=kv_host))
-    return dataclasses.replace(member, record=msgspec.structs.replace(member.record, spec=spec))
+    return msgspec.structs.replace(member, record=msgspec.structs.replace(member.record, spec=spec))
 
 
 # --- over real sockets -----------------------------------------------------------------------

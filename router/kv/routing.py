@@ -5,7 +5,8 @@ only with `--policy kv`.
 
 - `on_members`: follow the ready members that publish KV events (router/kv/feed.py) and
   note, per model, its tokenizer (`--tokenizer MODEL=PATH`, else what members register)
-  and its block sizes.
+  and its block sizes; given the members that changed, it costs those (and their
+  models' publishers), not the fleet.
 - `affinity`: the prompt's exact token ids (the client's, else tokenized: off the event
   loop when long) and its block keys per block size -> a `KvAffinity`. A model or
   request we cannot match exactly gets a plain `Affinity` instead, and its prefill is
@@ -30,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -75,6 +77,15 @@ class ModelKv:
     members: tuple[str, ...]  # its members that publish KV events
 
 
+@dataclass(frozen=True, slots=True)
+class _Publisher:
+    """What a member that publishes KV events registered."""
+
+    tokenizer: str
+    block_size: int
+    follow: FeedMember | None  # None: not ready, not followed
+
+
 class KvRouting:
     def __init__(self, metrics: RouterMetrics, options: KvOptions = KvOptions(), *,
                  allows: Callable[[str], bool],
@@ -92,6 +103,11 @@ class KvRouting:
         self.tokenizers = tokenizer_set or TokenizerSet(dict(options.tokenizers))
         self._models: dict[str, ModelKv] = {}  # models with members that publish
         self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
+        # What `on_members` follows, per member, so a change costs its members alone:
+        self._publishers: dict[str, dict[str, _Publisher]] = {}  # model -> id -> kv
+        self._publisher_model: dict[str, str] = {}  # id -> model, of those
+        self._engine_model: dict[str, str] = {}  # id -> model, every engine member
+        self._engines: Counter[str] = Counter()  # model -> engine members
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
         self._logged: set[tuple[str, str]] = set()
         metrics.registry.register(KvCollector(self.index, self.feed))
@@ -101,33 +117,84 @@ class KvRouting:
 
     # --- seams --------------------------------------------------------------------------
 
-    def on_members(self, members: Mapping[str, LiveMember]) -> None:
-        follow: list[FeedMember] = []
-        sources: dict[str, str] = {}
-        sizes: dict[str, set[int]] = {}
-        ids: dict[str, list[str]] = {}
-        fleet: set[str] = set()
-        for member in members.values():
-            spec = member.record.spec
-            if spec.role is not Role.API_SERVER:
-                fleet.add(spec.model)
-            if spec.role is Role.API_SERVER or spec.kv_events is None:
-                continue
-            if spec.role is Role.DECODE and not self.pairer.disagg_min_uncached_tokens:
-                continue  # a decode's cache matters only to conditional disaggregation
-            kv = spec.kv_events
-            ids.setdefault(spec.model, []).append(spec.id)
-            if kv.tokenizer:
-                sources.setdefault(spec.model, kv.tokenizer)
-            if kv.block_size:
-                sizes.setdefault(spec.model, set()).add(kv.block_size)
-            if member.record.state is MemberState.READY:
-                follow.append(FeedMember(spec.id, spec.incarnation, kv))
-        self._models = {m: ModelKv(sources.get(m, ""), tuple(sorted(sizes.get(m, ()))),
-                                   tuple(member_ids)) for m, member_ids in ids.items()}
-        self._fleet = frozenset(fleet)
-        self._matching = {m: why for m, why in self._matching.items() if m in fleet}
-        self.feed.update(follow)
+    def on_members(self, members: Mapping[str, LiveMember],
+                   moved: Collection[str] | None = None) -> None:
+        """Membership changed: `moved`, the ids that joined, left or have a new record
+        (None: every member, read whole). Costs those ids, and the publishers of the
+        models they belong to."""
+        whole = moved is None
+        if moved is None:
+            self._publishers.clear()
+            self._publisher_model.clear()
+            self._engine_model.clear()
+            self._engines.clear()
+            self._models.clear()
+            moved = members.keys()
+        dirty: set[str] = set()  # models whose publishers changed
+        fleet_changed = False
+        for member_id in moved:
+            fleet_changed |= self._drop(member_id, dirty)
+            member = members.get(member_id)
+            if member is not None:
+                fleet_changed |= self._add(member, dirty)
+        for model in dirty:
+            self._model_changed(model)
+        if fleet_changed:
+            self._fleet = frozenset(self._engines)
+            self._matching = {m: why for m, why in self._matching.items()
+                              if m in self._fleet}
+        if dirty or whole:
+            self.feed.update(p.follow for held in self._publishers.values()
+                             for p in held.values() if p.follow is not None)
+
+    def _add(self, member: LiveMember, dirty: set[str]) -> bool:
+        """Take `member` in; whether the fleet's set of models changed."""
+        spec = member.record.spec
+        if spec.role is Role.API_SERVER:
+            return False
+        self._engine_model[spec.id] = spec.model
+        self._engines[spec.model] += 1
+        kv = spec.kv_events
+        if kv is not None and (spec.role is not Role.DECODE
+                               or self.pairer.disagg_min_uncached_tokens):
+            # (a decode's cache matters only to conditional disaggregation)
+            follow = (FeedMember(spec.id, spec.incarnation, kv)
+                      if member.record.state is MemberState.READY else None)
+            self._publishers.setdefault(spec.model, {})[spec.id] = _Publisher(
+                kv.tokenizer, kv.block_size, follow)
+            self._publisher_model[spec.id] = spec.model
+            dirty.add(spec.model)
+        return self._engines[spec.model] == 1
+
+    def _drop(self, member_id: str, dirty: set[str]) -> bool:
+        """Forget what `member_id` was; whether the fleet's set of models changed."""
+        model = self._publisher_model.pop(member_id, None)
+        if model is not None:
+            held = self._publishers[model]
+            del held[member_id]
+            if not held:
+                del self._publishers[model]
+            dirty.add(model)
+        model = self._engine_model.pop(member_id, None)
+        if model is None:
+            return False
+        self._engines[model] -= 1
+        if self._engines[model]:
+            return False
+        del self._engines[model]
+        return True
+
+    def _model_changed(self, model: str) -> None:
+        """What `model`'s publishers registered: its tokenizer (the first by id that
+        names one) and block sizes."""
+        held = self._publishers.get(model)
+        if not held:
+            self._models.pop(model, None)
+            return
+        ids = tuple(sorted(held))
+        source = next((held[i].tokenizer for i in ids if held[i].tokenizer), "")
+        sizes = tuple(sorted({p.block_size for p in held.values() if p.block_size}))
+        self._models[model] = ModelKv(source, sizes, ids)
 
     async def affinity(self, body: Mapping[str, Any], model: str) -> Affinity:
         info = self._models.get(model)
