@@ -72,8 +72,6 @@ class Pairing:
         self.pairer = pairer
         self.quarantine = quarantine
         self.in_flight = in_flight
-        self._locality_label = locality_label
-        self._protocols = protocols
         self._picks_of = picks_of
         self._latency = latency
         self._clock = clock
