@@ -153,8 +153,8 @@ def fleet(members: int, interval_s: float) -> Iterator[str]:
         ctl, out = mp.Queue(), mp.Queue()
         others = max(0, members - ENGINES - 1)  # the generator adds its probe member
         gen = mp.Process(target=generator, args=(address, others, 0.0, ctl, out))
-        gen.start()
-        try:
+        try:  # (the engines are stopped whatever fails from here)
+            gen.start()
             _, register_s, missing, interval = out.get(timeout=REGISTER_TIMEOUT_S)
             print(f"fleet of {members}: {others} generated members registered in "
                   f"{register_s:.0f}s ({missing} missing), interval {interval:g}s",
@@ -165,7 +165,8 @@ def fleet(members: int, interval_s: float) -> Iterator[str]:
             ctl.put("end")
             with contextlib.suppress(Exception):
                 out.get(timeout=60)
-            gen.join(timeout=30)
+            if gen.pid is not None:
+                gen.join(timeout=30)
             stop_all(engines)
 
 
