@@ -20,11 +20,14 @@ shim, never in the product): over the measurement, how many, how many full (gene
 2), the longest, and collection time per second.
 
     .venv/bin/python bench/bench_router_scale.py --heap 100000 --baseline main
+    .venv/bin/python bench/bench_router_scale.py --table 100000 --baseline main
 
 Instead, per tree in its own process: what a view of N members gives the collector (a
 replica's snapshot of N members, after a gc.freeze of what came before): the objects
 tracked, a full collection's time, and a digest round over a fifth of the loads (what
 100k members heartbeating every 5 s send each second) with the collections it caused.
+With --table, per tree likewise: the CPU a router's pairing table takes per view update
+at N members (a load digest of 50 members; a member's state flip), --repeat times.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 import bench_router  # noqa: E402  (puts tests/ on the path too)
-import bench_scale  # noqa: E402
 from bench_registry import registry_process  # noqa: E402
 from reference_helpers import start_engines, stop_all  # noqa: E402
+
+from bench.procs import source_tree  # noqa: E402
+from bench.scale.generator import generator  # noqa: E402
 
 HANDSHAKE = "vllm-nixl"
 # A router first syncs its view (100k members: a 40 MB snapshot) and builds its table.
@@ -60,6 +65,9 @@ ENGINES = 4  # 2P + 2D, model tiny
 # at 14k members (1 s) and 64k (5 s) while the fleet registered, and the generator
 # stalled on lost replies: --interval 20 there.
 INTERVAL_S = 5.0
+# The generator registers 100k members in a few minutes on a quiet machine; at a load
+# average of 25 on 2 cores it took more than 15.
+REGISTER_TIMEOUT_S = 2400.0
 
 # Bench-only: the router imports this first (a sitecustomize on its path) and logs every
 # garbage collection: unix time, generation, milliseconds.
@@ -144,10 +152,10 @@ def fleet(members: int, interval_s: float) -> Iterator[str]:
                                  for role in ("prefill", "prefill", "decode", "decode")])
         ctl, out = mp.Queue(), mp.Queue()
         others = max(0, members - ENGINES - 1)  # the generator adds its probe member
-        gen = mp.Process(target=bench_scale.generator, args=(address, others, 0.0, ctl, out))
-        gen.start()
-        try:
-            _, register_s, missing, interval = out.get(timeout=900)
+        gen = mp.Process(target=generator, args=(address, others, 0.0, ctl, out))
+        try:  # (the engines are stopped whatever fails from here)
+            gen.start()
+            _, register_s, missing, interval = out.get(timeout=REGISTER_TIMEOUT_S)
             print(f"fleet of {members}: {others} generated members registered in "
                   f"{register_s:.0f}s ({missing} missing), interval {interval:g}s",
                   flush=True)
@@ -157,7 +165,8 @@ def fleet(members: int, interval_s: float) -> Iterator[str]:
             ctl.put("end")
             with contextlib.suppress(Exception):
                 out.get(timeout=60)
-            gen.join(timeout=30)
+            if gen.pid is not None:
+                gen.join(timeout=30)
             stop_all(engines)
 
 
@@ -188,14 +197,20 @@ def main() -> int:
                         help="the fleet's heartbeat interval")
     parser.add_argument("--heap", type=int, default=0, metavar="N",
                         help="instead: a view's heap of N members, per tree (no fleet)")
+    parser.add_argument("--table", type=int, default=0, metavar="N",
+                        help="instead: what view updates cost the pairing table at N "
+                             "members, per tree (no fleet)")
     args = parser.parse_args()
     variants: list[tuple[str, Path | None, list[str]]] = [
         (v.strip(), None, v.split()[1:]) for v in args.variants.split(";") if v.strip()]
-    trees = [(commit, bench_scale.baseline_tree(commit))
+    trees = [(commit, source_tree(commit))
              for commit in args.baseline.split(",") if commit]
     variants[:0] = [(commit, Path(tmp), []) for commit, tmp in trees]
-    if args.heap:
-        heap(args.heap, [*trees, ("this", str(BENCH.parent))])
+    if args.table or args.heap:
+        for _ in range(args.repeat if args.table else 0):
+            table(args.table, [*trees, ("this", str(BENCH.parent))])
+        if args.heap:
+            heap(args.heap, [*trees, ("this", str(BENCH.parent))])
         for _, tmp in trees:
             shutil.rmtree(tmp, ignore_errors=True)
         return 0
@@ -289,6 +304,96 @@ def heap(members: int, trees: list[tuple[str, str]]) -> None:
         print(f"| {name} | {r['members']:,} | {r['tracked_after_sync']:,} | "
               f"{r['full_gc_ms']} ms | {r['digest_round_ms']} ms | {r['gcs_in_round']}, "
               f"{r['longest_gc_ms']} ms |", flush=True)
+
+
+
+# --- the router's table alone (--table N): what a view update costs the pairing table ---
+
+_TABLE_PROBE = """
+import gc, json, math, random, sys, time
+import msgspec
+from registry.client import LiveMember
+from registry.frozen_map import FrozenMap
+from router.inflight import InFlight
+from router.latency import LatencyTracker
+from router.metrics import RouterMetrics
+from router.pairing import Pairing
+from router.policies import make_pairer
+from router.quarantine import Quarantine
+from wire.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
+try:
+    from registry.view_changes import ChangeTrail
+except ImportError:  # a tree from before the view handed out its changes
+    ChangeTrail = None
+n, rounds, flips = (int(a) for a in sys.argv[1:4])
+def member(i):
+    host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
+    spec = MemberSpec(id=f"m-{i}", incarnation=1, role=(Role.PREFILL, Role.DECODE)[i % 2],
+                      model=f"m{i % 8}", protocol="vllm-nixl",
+                      endpoints=Endpoints(http=f"http://{host}:8000"))
+    record = MemberRecord(spec, MemberState.READY, load=Load(running=i % 7))
+    return LiveMember(record, record.load, time.monotonic(), "r")
+class View:  # what MembershipView hands a router: the members, and what changed
+    synced = True
+    def __init__(self, members):
+        self._members = members
+        self._trail = ChangeTrail(members) if ChangeTrail else None
+        if self._trail:
+            self._trail.publish(members, list(members))
+    def members(self): return self._members
+    def changes(self, since): return self._trail.since(since)
+    def set(self, updates):
+        self._members = self._members.updated(updates)
+        if self._trail:
+            self._trail.publish(self._members, list(updates))
+    def loads_confirmed_at(self, model): return -math.inf
+    def report(self, *a): pass
+view = View(FrozenMap({m.id: m for m in map(member, range(n))}))
+metrics, latency = RouterMetrics(), LatencyTracker()
+pairing = Pairing(view, make_pairer("peak_ewma", latency=latency), locality_label="",
+                  protocols={"vllm-nixl"}, quarantine=Quarantine(5.0),
+                  in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
+                  latency=latency, clock=time.monotonic, on_members=lambda *a: None)
+t0 = time.perf_counter(); pairing.table(); first_ms = 1e3 * (time.perf_counter() - t0)
+rng = random.Random(7)
+def timed(updates):
+    view.set(updates)
+    t0 = time.process_time()
+    pairing.table()
+    return time.process_time() - t0
+digest = 0.0  # a digest: 50 members' loads (the same records)
+for r in range(rounds):
+    ids = [f"m-{rng.randrange(n)}" for _ in range(50)]
+    digest += timed({i: msgspec.structs.replace(view.members()[i], load=Load(running=r % 9),
+                                                load_at=time.monotonic()) for i in ids})
+flip = 0.0  # a probe member flipping its state (a new record)
+for r in range(flips):
+    held = view.members()["m-3"]
+    state = MemberState.DRAINING if r % 2 == 0 else MemberState.READY
+    flip += timed({"m-3": msgspec.structs.replace(
+        held, record=msgspec.structs.replace(held.record, state=state))})
+print(json.dumps({"members": n, "first_ms": round(first_ms, 1),
+                  "digest_us": round(1e6 * digest / rounds, 1),
+                  "flip_ms": round(1e3 * flip / flips, 2)}))
+"""
+
+
+def table(members: int, trees: list[tuple[str, str]], rounds: int = 200,
+          flips: int = 20) -> None:
+    """Per source tree, in its own process: what a view of `members` members costs the
+    router's pairing table per load digest (50 loads) and per state flip (CPU time)."""
+    import subprocess
+    print("| router | members | first table | per digest (50 loads) | per state flip |")
+    print("|---|---:|---:|---:|---:|")
+    for name, src in trees:
+        done = subprocess.run([sys.executable, "-c", _TABLE_PROBE, str(members), str(rounds),
+                               str(flips)], cwd=src, env={**os.environ, "PYTHONPATH": src},
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"| {name} | {r['members']:,} | {r['first_ms']} ms | {r['digest_us']} µs | "
+              f"{r['flip_ms']} ms |", flush=True)
 
 
 if __name__ == "__main__":

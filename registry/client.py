@@ -49,6 +49,7 @@ from registry.merge import Merge
 from registry.replica import Applied, LiveMember, Replica
 from registry.security import ClientCurve
 from registry.teardown import Teardown
+from registry.view_changes import Changes, ChangeTrail
 from wire.protocol import (
     Event,
     Reply,
@@ -131,6 +132,7 @@ class MembershipView:
                        for i, address in enumerate(self.addresses)]
         self._merge = Merge([link.replica for link in self._links])
         self._members: FrozenMap[LiveMember] = FrozenMap()
+        self._trail: ChangeTrail[LiveMember] = ChangeTrail(self._members)
         self._changed = threading.Condition()
         self._listeners: list[Callable[[Mapping[str, LiveMember]], None]] = []
         wake = f"inproc://pdreg-view-{id(self)}"
@@ -185,6 +187,12 @@ class MembershipView:
     def members(self) -> Mapping[str, LiveMember]:
         """The current view (immutable; swapped by reference, so free to call per request)."""
         return self._members
+
+    def changes(self, since: int) -> Changes[LiveMember]:
+        """The view's version, its members, and the ids changed after version `since`
+        (None: not all known, read the members whole): a router's table follows these,
+        not the whole view (registry/view_changes.py). Free when nothing changed."""
+        return self._trail.since(since)
 
     def loads_confirmed_at(self, model: str) -> float:
         """When the registries `model`'s members come from last confirmed their loads
@@ -419,6 +427,7 @@ class MembershipView:
                     self._changed.notify_all()
             return
         view = self._merge.members
+        self._trail.publish(view, self._merge.last_changed)
         with self._changed:
             self._members = view
             self._changed.notify_all()

@@ -63,6 +63,9 @@ class Merge:
         self._pending: set[str] = set()  # ids to look at again once a registry is live
         self._counts: dict[str, Counter[str]] = {}  # model -> source -> members from it
         self._moved: set[str] = set()  # models whose set of sources changed
+        # The ids the last update that changed `members` added, changed or removed
+        # (registry/view_changes.py: what a router's table follows).
+        self.last_changed: tuple[str, ...] = ()
 
     # --- liveness ----------------------------------------------------------------------
 
@@ -140,6 +143,7 @@ class Merge:
         if not updates:
             return False
         self.members = members.updated(updates)
+        self.last_changed = tuple(updates)
         return True
 
     def _left_for_good(self, member_id: str, incarnation: int, now: float) -> None:

@@ -29,7 +29,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -182,13 +182,15 @@ class Router:
         self._rehearse()
         self._follower = asyncio.get_running_loop().create_task(self._follow())
 
-    def _on_members(self, members: Mapping[str, LiveMember]) -> None:
-        """Membership changed (not only loads): what follows it besides the table."""
+    def _on_members(self, members: Mapping[str, LiveMember],
+                    moved: Collection[str] | None) -> None:
+        """Membership changed (not only loads): what follows it besides the table;
+        `moved`, the ids that joined, left or have a new record (None: all)."""
         if self.kv is not None:
-            self.kv.on_members(members)
+            self.kv.on_members(members, moved)
         if self.admission is not None:
-            self.admission.on_members(members)
-        self.unroutable.on_members(members)
+            self.admission.on_members(members, moved)
+        self.unroutable.on_members(members, moved)
         self.metrics.unroutable.labels().set(len(self.unroutable.members))
 
     async def _follow(self) -> None:

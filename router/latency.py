@@ -23,7 +23,7 @@ Pure: the clock is a parameter; the router's loop is the only user (no locks).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -129,10 +129,19 @@ class LatencyTracker:
         self._probing[(role, member_id)] = now
 
     def retain(self, member_ids: Collection[str]) -> None:
-        """Forget members that are gone (called when the membership changes)."""
+        """Forget every member not in `member_ids` (a view read whole)."""
         for key in [k for k in self._members if k[1] not in member_ids]:
             del self._members[key]
             self._probing.pop(key, None)
+
+    def forget(self, member_ids: Iterable[str]) -> None:
+        """Forget members that left the view: costs them, not the members tracked."""
+        roles = self._typical.keys()  # every role a sample came for
+        for member_id in member_ids:
+            for role in roles:
+                key = (role, member_id)
+                self._members.pop(key, None)
+                self._probing.pop(key, None)
 
     def estimates(self) -> dict[tuple[str, str], float]:
         """(role, member id) -> current estimate, for metrics and tests."""

@@ -1,17 +1,19 @@
 """The pairing port: which pair serves a request, given what the router knows now.
 
-`Pairing` keeps the pairing table current with the view (rebuilt when membership
-changes, refreshed in place when only loads do), and asks the policy for a pair with
+`Pairing` keeps the pairing table current with the view's changes (router/table_updater.py:
+a load digest swaps the candidates it names, a membership change makes that model's
+pools again; nothing walks the whole view but its first read), and asks the policy for a pair with
 the router's own in-flight counts and local quarantine. It is what a `Proxy` holds to
 choose and hold pairs (router/ports.py: `PairingPort`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 from registry.client import LiveMember
+from registry.view_changes import Changes
 from router.choice import Affinity
 from router.inflight import Hold, InFlight
 from router.latency import LatencyTracker
@@ -19,11 +21,17 @@ from router.metrics import SeriesOf
 from router.policies import Pairer
 from router.quarantine import Quarantine
 from router.table import Candidate, Pair, PairingTable, eligible, served
+from router.table_updater import TableUpdater
 from wire.protocol import Role
 
-__all__ = ["MAX_KNOWN_MODELS", "BudgetPort", "MembershipSource", "Pairing"]
+__all__ = ["MAX_KNOWN_MODELS", "BudgetPort", "MembersChanged", "MembershipSource", "Pairing"]
 
 MAX_KNOWN_MODELS: Final = 10_000  # models remembered for 404-vs-503 (registry-bounded)
+
+
+# on_members(members, moved): membership changed; `moved`, the ids that joined, left or
+# have a new record (None: every member, read whole)
+MembersChanged = Callable[[Mapping[str, LiveMember], Collection[str] | None], None]
 
 
 class MembershipSource(Protocol):
@@ -34,6 +42,10 @@ class MembershipSource(Protocol):
         """A registry has given a snapshot at least once (the view knows something)."""
 
     def members(self) -> Mapping[str, LiveMember]: ...
+    def changes(self, since: int) -> Changes[LiveMember]:
+        """The view's version and members, and the ids changed after version `since`
+        (registry/view_changes.py)."""
+
     def loads_confirmed_at(self, model: str) -> float:
         """When a registry last confirmed `model`'s loads unchanged (monotonic)."""
 
@@ -57,11 +69,13 @@ class Pairing:
                  protocols: Collection[str], quarantine: Quarantine, in_flight: InFlight,
                  picks_of: SeriesOf, latency: LatencyTracker,
                  clock: Callable[[], float],
-                 on_members: Callable[[Mapping[str, LiveMember]], None] | None = None,
+                 on_members: MembersChanged | None = None,
                  on_first_pair: Callable[[str, Affinity, Pair], None] | None = None,
                  budgets: BudgetPort | None = None) -> None:
-        """`on_members`: called with the members whenever membership (not only loads)
-        changed, before the next choice (the `kv` policy follows its publishers).
+        """`on_members(members, moved)`: called whenever membership (not only loads)
+        changed, before the next choice, with the ids that joined, left or have a new
+        record (None: look at every member; the first time, or after the view lost
+        count): the `kv` policy follows its publishers.
         `on_first_pair(model, affinity, pair)`: called with each request's first pair,
         not with a retry's or a migration's (the `kv` policy counts the prompt tokens
         routed and those the pair predicts cached). `budgets`: admission's, when it is on
@@ -70,55 +84,58 @@ class Pairing:
         self.pairer = pairer
         self.quarantine = quarantine
         self.in_flight = in_flight
-        self._locality_label = locality_label
-        self._protocols = protocols
         self._picks_of = picks_of
         self._latency = latency
         self._clock = clock
         self._on_members = on_members
         self._on_first_pair = on_first_pair
         self._budgets = budgets
-        self._seen: Mapping[str, LiveMember] | None = None
-        self._table = PairingTable({})
+        self._seen: Mapping[str, LiveMember] = {}
+        self._version = -1  # of the view the table follows (-1: none read yet)
+        self._updater = TableUpdater(locality_label, protocols)
         self._known_models: set[str] = set()
-        self._urls: frozenset[str] = frozenset()
 
     def table(self) -> PairingTable:
-        """The pairing table for the current membership.
-
-        The view hands out a new mapping on every change, load digests included (up to
-        10 a second). When every member's record is the one the table was built from,
-        only loads changed: the candidates of those members are replaced, nothing else
-        is rebuilt."""
-        members = self.view.members()
-        seen = self._seen
-        if members is seen:
-            return self._table
-        changed = _loads_only(seen, members)
-        if changed is not None:
-            self._table = self._table.with_loads(changed)
+        """The pairing table for the current membership, brought up to date with what
+        changed since the version it was made from (free when nothing did)."""
+        changes = self.view.changes(self._version)
+        if changes.version == self._version:
+            return self._updater.table
+        members = changes.members
+        if changes.changed is None:
+            update = self._updater.reset(members)
         else:
-            self._table = PairingTable.build(members, self._locality_label, self._protocols)
-            self._urls = frozenset(c.http for pools in self._table.pools.values()
-                                   for pool in pools for c in (*pool.prefills, *pool.decodes))
-            if len(self._known_models) < MAX_KNOWN_MODELS:
-                self._known_models.update(name for m in members.values()
-                                          if m.record.spec.role is not Role.API_SERVER
-                                          for name in served(m.record.spec))
-            self._latency.retain(members.keys())
-            if self._on_members is not None:
-                self._on_members(members)
+            update = self._updater.apply(self._seen, members, changes.changed)
         self._seen = members
-        return self._table
+        self._version = changes.version
+        moved = update.moved
+        if moved is None:
+            self._latency.retain(members.keys())
+        else:
+            self._latency.forget(update.gone)
+            if not moved:
+                return self._updater.table  # loads alone
+        self._learn_models(members.values() if moved is None
+                           else (members[i] for i in moved if i in members))
+        if self._on_members is not None:
+            self._on_members(members, moved)
+        return self._updater.table
+
+    def _learn_models(self, members: Iterable[LiveMember]) -> None:
+        """Remember the models engines serve (for 404-vs-503), up to MAX_KNOWN_MODELS."""
+        if len(self._known_models) < MAX_KNOWN_MODELS:
+            self._known_models.update(name for m in members
+                                      if m.record.spec.role is not Role.API_SERVER
+                                      for name in served(m.record.spec))
 
     def routable_urls(self) -> frozenset[str]:
         """The base URLs of the members pairing may choose (routable, ready)."""
         self.table()
-        return self._urls
+        return self._updater.routable_urls()
 
     def serves(self, model: str) -> bool:
         """A member serves `model` now (it has a pool in the table)."""
-        return model in self._table.pools
+        return model in self._updater.table.pools
 
     def knows(self, model: str) -> bool:
         self.table()
@@ -171,20 +188,3 @@ class Pairing:
         picks(pair.prefill.id, "prefill").inc()
         return decode, self.in_flight.hold(pair.prefill.id,
                                            prefill_grant and prefill_grant.release)
-
-
-def _loads_only(seen: Mapping[str, LiveMember] | None, members: Mapping[str, LiveMember]
-                ) -> dict[str, LiveMember] | None:
-    """The members whose load alone changed since `seen`; None if membership changed (a
-    member came, went, or has a new record: state, suspicion, spec)."""
-    if seen is None or len(seen) != len(members):
-        return None
-    changed = {}
-    for member_id, member in members.items():
-        old = seen.get(member_id)
-        if old is member:
-            continue
-        if old is None or old.record is not member.record:
-            return None
-        changed[member_id] = member
-    return changed

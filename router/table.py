@@ -1,22 +1,26 @@
 """The pairing table: per model and handshake, the members pairing may choose from.
 
-Built once per membership change, immutable after: per (model, protocol), the prefill
-and decode candidates, split into routable ones and ready-but-suspect ones (the
-fallback: detection alone never takes a role to zero). A load digest (up to 10 a
-second) changes loads, not membership: `with_loads` replaces only the candidates whose
-load changed.
+Immutable: per (model, protocol), the prefill and decode candidates, split into
+routable ones and ready-but-suspect ones (the fallback: detection alone never takes a
+role to zero). `build` makes one from the members; a router keeps its own current from
+the view's changes (router/table_updater.py): a load digest (up to 10 a second) swaps
+in the candidates whose load changed (`ProtocolPool.with_candidates`), a membership
+change makes the pools of that member's model again.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Final
 
 from registry.client import LiveMember
 from wire.protocol import MemberSpec, MemberState, Role
 
-__all__ = ["Candidate", "Pair", "PairingTable", "ProtocolPool", "eligible", "served"]
+__all__ = ["Candidate", "Pair", "PairingTable", "ProtocolPool", "eligible", "model_pools",
+           "served", "takes_requests"]
 
 
 def served(spec: MemberSpec) -> tuple[str, ...]:
@@ -71,26 +75,39 @@ class ProtocolPool:
     decodes: tuple[Candidate, ...]
     decodes_suspect: tuple[Candidate, ...]
 
-    def with_loads(self, changed: Mapping[str, LiveMember]) -> ProtocolPool:
-        return ProtocolPool(self.protocol, _fresh(self.prefills, changed),
-                            _fresh(self.prefills_suspect, changed),
-                            _fresh(self.decodes, changed), _fresh(self.decodes_suspect, changed))
+    def with_candidates(self, fresh: Mapping[str, Candidate]) -> ProtocolPool:
+        """This pool with the candidates of `fresh` replaced (the same members, newer
+        loads); members it does not hold are left out."""
+        return ProtocolPool(self.protocol, _replaced(self.prefills, fresh),
+                            _replaced(self.prefills_suspect, fresh),
+                            _replaced(self.decodes, fresh), _replaced(self.decodes_suspect, fresh))
 
 
-def _fresh(tier: tuple[Candidate, ...], changed: Mapping[str, LiveMember]
-           ) -> tuple[Candidate, ...]:
-    if not any(c.id in changed for c in tier):
+def _replaced(tier: tuple[Candidate, ...], fresh: Mapping[str, Candidate]
+              ) -> tuple[Candidate, ...]:
+    """`tier` with the candidates of `fresh` swapped in, found by bisection (a tier is
+    sorted by id), so a digest costs its members, not the tier's (thousands, maybe)."""
+    if not tier:
         return tier
-    return tuple(c.with_load(changed[c.id]) if c.id in changed else c for c in tier)
+    swapped: list[Candidate] | None = None
+    size = len(tier)
+    for member_id, candidate in fresh.items():
+        at = bisect_left(tier, member_id, key=_ID)
+        if at < size and tier[at].id == member_id:
+            if swapped is None:
+                swapped = list(tier)
+            swapped[at] = candidate
+    return tier if swapped is None else tuple(swapped)
 
 
+_ID: Final = attrgetter("id")
 _PREFILL_ROLES: Final = (Role.PREFILL, Role.MIXED)
 _DECODE_ROLES: Final = (Role.DECODE, Role.MIXED)
 
 
 @dataclass(frozen=True, slots=True)
 class PairingTable:
-    """Per model, the protocol pools. Immutable; rebuilt only when membership changes."""
+    """Per model, the protocol pools. Immutable."""
 
     pools: Mapping[str, tuple[ProtocolPool, ...]]
 
@@ -98,45 +115,13 @@ class PairingTable:
     def build(cls, members: Mapping[str, LiveMember], locality_key: str = "",
               protocols: Collection[str] | None = None) -> PairingTable:
         """`protocols`: the handshakes this router speaks; members of others are left out."""
-        by_key: dict[tuple[str, str], dict[str, list[Candidate]]] = {}
+        by_model: dict[str, list[tuple[Candidate, bool]]] = {}
         for member in members.values():
-            record = member.record
-            if record.state is not MemberState.READY:
-                continue  # joining and draining members take no new requests
-            spec = record.spec
-            if spec.role is Role.API_SERVER:
-                continue
-            if protocols is not None and spec.protocol not in protocols:
-                continue  # a pair we could not drive
-            candidate = Candidate.of(member, locality_key)
-            suffix = "s" if record.suspect else ""
-            for model in served(spec):  # the base model and its LoRA adapters
-                tiers = by_key.setdefault((model, spec.protocol), {
-                    "p": [], "ps": [], "d": [], "ds": []})
-                if spec.role in _PREFILL_ROLES:
-                    tiers["p" + suffix].append(candidate)
-                if spec.role in _DECODE_ROLES:
-                    tiers["d" + suffix].append(candidate)
-        pools: dict[str, list[ProtocolPool]] = {}
-        for (model, protocol), t in sorted(by_key.items()):
-            pools.setdefault(model, []).append(ProtocolPool(
-                protocol=protocol,
-                # Sorted by id: a stable order keeps round robin and rings deterministic.
-                prefills=_sorted(t["p"]), prefills_suspect=_sorted(t["ps"]),
-                decodes=_sorted(t["d"]), decodes_suspect=_sorted(t["ds"])))
-        return cls({model: tuple(p) for model, p in pools.items()})
-
-    def with_loads(self, changed: Mapping[str, LiveMember]) -> PairingTable:
-        """The same pools with the loads of `changed` (members whose records are the
-        ones this table was built from)."""
-        if not changed:
-            return self
-        pools = dict(self.pools)
-        for model in {name for m in changed.values() for name in served(m.record.spec)}:
-            held = pools.get(model)
-            if held:
-                pools[model] = tuple(pool.with_loads(changed) for pool in held)
-        return PairingTable(pools)
+            if takes_requests(member, protocols):
+                entry = (Candidate.of(member, locality_key), member.record.suspect)
+                for model in served(member.record.spec):  # its base model and adapters
+                    by_model.setdefault(model, []).append(entry)
+        return cls({model: model_pools(by_model[model]) for model in sorted(by_model)})
 
     def models(self, quarantined: Mapping[str, int] | None = None) -> list[str]:
         """Models that have an eligible P and D right now (for /v1/models)."""
@@ -150,8 +135,39 @@ class PairingTable:
         return out
 
 
+def takes_requests(member: LiveMember, protocols: Collection[str] | None) -> bool:
+    """Whether pairing may choose `member`: ready, an engine, of a handshake we speak."""
+    record = member.record
+    if record.state is not MemberState.READY:
+        return False  # joining and draining members take no new requests
+    spec = record.spec
+    # An API server takes no traffic from a router; another protocol: a pair we could
+    # not drive.
+    return spec.role is not Role.API_SERVER and (protocols is None
+                                                 or spec.protocol in protocols)
+
+
+def model_pools(candidates: Collection[tuple[Candidate, bool]]
+                ) -> tuple[ProtocolPool, ...]:
+    """One model's pools, by protocol, from its (candidate, suspect) pairs."""
+    by_protocol: dict[str, tuple[list[Candidate], ...]] = {}
+    for candidate, suspect in candidates:
+        p, ps, d, ds = by_protocol.setdefault(candidate.protocol, ([], [], [], []))
+        if candidate.role in _PREFILL_ROLES:
+            (ps if suspect else p).append(candidate)
+        if candidate.role in _DECODE_ROLES:
+            (ds if suspect else d).append(candidate)
+    return tuple(ProtocolPool(
+        protocol=protocol,
+        # Sorted by id: a stable order keeps round robin and rings deterministic (and
+        # lets `with_loads` find a member by bisection).
+        prefills=_sorted(p), prefills_suspect=_sorted(ps),
+        decodes=_sorted(d), decodes_suspect=_sorted(ds))
+        for protocol, (p, ps, d, ds) in sorted(by_protocol.items()))
+
+
 def _sorted(candidates: list[Candidate]) -> tuple[Candidate, ...]:
-    return tuple(sorted(candidates, key=lambda c: c.id))
+    return tuple(sorted(candidates, key=_ID))
 
 
 def eligible(routable: tuple[Candidate, ...], suspect: tuple[Candidate, ...],

@@ -15,7 +15,7 @@ member without one hands out its HTTP host, checked already.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -37,17 +37,25 @@ class Unroutable:
         self._allowed = allow_upstream or "unset: public addresses only"
         self.members: dict[str, str] = {}  # member id -> the address refused ("http 10.0.0.5")
 
-    def on_members(self, members: Mapping[str, LiveMember]) -> None:
-        """Membership changed (not only loads): look at every engine member again."""
-        found: dict[str, str] = {}
-        for member_id, member in members.items():
+    def on_members(self, members: Mapping[str, LiveMember],
+                   moved: Collection[str] | None = None) -> None:
+        """Membership changed (not only loads): look again at the members in `moved`
+        (the ids that joined, left or have a new record), or at all (None)."""
+        found = self.members
+        if moved is None:
+            found.clear()
+            moved = members.keys()
+        for member_id in moved:
+            found.pop(member_id, None)
+            member = members.get(member_id)
+            if member is None:
+                continue
             spec = member.record.spec
             if spec.role is Role.API_SERVER:
                 continue  # routers and API servers take no traffic from a router
             problem = self._refused(spec.endpoints.http, spec.endpoints.kv_host)
             if problem:
                 found[member_id] = problem
-        self.members = found
 
     def _refused(self, http: str, kv_host: str) -> str:
         try:

@@ -19,6 +19,7 @@ from aiohttp import web
 from standins_engines import KvHub, StandinEngine
 
 from registry.client import LiveMember
+from registry.view_changes import Changes, ChangeTrail
 from wire.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
 
 T = TypeVar("T")
@@ -81,19 +82,30 @@ def live_member(member_id: str, role: Role, url: str, *, model: str = "m",
 
 
 class StaticView:
-    """What the router needs of a MembershipView: members() and report(), for unit tests."""
+    """What the router needs of a MembershipView: members(), changes() and report(), for
+    unit tests."""
 
     synced = True
 
     def __init__(self, members: dict[str, LiveMember] | None = None) -> None:
         self._members: dict[str, LiveMember] = dict(members or {})
+        self._trail: ChangeTrail[LiveMember] = ChangeTrail(self._members)
+        self._trail.publish(self._members, self._members)
         self.reports: list[tuple[str, int, str]] = []
 
     def members(self) -> dict[str, LiveMember]:
         return self._members
 
+    def changes(self, since: int) -> Changes[LiveMember]:
+        return self._trail.since(since)
+
     def set(self, members: dict[str, LiveMember]) -> None:
-        self._members = dict(members)  # swapped by reference, as the real view does
+        """The new membership, swapped by reference, with the ids that changed, as the
+        real view does (found here by comparing, which only a test can afford)."""
+        old, self._members = self._members, dict(members)
+        changed = {i for i in old.keys() | self._members.keys()
+                   if old.get(i) is not self._members.get(i)}
+        self._trail.publish(self._members, changed)
 
     def loads_confirmed_at(self, model: str) -> float:
         return -math.inf  # each member's own load_at says how current it is

@@ -115,6 +115,7 @@ class Admission:
         self.prefills = Budgets(clock, self._prefill_released)
         self.decodes = Budgets(clock, self._decode_released)
         self.routers = 1
+        self._routers: set[str] = set()  # ids of the routers registered
         self._candidates = candidates
         self._decode_latency = decode_latency
         self._clock = clock
@@ -150,12 +151,21 @@ class Admission:
         steered = self.adaptive.limit(member_id)
         return min(steered, share) if share else steered
 
-    def on_members(self, members: Mapping[str, LiveMember]) -> None:
-        """Membership changed: count the routers (api_server members that speak the
-        router protocol: not the planner), forget members gone, admit what fits."""
-        self.routers = max(1, sum(1 for m in members.values()
-                                  if m.record.spec.role is Role.API_SERVER
-                                  and m.record.spec.protocol == ROUTER_PROTOCOL))
+    def on_members(self, members: Mapping[str, LiveMember],
+                   moved: Collection[str] | None = None) -> None:
+        """Membership changed (`moved`: the ids that joined, left or have a new record;
+        None: all): count the routers (api_server members that speak the router
+        protocol: not the planner), forget members gone, admit what fits."""
+        if moved is None:
+            self._routers = {i for i, m in members.items() if _is_router(m)}
+        else:
+            for member_id in moved:
+                member = members.get(member_id)
+                if member is not None and _is_router(member):
+                    self._routers.add(member_id)
+                else:
+                    self._routers.discard(member_id)
+        self.routers = max(1, len(self._routers))
         self.metrics.routers.labels().set(self.routers)
         self.predictor.retain(members.keys())
         if self.adaptive is not None:
@@ -400,3 +410,8 @@ def _refusal(status: int, message: str, code: str, retry_after_s: float) -> Resp
     seconds = min(MAX_RETRY_AFTER_S, max(1, math.ceil(retry_after_s)))
     kind = "rate_limit_exceeded" if status == 429 else "service_unavailable"
     return openai_error(status, message, kind, code, {"Retry-After": str(seconds)})
+
+
+def _is_router(member: LiveMember) -> bool:
+    spec = member.record.spec
+    return spec.role is Role.API_SERVER and spec.protocol == ROUTER_PROTOCOL

@@ -7,7 +7,8 @@ only with `--policy kv`.
   note, per model, its tokenizer (`--tokenizer MODEL=PATH`, else what members register)
   and its block sizes: only those of ready members it follows (a joining member that
   never becomes routable adds none), at most `--kv-max-block-sizes` per model, those of
-  the most members first, since every prompt is keyed once per size.
+  the most members first, since every prompt is keyed once per size. Given the members
+  that changed, it costs those (and their models' publishers), not the fleet.
 - `affinity`: the prompt's exact token ids (the client's, else tokenized: off the event
   loop when long) and its block keys per block size -> a `KvAffinity`. A model or
   request we cannot match exactly gets a plain `Affinity` instead, and its prefill is
@@ -46,15 +47,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
 from router.choice import NO_AFFINITY, Affinity
-from router.kv.feed import FeedMember, KvFeed
+from router.kv.feed import KvFeed
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES, KvIndex
 from router.kv.key_cache import PrefixKeyCache
 from router.kv.keys import multimodal, request_keys
@@ -66,14 +66,14 @@ from router.kv.policy import (
     KvPairer,
     make_kv_pairer,
 )
+from router.kv.publishers import MAX_BLOCK_SIZES, ModelKv, Publishers
 from router.kv.tokenizer import ByteTokenizer, PromptTokenizer, TokenizerSet, prompt_ids
 from router.kv.trust import CacheTrust, Verdict
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_STALE_LOAD_S, prompt_key
 from router.readiness import ReadyWarning
-from router.table import Pair, served
-from wire.protocol import MemberState, Role
+from router.table import Pair
 
 __all__ = ["MAX_BLOCK_SIZES", "KvOptions", "KvRouting"]
 
@@ -82,9 +82,6 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this (characters, or token ids) are tokenized and keyed in a worker
 # thread: a 100k-token prompt takes milliseconds the event loop must not stall for.
 OFF_LOOP_CHARS: Final = 8192
-# Block sizes a model's prompts are keyed for (`--kv-max-block-sizes`): a fleet mid-way
-# through a change of --block-size has two; each one more costs a keying of every prompt.
-MAX_BLOCK_SIZES: Final = 4
 # ...unless they need no tokenizer.json: the client's own ids, or the byte tokenizer's
 # (built in C). Keying 32k tokens costs 0.1-0.8 ms (bench/RESULTS.md), and a thread hop
 # costs 50-100 us of CPU: below this, keying on the loop is cheaper for everyone.
@@ -118,13 +115,6 @@ class KvOptions:
     long_prompts_per_client: int = PER_CLIENT
 
 
-@dataclass(frozen=True, slots=True)
-class ModelKv:
-    tokenizer_source: str  # "" = none registered
-    block_sizes: tuple[int, ...]  # as registered; empty: learnt from the events
-    members: tuple[str, ...]  # its members that publish KV events
-
-
 class KvRouting:
     def __init__(self, metrics: RouterMetrics, options: KvOptions = KvOptions(), *,
                  allows: Callable[[str], bool],
@@ -135,7 +125,6 @@ class KvRouting:
         decodes are `peak_ewma`'s choice). `tokenizer_set`: tests hand in their own."""
         self.metrics = metrics
         self.index = KvIndex(max_pending_bytes=options.gap_bytes)
-        self.max_block_sizes = options.max_block_sizes
         self.feed = KvFeed(self.index, allows=allows)
         self.trust = CacheTrust()  # members whose reports contradict their events
         # member id -> monotonic time its distrust ends: replaced whole (never mutated) on
@@ -152,9 +141,9 @@ class KvRouting:
         # Long prompts' own threads (the loop's default executor serves DNS and others).
         self._long_threads = ThreadPoolExecutor(self.long_prompts.max_in_flight,
                                                 thread_name_prefix="kv-tokenize")
-        self._models: dict[str, ModelKv] = {}  # models with members that publish
-        self._fleet: frozenset[str] = frozenset()  # every model the fleet serves
-        self._adapters: frozenset[str] = frozenset()  # of those, LoRA adapters' names
+        # Who publishes what, per model (decodes only under conditional disaggregation)
+        self.publishers = Publishers(options.max_block_sizes,
+                                     follow_decodes=bool(options.disagg_min_uncached_tokens))
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
         self._logged: set[tuple[str, str]] = set()
         metrics.registry.register(KvCollector(self.index, self.feed))
@@ -165,48 +154,26 @@ class KvRouting:
 
     # --- seams --------------------------------------------------------------------------
 
-    def on_members(self, members: Mapping[str, LiveMember]) -> None:
-        follow: list[FeedMember] = []
-        sources: dict[str, str] = {}
-        sizes: dict[str, list[int]] = {}  # of the ready members followed
-        ids: dict[str, list[str]] = {}
-        fleet: set[str] = set()
-        adapters: set[str] = set()
-        for member in members.values():
-            spec = member.record.spec
-            if spec.role is not Role.API_SERVER:
-                fleet.update(served(spec))
-                adapters.update(spec.adapters)
-            if spec.role is Role.API_SERVER or spec.kv_events is None:
-                continue
-            if spec.role is Role.DECODE and not self.pairer.disagg_min_uncached_tokens:
-                continue  # a decode's cache matters only to conditional disaggregation
-            kv = spec.kv_events
-            models = served(spec)  # an adapter shares its base model's tokenizer
-            for model in models:
-                ids.setdefault(model, []).append(spec.id)
-                if kv.tokenizer:
-                    sources.setdefault(model, kv.tokenizer)
-            if member.record.state is MemberState.READY:
-                follow.append(FeedMember(spec.id, spec.incarnation, kv))
-                if kv.block_size:
-                    for model in models:
-                        sizes.setdefault(model, []).append(kv.block_size)
-        self._models = {m: ModelKv(sources.get(m, ""),
-                                   self._commonest(sizes.get(m, ())), tuple(member_ids))
-                        for m, member_ids in ids.items()}
-        self._fleet = frozenset(fleet)
-        self._adapters = frozenset(adapters)
-        self._matching = {m: why for m, why in self._matching.items() if m in fleet}
-        self.feed.update(follow)
+    def on_members(self, members: Mapping[str, LiveMember],
+                   moved: Collection[str] | None = None) -> None:
+        """Membership changed: `moved`, the ids that joined, left or have a new record
+        (None: every member, read whole). Costs those ids, and the publishers of the
+        models they belong to (router/kv/publishers.py)."""
+        change = self.publishers.update(members, moved)
+        if change.fleet:
+            fleet = self.publishers.fleet
+            self._matching = {m: why for m, why in self._matching.items() if m in fleet}
+        if change.follow is not None:
+            self.feed.update(change.follow)
 
     async def affinity(self, body: Mapping[str, Any], model: str,
                        client: str = "") -> Affinity:
         """`client`: the sender's address, whose long prompts are tokenized one at a
         time (router/kv/long_prompts.py)."""
-        info = self._models.get(model)
+        info = self.publishers.models.get(model)
         if info is None:  # client-named models label metrics only when the fleet serves them
-            return self._inexact(model if model in self._fleet else "unknown", "no_events")
+            known = model in self.publishers.fleet
+            return self._inexact(model if known else "unknown", "no_events")
         block_sizes = info.block_sizes or self._learnt_block_sizes(info)
         if not block_sizes:
             return self._inexact(model, "no_block_size")
@@ -215,7 +182,7 @@ class KvRouting:
             return self._inexact(model, "not_tokenized")  # the engine refuses it anyway
         if multimodal(body):  # the engine hashes the images: we cannot
             return self._inexact(model, "multimodal")
-        scope = (model if model in self._adapters else None, salt)
+        scope = (model if model in self.publishers.adapters else None, salt)
         tokenizer = self.tokenizers.get(model, info.tokenizer_source)
         size, messages = _size(body)
         if size > self.max_prompt_tokens * MAX_CHARS_PER_TOKEN or messages > MAX_CHAT_MESSAGES:
@@ -306,8 +273,8 @@ class KvRouting:
         `peak_ewma` and why; `pending` before its first request when some member
         publishes), and how many members publish KV events (/v1/kv)."""
         out: dict[str, dict[str, Any]] = {}
-        for model in sorted(self._fleet):
-            info = self._models.get(model)
+        for model in sorted(self.publishers.fleet):
+            info = self.publishers.models.get(model)
             why = "no_events" if info is None else self._matching.get(model)
             pairing = "pending" if why is None else "peak_ewma" if why else "exact"
             out[model] = {"pairing": pairing, "why": why or "",
@@ -333,14 +300,8 @@ class KvRouting:
     def _learnt_block_sizes(self, info: ModelKv) -> tuple[int, ...]:
         """Block sizes the members' events showed (a spec that did not say)."""
         stats = self.index.published.members
-        return self._commonest(s.block_size for m in info.members
-                               if (s := stats.get(m)) is not None and s.block_size)
-
-    def _commonest(self, sizes: Iterable[int]) -> tuple[int, ...]:
-        """The block sizes most members have, at most `max_block_sizes` (ties: the
-        smaller size), in order: a few members cannot multiply the keying of prompts."""
-        ranked = sorted(Counter(sizes).items(), key=lambda kv: (-kv[1], kv[0]))
-        return tuple(sorted(size for size, _ in ranked[:self.max_block_sizes]))
+        return self.publishers.commonest(s.block_size for m in info.members
+                                         if (s := stats.get(m)) is not None and s.block_size)
 
     def _inexact(self, model: str, why: str) -> Affinity:
         self.metrics.kv_inexact_requests.labels(model, why).inc()

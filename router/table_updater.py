@@ -1,0 +1,151 @@
+"""The pairing table kept current from the view's changes, never from a walk of the view.
+
+A router of every model at 100k members sees up to 10 load digests a second and several
+membership changes: rebuilding the table (`PairingTable.build`) or comparing every member
+to find what changed cost it its core. The view says which ids changed since the version
+the table was made from (registry/view_changes.py), and for each:
+
+- the same record with a new load (a digest): its candidate is replaced in place,
+  found by bisection in its sorted tier (`PairingTable.with_loads`);
+- anything else (joined, left, another state, suspicion, spec): its model's pools alone
+  are made again, from the candidates this keeps per model; every other model's pools
+  are the same objects as before.
+
+After any sequence of changes the table equals `PairingTable.build` of the members
+(tests/test_table_updater.py checks that with Hypothesis). Pure: no clock, no threads;
+the router's loop is its only user.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from registry.client import LiveMember
+from router.table import Candidate, PairingTable, model_pools, served, takes_requests
+
+__all__ = ["TableUpdate", "TableUpdater"]
+
+
+@dataclass(frozen=True, slots=True)
+class TableUpdate:
+    """What one `apply` changed beyond loads: `moved`, the ids that joined, left or have
+    a new record (None: everything was read again); `gone`, the changed ids no longer in
+    the view."""
+
+    moved: tuple[str, ...] | None
+    gone: tuple[str, ...]
+
+
+class TableUpdater:
+    def __init__(self, locality_key: str = "",
+                 protocols: Collection[str] | None = None) -> None:
+        self.locality_key = locality_key
+        self.protocols = protocols
+        self.table = PairingTable({})
+        # model -> id -> (candidate, suspect): every member pairing may choose
+        self._by_model: dict[str, dict[str, tuple[Candidate, bool]]] = {}
+        self._models_of: dict[str, tuple[str, ...]] = {}  # id -> the models it serves
+        self._urls: Counter[str] = Counter()  # base URL -> routable members with it
+        self._url_set: frozenset[str] | None = frozenset()  # None: to be made again
+
+    def reset(self, members: Mapping[str, LiveMember]) -> TableUpdate:
+        """Read `members` whole (the first view, or one whose changes are not known)."""
+        self._by_model.clear()
+        self._models_of.clear()
+        self._urls.clear()
+        self._url_set = None
+        self.table = PairingTable({})
+        dirty: set[str] = set()
+        for member_id, member in members.items():
+            self._add(member_id, member, dirty)
+        self.table = self._rebuilt(dirty, {})
+        return TableUpdate(None, ())
+
+    def apply(self, previous: Mapping[str, LiveMember], members: Mapping[str, LiveMember],
+              changed: Collection[str]) -> TableUpdate:
+        """`members` is `previous` with `changed` (ids) changed: follow them."""
+        dirty: set[str] = set()  # models whose pools are made again
+        loads: dict[str, dict[str, Candidate]] = {}  # model -> id -> with its new load
+        moved: list[str] = []
+        gone: list[str] = []
+        for member_id in changed:
+            old = previous.get(member_id)
+            new = members.get(member_id)
+            if old is new:
+                continue
+            if old is not None and new is not None and old.record is new.record:
+                models = self._models_of.get(member_id, ())
+                if models:  # a candidate: its load alone changed
+                    candidate, suspect = self._by_model[models[0]][member_id]
+                    fresh = candidate.with_load(new)
+                    for model in models:  # its base model and its adapters
+                        self._by_model[model][member_id] = (fresh, suspect)
+                        loads.setdefault(model, {})[member_id] = fresh
+                continue
+            moved.append(member_id)
+            if new is None:
+                gone.append(member_id)
+            self._remove(member_id, dirty)
+            if new is not None:
+                self._add(member_id, new, dirty)
+        if dirty or loads:
+            self.table = self._rebuilt(dirty, loads)
+        return TableUpdate(tuple(moved), tuple(gone))
+
+    def routable_urls(self) -> frozenset[str]:
+        """The base URLs of the routable (ready, not suspect) candidates."""
+        if self._url_set is None:
+            self._url_set = frozenset(self._urls)
+        return self._url_set
+
+    def _add(self, member_id: str, member: LiveMember, dirty: set[str]) -> None:
+        if not takes_requests(member, self.protocols):
+            return
+        models = served(member.record.spec)
+        candidate = Candidate.of(member, self.locality_key)
+        suspect = member.record.suspect
+        for model in models:
+            self._by_model.setdefault(model, {})[member_id] = (candidate, suspect)
+        self._models_of[member_id] = models
+        dirty.update(models)
+        if not suspect:
+            self._urls[candidate.http] += 1
+            if self._urls[candidate.http] == 1:
+                self._url_set = None
+
+    def _remove(self, member_id: str, dirty: set[str]) -> None:
+        models = self._models_of.pop(member_id, ())
+        if not models:
+            return
+        for model in models:
+            slots = self._by_model[model]
+            candidate, suspect = slots.pop(member_id)
+            if not slots:
+                del self._by_model[model]
+        dirty.update(models)
+        if not suspect:
+            self._urls[candidate.http] -= 1
+            if not self._urls[candidate.http]:
+                del self._urls[candidate.http]
+                self._url_set = None
+
+    def _rebuilt(self, dirty: set[str], loads: Mapping[str, Mapping[str, Candidate]]
+                 ) -> PairingTable:
+        """The table with `dirty` models' pools made again and `loads` swapped into the
+        others'; models in the order `build` gives them (sorted)."""
+        held = self.table.pools
+        pools = dict(held)
+        for model in dirty:
+            slots = self._by_model.get(model)
+            if slots:
+                pools[model] = model_pools(slots.values())
+            else:
+                pools.pop(model, None)
+        for model, fresh in loads.items():
+            if model not in dirty and model in pools:
+                pools[model] = tuple(pool.with_candidates(fresh) for pool in pools[model])
+        if pools.keys() != held.keys():
+            pools = dict(sorted(pools.items()))
+        return PairingTable(pools)

@@ -1,0 +1,106 @@
+"""What a view says changed: a reader that copies only those ids holds what the view holds.
+
+A router's table follows the ids each view update changed (registry/view_changes.py)
+instead of comparing every member. If the view ever left one out, the router would
+route on a stale member (one gone, one draining) until the next full read, so: after any
+sequence of updates, for every version a reader may have read, the ids said to have
+changed since cover every member that differs, and a reader too far behind is told to
+read the members whole.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from raw_member import RawMember
+
+from pdreg.testing import wait_until
+from registry.client import MembershipView
+from registry.server import RegistryServer
+from registry.view_changes import ChangeTrail
+from wire.protocol import Load, MemberState
+
+KEYS = list("abcdef")
+WAIT_S = 10.0  # generous: other test processes share two cores
+
+# An update: key -> a new value, or None to remove it.
+updates = st.dictionaries(st.sampled_from(KEYS), st.one_of(st.none(), st.integers(0, 3)),
+                          min_size=1, max_size=4)
+
+
+@given(st.lists(updates, max_size=30), st.integers(1, 8))
+def test_a_reader_at_any_version_learns_every_key_that_differs(history, max_steps):
+    versions: list[dict[str, int]] = [{}]
+    trail: ChangeTrail[int] = ChangeTrail({}, max_steps=max_steps)
+    for update in history:
+        current = dict(versions[-1])
+        for key, value in update.items():
+            if value is None:
+                current.pop(key, None)
+            else:
+                current[key] = value
+        versions.append(current)
+        assert trail.publish(current, update) == len(versions) - 1
+    latest = versions[-1]
+    for version, seen in enumerate(versions):
+        changes = trail.since(version)
+        assert changes.version == len(versions) - 1 and changes.members == latest
+        if changes.changed is None:
+            assert len(versions) - 1 - version > max_steps  # only when too far behind
+            continue
+        differs = {k for k in KEYS if seen.get(k) != latest.get(k)}
+        assert differs <= changes.changed
+
+
+@pytest.fixture
+def registry(registry_factory) -> RegistryServer:
+    """Members here heartbeat only when the test says: nobody expires meanwhile."""
+    return registry_factory(heartbeat_interval_s=1.0, lease_s=60.0)
+
+
+@pytest.fixture
+def view(registry: RegistryServer):
+    with MembershipView(registry.control_address) as v:
+        assert v.wait_for(lambda _: v.synced, WAIT_S)
+        yield v
+
+
+def test_a_reader_following_a_real_views_changes_holds_its_members(registry, view):
+    """Joins, a load digest, a state change and a bye through a real registry: a copy
+    kept from `changes()` alone (the first read whole) equals the view's members."""
+    held: dict[str, object] = {}
+    version = -1
+
+    def follow() -> bool:
+        nonlocal version
+        changes = view.changes(version)
+        if changes.changed is None:
+            held.clear()
+            held.update(changes.members)
+        else:
+            for member_id in changes.changed:
+                if member_id in changes.members:
+                    held[member_id] = changes.members[member_id]
+                else:
+                    held.pop(member_id, None)
+        version = changes.version
+        return held == dict(view.members())
+
+    a = RawMember(registry.control_address, "prefill-a")
+    b = RawMember(registry.control_address, "decode-b")
+    try:
+        a.register()
+        b.register()
+        follow()
+        assert wait_until(lambda: follow() and len(held) == 2, WAIT_S)
+        a.heartbeat(Load(running=7))
+        assert wait_until(lambda: follow() and held["prefill-a"].load.running == 7, WAIT_S)
+        a.heartbeat(state=MemberState.DRAINING)
+        assert wait_until(lambda: follow() and held["prefill-a"].record.state
+                          is MemberState.DRAINING, WAIT_S)
+        b.bye()
+        assert wait_until(lambda: follow() and set(held) == {"prefill-a"}, WAIT_S)
+    finally:
+        a.close()
+        b.close()
