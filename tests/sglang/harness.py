@@ -262,10 +262,12 @@ def session_members(sessions: set[int]) -> set[int]:
 def start_router(router: Proc, registry: str, port: int, policy: str = "round_robin",
                  register: bool = True) -> None:
     """`pdreg router`: by default round robin, so that both prefills take turns, and
-    registered as an api_server member."""
+    registered as an api_server member. SGLang on two CPU cores takes seconds to a first
+    token where a GPU takes milliseconds: admission's default 1 s TTFT SLO would refuse
+    what merely queues, so the SLO is set for this machine, as an operator sets it."""
     router.start([*PDREG, "router", "--registry", registry, "--host", "127.0.0.1",
                   "--port", str(port), "--policy", policy, "--max-attempts", "3",
-                  "--allow-upstream", "127.0.0.0/8,::1/128",
+                  "--allow-upstream", "127.0.0.0/8,::1/128", "--ttft-slo-ms", "120000",
                   *([] if register else ["--no-register"])])
     say(f"started {router.name} ({policy}): pid {router.pid}, port {port}, "
         f"log {router.log_path}")

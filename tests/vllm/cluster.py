@@ -41,6 +41,8 @@ PDREG = (str(REPO / ".venv" / "bin" / "python"), "-m", "pdreg")
 MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
 MODEL_NAME = "tiny"
 EXIT_TIMEOUT_S = 20.0
+# Admission's TTFT SLO for the routers here: CPU engines take seconds to a first token.
+CPU_TTFT_SLO_MS = 120_000
 SIDECAR_EXIT_TIMEOUT_S = 90.0
 LOG_TAIL_LINES = 60
 
@@ -326,10 +328,14 @@ class Router:
 
     def start(self, registry: str, max_attempts: int, extra: list[str],
               env: dict[str, str] | None = None) -> None:
-        """`pdreg router`, registered as an api_server member (so the registry shows it)."""
+        """`pdreg router`, registered as an api_server member (so the registry shows it).
+        vLLM on two CPU cores takes seconds to a first token where a GPU takes
+        milliseconds: admission's default 1 s TTFT SLO would refuse what merely queues,
+        so the SLO is set for this machine, as an operator sets it for theirs."""
         self.proc.start([*PDREG, "router", "--registry", registry, "--host", "127.0.0.1",
                          "--port", str(self.port), "--max-attempts", str(max_attempts),
-                         "--allow-upstream", "127.0.0.0/8,::1/128", *extra], env)
+                         "--allow-upstream", "127.0.0.0/8,::1/128",
+                         "--ttft-slo-ms", str(CPU_TTFT_SLO_MS), *extra], env)
         say(f"started router: pid {self.proc.pid}, "
             f"port {self.port}, log {self.proc.log_path}")
 
