@@ -102,14 +102,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-migrations", type=int, default=MAX_MIGRATIONS, metavar="N",
                    help="times one stream may continue on a new pair after its decode "
                         "fails mid-answer (0: end it with an SSE error event instead)")
-    p.add_argument("--stream-idle-timeout", type=float, default=IDLE_READ_TIMEOUT_S,
-                   metavar="S", help="an engine answer with no data for this long has "
-                                     "failed (a stream then migrates)")
-    p.add_argument("--upstream-connect-timeout", type=float, default=CONNECT_TIMEOUT_S,
-                   metavar="S", help="connecting to an engine")
-    p.add_argument("--upstream-first-byte-timeout", type=float, default=FIRST_BYTE_TIMEOUT_S,
-                   metavar="S", help="request sent to status line; a non-streaming answer "
-                                     "comes whole, so this bounds a non-streaming generation")
     p.add_argument("--allow-upstream", default="", type=_networks, metavar="CIDR[,CIDR]",
                    help="the only networks the router sends traffic to, HTTP and the KV "
                         "addresses it hands to engines (checked on the resolved address of "
@@ -119,11 +111,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "cluster passes its pod network (e.g. 10.0.0.0/8), engines on this "
                         f"host {LOOPBACK_ALLOW}. Of the entries that hold an address, the "
                         "most specific decides")
-    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
-                   help="a client connection must send a request's headers within this "
-                        "long (of connecting, or of its previous answer)")
-    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
-                   help="and its body within this long (else 408)")
+    _add_timeout_arguments(p)
     p.add_argument("--warm-connections", type=int, default=WARM_CONNECTIONS, metavar="N",
                    help="connections opened to each engine when it becomes routable, so "
                         "its first requests do not wait for a connect (0: none)")
@@ -141,6 +129,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_admission_arguments(p)
     _add_registration_arguments(p)
     p.set_defaults(func=run)
+
+
+def _add_timeout_arguments(p: argparse.ArgumentParser) -> None:
+    """How long engines and clients may take."""
+    p.add_argument("--stream-idle-timeout", type=float, default=IDLE_READ_TIMEOUT_S,
+                   metavar="S", help="an engine answer with no data for this long has "
+                                     "failed (a stream then migrates)")
+    p.add_argument("--upstream-connect-timeout", type=float, default=CONNECT_TIMEOUT_S,
+                   metavar="S", help="connecting to an engine")
+    p.add_argument("--upstream-first-byte-timeout", type=float, default=FIRST_BYTE_TIMEOUT_S,
+                   metavar="S", help="request sent to status line; a non-streaming answer "
+                                     "comes whole, so this bounds a non-streaming generation")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                   help="a client connection must send a request's headers within this "
+                        "long (of connecting, or of its previous answer)")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                   help="and its body within this long (else 408)")
 
 
 def _add_registration_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ SIGINT -> DRAINING, wait for in-flight requests and held KV -> bye -> exit 0.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -151,6 +152,42 @@ def _make_agent(config: EngineConfig, spec_for: Callable[[str, int], MemberSpec]
     return agent.start(), spec
 
 
+@dataclass
+class _Held:
+    """What a running engine holds: closed in reverse order on the way out, whatever
+    start-up reached."""
+
+    ctx: zmq.asyncio.Context
+    model_dir: str
+    resolver: RouteResolver = field(default_factory=RouteResolver)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    runners: list[web.AppRunner] = field(default_factory=list)
+    kv_client: KvClient | None = None
+    kv_server: KvServer | None = None
+    publisher: KvEventPublisher | None = None
+    backend: Backend | None = None
+    agent: Any = None
+
+    async def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.agent is not None:
+            await loop.run_in_executor(None, self.agent.stop)
+        for task in self.tasks:
+            task.cancel()
+        for runner in reversed(self.runners):
+            await runner.cleanup()
+        if self.kv_server is not None:
+            self.kv_server.close()
+        if self.kv_client is not None:
+            self.kv_client.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        await self.resolver.close()
+        self.ctx.term()
+        if self.backend is not None:
+            self.backend.close()
+        shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
 async def run_engine(config: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -158,101 +195,92 @@ async def run_engine(config: EngineConfig) -> int:
         loop.add_signal_handler(signum, stop.set)
 
     role = role_name(config.role)
-    is_prefill = config.role is Role.PREFILL
     advertise = config.advertise_host or config.host
     engine_id = uuid.uuid4().hex  # per process: a restarted prefill refuses old handles
-    model_dir = tempfile.mkdtemp(prefix="pdreg-reference-model-")
     scheduler = Scheduler(config.max_running, config.kv_capacity_tokens)
-    ctx = zmq.asyncio.Context()
-    store = KvStore(scheduler, config.kv_lease_s) if is_prefill else None
-    kv_server: KvServer | None = None
-    tasks: list[asyncio.Task[None]] = []
-    runners: list[web.AppRunner] = []
-    backend: Backend | None = None
-    agent: Any = None
-    resolver = RouteResolver()
-    kv_client = KvClient(ctx)
-    publisher: KvEventPublisher | None = None
+    held = _Held(zmq.asyncio.Context(), tempfile.mkdtemp(prefix="pdreg-reference-model-"))
+    held.kv_client = KvClient(held.ctx)
+    store = KvStore(scheduler, config.kv_lease_s) if config.role is Role.PREFILL else None
     # Every role caches: a decode keeps the blocks it pulls, as vLLM's does (Engine).
     blocks = (config.kv_capacity_tokens // config.block_size
               if config.prefix_cache_blocks is None else config.prefix_cache_blocks)
     prefix_cache = PrefixCache(config.block_size, blocks) if blocks > 0 else None
     try:
-        kv_events: KvEventsSpec | None = None
-        if config.kv_events and prefix_cache is not None:
-            publisher = KvEventPublisher(config.host, config.kv_events_port,
-                                         config.kv_events_replay_port)
-            kv_events = KvEventsSpec(
-                endpoint=f"tcp://{advertise}:{publisher.port}",
-                replay_endpoint=f"tcp://{advertise}:{publisher.replay_port}",
-                block_size=config.block_size, hash_scheme="pdreg:content",
-                tokenizer=BYTES_TOKENIZER)
+        kv_events = (_publish_kv_events(config, advertise, held)
+                     if prefix_cache is not None else None)
         bootstrap_port = 0
         if store is not None:
-            kv_server = KvServer(ctx, store, engine_id, config.host, config.kv_port)
-            tasks.append(asyncio.create_task(kv_server.serve()))
-            tasks.append(asyncio.create_task(store.run_sweeper()))
-            route = Route(engine_id=engine_id, kv_host=advertise, kv_port=kv_server.port)
+            held.kv_server = KvServer(held.ctx, store, engine_id, config.host, config.kv_port)
+            held.tasks.append(asyncio.create_task(held.kv_server.serve()))
+            held.tasks.append(asyncio.create_task(store.run_sweeper()))
+            route = Route(engine_id=engine_id, kv_host=advertise, kv_port=held.kv_server.port)
             runner, bootstrap_port = await _start_site(bootstrap_app(route), config.host,
                                                        config.bootstrap_port)
-            runners.append(runner)
-        state = ServerState(role=role, model=config.model, model_dir=model_dir,
+            held.runners.append(runner)
+        state = ServerState(role=role, model=config.model, model_dir=held.model_dir,
                             bootstrap_port=bootstrap_port, adapters=config.adapter_ids())
         runner, port = await _start_site(EngineServer(state).app(), config.host, config.port)
-        runners.append(runner)
+        held.runners.append(runner)
         url = f"http://{advertise}:{port}"
-        kv_port = kv_server.port if kv_server is not None else 0
-
-        def spec_for(member_id: str, incarnation: int) -> MemberSpec:
-            return MemberSpec(
-                id=member_id, incarnation=incarnation, role=config.role, model=config.model,
-                protocol=config.protocol,
-                endpoints=Endpoints(http=url, kv_host=advertise if kv_port else "",
-                                    kv_port=kv_port, bootstrap_port=bootstrap_port),
-                capacity=config.max_running, labels=config.labels, started_at=time.time(),
-                kv_events=kv_events, adapters=config.adapters)
-
-        agent, spec = _make_agent(config, spec_for, scheduler.load, port)
-        backend = await loop.run_in_executor(None, make_backend, config)
-        engine = Engine(backend, scheduler, engine_id=engine_id, store=store,
-                        kv_client=kv_client, resolver=resolver, kv_host=advertise,
+        kv_port = held.kv_server.port if held.kv_server is not None else 0
+        endpoints = Endpoints(http=url, kv_host=advertise if kv_port else "",
+                              kv_port=kv_port, bootstrap_port=bootstrap_port)
+        spec_for = functools.partial(_member_spec, config, endpoints, kv_events)
+        held.agent, spec = _make_agent(config, spec_for, scheduler.load, port)
+        held.backend = await loop.run_in_executor(None, make_backend, config)
+        engine = Engine(held.backend, scheduler, engine_id=engine_id, store=store,
+                        kv_client=held.kv_client, resolver=held.resolver, kv_host=advertise,
                         kv_port=kv_port, fetch_timeout_s=config.kv_fetch_timeout_s,
                         prefix_cache=prefix_cache,
-                        publish=publisher.publish if publisher is not None else None)
+                        publish=held.publisher.publish if held.publisher else None)
         await _warm_up(engine)
         state.engine = engine
-        if agent is not None:
-            agent.set_state(MemberState.READY)
-        logger.info("[engine] ready id=%s role=%s backend=%s url=%s kv_port=%d "
-                    "bootstrap_port=%d", spec.id, role, backend.name, url, kv_port,
-                    bootstrap_port)
-        print(json.dumps({"event": "ready", "id": spec.id, "engine_id": engine_id,
-                          "url": url, "kv_port": kv_port, "bootstrap_port": bootstrap_port,
-                          "kv_events": kv_events.endpoint if kv_events else "",
-                          "kv_events_replay": kv_events.replay_endpoint if kv_events else "",
-                          "pid": os.getpid()}), flush=True)
+        if held.agent is not None:
+            held.agent.set_state(MemberState.READY)
+        _announce_ready(spec, engine_id, held.backend.name, endpoints, kv_events)
         await stop.wait()
         state.draining = True
-        drained = await _drain(engine, agent, config.drain_timeout_s)
+        drained = await _drain(engine, held.agent, config.drain_timeout_s)
         logger.info("[shutdown] engine id=%s drained=%s", spec.id, drained)
         return 0
     finally:
-        if agent is not None:
-            await loop.run_in_executor(None, agent.stop)
-        for task in tasks:
-            task.cancel()
-        for runner in reversed(runners):
-            await runner.cleanup()
-        if kv_server is not None:
-            kv_server.close()
-        kv_client.close()
-        if publisher is not None:
-            publisher.close()
-        await resolver.close()
-        ctx.term()
-        if backend is not None:
-            backend.close()
-        shutil.rmtree(model_dir, ignore_errors=True)
+        await held.close(loop)
+
+
+def _publish_kv_events(config: EngineConfig, advertise: str, held: _Held
+                       ) -> KvEventsSpec | None:
+    """Start the KV event publisher (unless --no-kv-events): what the registration says."""
+    if not config.kv_events:
+        return None
+    held.publisher = publisher = KvEventPublisher(config.host, config.kv_events_port,
+                                                  config.kv_events_replay_port)
+    return KvEventsSpec(endpoint=f"tcp://{advertise}:{publisher.port}",
+                        replay_endpoint=f"tcp://{advertise}:{publisher.replay_port}",
+                        block_size=config.block_size, hash_scheme="pdreg:content",
+                        tokenizer=BYTES_TOKENIZER)
+
+
+def _member_spec(config: EngineConfig, endpoints: Endpoints, kv_events: KvEventsSpec | None,
+                 member_id: str, incarnation: int) -> MemberSpec:
+    return MemberSpec(
+        id=member_id, incarnation=incarnation, role=config.role, model=config.model,
+        protocol=config.protocol, endpoints=endpoints, capacity=config.max_running,
+        labels=config.labels, started_at=time.time(), kv_events=kv_events,
+        adapters=config.adapters)
+
+
+def _announce_ready(spec: MemberSpec, engine_id: str, backend: str, endpoints: Endpoints,
+                    kv_events: KvEventsSpec | None) -> None:
+    """Log it, and print the line test harnesses and the demo wait for on stdout."""
+    logger.info("[engine] ready id=%s role=%s backend=%s url=%s kv_port=%d "
+                "bootstrap_port=%d", spec.id, role_name(spec.role), backend, endpoints.http,
+                endpoints.kv_port, endpoints.bootstrap_port)
+    print(json.dumps({"event": "ready", "id": spec.id, "engine_id": engine_id,
+                      "url": endpoints.http, "kv_port": endpoints.kv_port,
+                      "bootstrap_port": endpoints.bootstrap_port,
+                      "kv_events": kv_events.endpoint if kv_events else "",
+                      "kv_events_replay": kv_events.replay_endpoint if kv_events else "",
+                      "pid": os.getpid()}), flush=True)
 
 
 async def _drain(engine: Engine, agent: Any, timeout_s: float) -> bool:
