@@ -337,11 +337,16 @@ class Fleet:
 
 class LoadDriver:
     """Closed-loop clients (each sends its next completion when the last is answered)
-    through the routers, on an event loop of their own in a thread."""
+    through the routers, on an event loop of their own in a thread: the pressure that
+    must make the fleet scale. A 429 or 503 that says `Retry-After` is the router's
+    admission doing its job, counted apart (`refused`); one without it is a failure.
+    A real client waits `Retry-After`; these send their next request at once, since
+    keeping the fleet past its capacity is what they are for."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self.answered: Counter[int] = Counter()
+        self.refused: Counter[int] = Counter()
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -354,7 +359,9 @@ class LoadDriver:
     def summary(self) -> str:
         seconds = max(time.monotonic() - self._started, 1e-9)
         ok = self.answered[200]
-        return f"{ok} answered 200 ({ok / seconds:.1f}/s), {self.failed} failed"
+        refused = ", ".join(f"{n} {status}" for status, n in sorted(self.refused.items()))
+        return (f"{ok} answered 200 ({ok / seconds:.1f}/s), {self.failed} failed"
+                + (f", refused with Retry-After: {refused}" if refused else ""))
 
     def start(self, clients: int) -> None:
         self._started = time.monotonic()
@@ -383,6 +390,10 @@ class LoadDriver:
         while not self._stop.is_set():
             try:
                 response = await client.post(f"{url}/v1/completions", json=_body(model))
+                retry_after = response.headers.get("retry-after")
+                if response.status_code in (429, 503) and retry_after is not None:
+                    self.refused[response.status_code] += 1
+                    continue
                 self.answered[response.status_code] += 1
             except httpx.HTTPError as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
