@@ -305,7 +305,8 @@ class KvRouting:
 
     def _inexact(self, model: str, why: str) -> Affinity:
         self.metrics.kv_inexact_requests.labels(model, why).inc()
-        self._note(model, why)
+        if why not in PER_REQUEST:
+            self._note(model, why)
         return NO_AFFINITY  # peak_ewma's choice needs no key
 
     def _note(self, model: str, why: str) -> None:
@@ -322,6 +323,11 @@ class KvRouting:
             logger.info("[kv] model %s: paired as peak_ewma (%s)%s", model, why,
                         _HINTS.get(why, ""))
 
+
+# Why one request was not matched, while the model's others are: counted, but the model
+# stays exact (its gauge, /ready and status speak of the model, not of one prompt).
+PER_REQUEST: Final = frozenset({"too_long", "busy", "multimodal", "not_tokenized",
+                                "tokenizer_error"})
 
 _HINTS: Final = {
     "no_events": "; its engines publish no KV events (vLLM/SGLang --kv-events-config, "
