@@ -76,12 +76,12 @@ def test_the_registry_shows_each_members_kv_index_and_a_restart(
     prefill, decode = start_engines([
         {"role": "prefill", "registry": control,
          "extra_args": ["--kv-events", "--port", str(port)]},
-        {"role": "decode", "registry": control}])
+        {"role": "decode", "registry": control, "extra_args": ["--no-kv-events"]}])
     handles += [prefill, decode]
     # The router follows the prefill's events and says so: live, nothing cached yet.
     assert wait_until(lambda: (kv_of(registry, prefill.id) or {}).get("state") == "live",
                       WAIT_S)
-    assert kv_of(registry, decode.id) is None  # publishes no KV events
+    assert kv_of(registry, decode.id) is None  # started with --no-kv-events
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
     response = httpx.post(router_url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
