@@ -14,7 +14,9 @@ from standins_fleet import LoopThread
 
 from registry.client import MembershipView
 from registry.server import RegistryConfig, RegistryServer
-from router.service import RouterServer
+from router.guard import LOOPBACK_ALLOW
+from router.kv.routing import KvOptions
+from router.service import RouterConfig, RouterServer
 
 # Deterministic in CI: the same examples every run, no flaky deadline failures.
 settings.register_profile(
@@ -82,6 +84,20 @@ def routers() -> Iterator[list[RouterServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+@pytest.fixture
+def kv_router(view: MembershipView) -> Iterator[RouterServer]:
+    """A `--policy kv` router on the registry's view in which every request takes its
+    prefill leg (no conditional disaggregation): a decode that keeps what it pulls would
+    otherwise serve repeats alone, and these tests check the prefill's choice and hits."""
+    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW,
+                          kv=KvOptions(disagg_min_uncached_tokens=0))
+    server = RouterServer(config, view).start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture

@@ -26,10 +26,8 @@ from engine_agent.reference.tokens import BYTES_TOKENIZER, encode
 from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
-from router.guard import LOOPBACK_ALLOW
-from router.kv.routing import KvOptions
 from router.kv.trust import STRIKES
-from router.service import RouterConfig, RouterServer
+from router.service import RouterServer
 from wire.protocol import Endpoints, Handshake, KvEventsSpec, MemberSpec, MemberState, Role
 
 WAIT_S = 60.0
@@ -41,19 +39,6 @@ AFTER = 15  # requests for the prefix once it is distrusted
 
 
 @pytest.fixture
-def router(view: MembershipView) -> Iterator[RouterServer]:
-    # Every request takes a prefill leg (no conditional disaggregation: the decode, which
-    # keeps what it pulls, would serve the repeats alone): the prefill's choice is tested.
-    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW,
-                          kv=KvOptions(disagg_min_uncached_tokens=0))
-    server = RouterServer(config, view).start()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture
 def lying_publisher() -> Iterator[KvEventPublisher]:
     publisher = KvEventPublisher("127.0.0.1")
     try:
@@ -62,15 +47,15 @@ def lying_publisher() -> Iterator[KvEventPublisher]:
         publisher.close()
 
 
-def picks(router: RouterServer, member_id: str) -> float:
-    text = httpx.get(router.url + "/metrics", timeout=10).text
+def picks(kv_router: RouterServer, member_id: str) -> float:
+    text = httpx.get(kv_router.url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("pdreg_router_picks_total{")
                and f'member="{member_id}"' in line and 'role="prefill"' in line)
 
 
-def kv_member(router: RouterServer, member_id: str) -> dict:
-    members = httpx.get(router.url + "/v1/kv", timeout=10).json()["members"]
+def kv_member(kv_router: RouterServer, member_id: str) -> dict:
+    members = httpx.get(kv_router.url + "/v1/kv", timeout=10).json()["members"]
     return next((m for m in members if m["id"] == member_id), {})
 
 
@@ -91,15 +76,15 @@ def register_insider(registry: RegistryServer, engine: EngineHandle,
     return agent.start(), member_id
 
 
-def ask(http: httpx.Client, router: RouterServer, prompt: str) -> None:
-    r = http.post(router.url + "/v1/completions", json={
+def ask(http: httpx.Client, kv_router: RouterServer, prompt: str) -> None:
+    r = http.post(kv_router.url + "/v1/completions", json={
         "model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("protocol", [Handshake.VLLM_NIXL, Handshake.SGLANG])
 def test_an_insider_whose_events_lie_stops_receiving_the_prefix(
-        registry: RegistryServer, view: MembershipView, router: RouterServer,
+        registry: RegistryServer, view: MembershipView, kv_router: RouterServer,
         handles: list[EngineHandle], lying_publisher: KvEventPublisher, protocol: str) -> None:
     control = registry.control_address
     honest, decode = start_engines([
@@ -111,9 +96,9 @@ def test_an_insider_whose_events_lie_stops_receiving_the_prefix(
     with httpx.Client(timeout=60) as http:
         assert view.wait_for(lambda m: all(i in m and m[i].record.state is MemberState.READY
                                            for i in (honest.id, decode.id)), WAIT_S)
-        assert wait_until(lambda: kv_member(router, honest.id).get("state") == "live", WAIT_S)
-        ask(http, router, PREFIX + "Warm up.")  # the honest prefill now holds the prefix
-        assert wait_until(lambda: kv_member(router, honest.id)["blocks"] >= 40, WAIT_S)
+        assert wait_until(lambda: kv_member(kv_router, honest.id).get("state") == "live", WAIT_S)
+        ask(http, kv_router, PREFIX + "Warm up.")  # the honest prefill now holds the prefix
+        assert wait_until(lambda: kv_member(kv_router, honest.id)["blocks"] >= 40, WAIT_S)
 
         # The insider claims the same prefix: the blocks a real cache would store for it.
         claimed = PrefixCache(BLOCK, 1024)
@@ -122,23 +107,23 @@ def test_an_insider_whose_events_lie_stops_receiving_the_prefix(
         agent, insider = register_insider(registry, insider_engine, lying_publisher,
                                           protocol)
         try:
-            assert wait_until(lambda: kv_member(router, insider).get("blocks", 0) >= 40,
+            assert wait_until(lambda: kv_member(kv_router, insider).get("blocks", 0) >= 40,
                               WAIT_S)
             sent = 0
-            while not kv_member(router, insider)["distrusted_s"]:
+            while not kv_member(kv_router, insider)["distrusted_s"]:
                 assert sent < MAX_REQUESTS, "the insider was never distrusted"
-                ask(http, router, PREFIX + f"Question {sent}?")
+                ask(http, kv_router, PREFIX + f"Question {sent}?")
                 sent += 1
-            drawn = picks(router, insider)
+            drawn = picks(kv_router, insider)
             assert drawn == STRIKES  # it won ties until its reports gave it away...
             for i in range(AFTER):
-                ask(http, router, PREFIX + f"Question {sent + i}?")
-            assert picks(router, insider) == drawn  # ...and none after that
-            assert kv_member(router, insider)["distrusted_s"] > 0
-            assert kv_member(router, honest.id)["distrusted_s"] is None
-            text = httpx.get(router.url + "/metrics", timeout=10).text
+                ask(http, kv_router, PREFIX + f"Question {sent + i}?")
+            assert picks(kv_router, insider) == drawn  # ...and none after that
+            assert kv_member(kv_router, insider)["distrusted_s"] > 0
+            assert kv_member(kv_router, honest.id)["distrusted_s"] is None
+            text = httpx.get(kv_router.url + "/metrics", timeout=10).text
             assert f'pdreg_router_kv_distrusts_total{{member="{insider}"}} 1.0' in text
-            warnings = httpx.get(router.url + "/ready", timeout=10).json()["warnings"]
+            warnings = httpx.get(kv_router.url + "/ready", timeout=10).json()["warnings"]
             assert any(insider in w for w in warnings)
             # The honest prefill found the prefix cached for every request it served.
             served = sent + AFTER + 1 - drawn

@@ -6,38 +6,20 @@ exactly the hits the engines' own counters show; a plain request, or one with an
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
-import pytest
 from reference_helpers import EngineHandle, metrics, start_engine, start_engines
 from test_kv_e2e import kv_members, router_metric
 
 from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
-from router.guard import LOOPBACK_ALLOW
-from router.kv.routing import KvOptions
-from router.service import RouterConfig, RouterServer
+from router.service import RouterServer
 from wire.protocol import MemberState
 
 WAIT_S = 30.0
 ADAPTER = "sql-lora"
 SYSTEM = "You translate questions into SQL for the orders database. " * 12  # ~45 blocks
 HITS = "pdreg:engine_prefix_cache_hit_tokens_total"
-
-
-@pytest.fixture
-def router(view: MembershipView) -> Iterator[RouterServer]:
-    # Every request takes a prefill leg (no conditional disaggregation): the prefills'
-    # hits are what this file compares with the router's predictions.
-    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW,
-                          kv=KvOptions(disagg_min_uncached_tokens=0))
-    server = RouterServer(config, view).start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def complete(http: httpx.Client, url: str, model: str, prompt: str, **extra: str) -> None:
@@ -69,7 +51,7 @@ def test_an_adapters_blocks_are_its_own_on_the_engine() -> None:
 
 
 def test_the_router_routes_an_adapter_exactly(
-        registry: RegistryServer, view: MembershipView, router: RouterServer,
+        registry: RegistryServer, view: MembershipView, kv_router: RouterServer,
         handles: list[EngineHandle]) -> None:
     control = registry.control_address
     flags = ["--kv-events", "--lora-modules", ADAPTER]
@@ -80,23 +62,23 @@ def test_the_router_routes_an_adapter_exactly(
     prefills = handles[:2]
     assert view.wait_for(lambda m: len([x for x in m.values()
                                         if x.record.state is MemberState.READY]) == 3, WAIT_S)
-    assert wait_until(lambda: [m["state"] for m in kv_members(router).values()]
+    assert wait_until(lambda: [m["state"] for m in kv_members(kv_router).values()]
                       == ["live", "live"], WAIT_S)
     with httpx.Client(timeout=60) as http:
-        assert ADAPTER in [m["id"] for m in http.get(router.url + "/v1/models").json()["data"]]
-        complete(http, router.url, ADAPTER, SYSTEM + "Orders from May?")
-        assert wait_until(lambda: max(m["blocks"] for m in kv_members(router).values()) > 40,
+        assert ADAPTER in [m["id"] for m in http.get(kv_router.url + "/v1/models").json()["data"]]
+        complete(http, kv_router.url, ADAPTER, SYSTEM + "Orders from May?")
+        assert wait_until(lambda: max(m["blocks"] for m in kv_members(kv_router).values()) > 40,
                           WAIT_S)
         for question in ("Top customers?", "Orders per day?", "Late shipments?"):
-            complete(http, router.url, ADAPTER, SYSTEM + question)
+            complete(http, kv_router.url, ADAPTER, SYSTEM + question)
         hits = sum(metrics(h.url)[HITS] for h in prefills)
         assert hits >= 3 * 40 * 16  # every repeat went where the adapter's blocks are
-        predicted = router_metric(router, "pdreg_router_prompt_tokens_cached_total")
+        predicted = router_metric(kv_router, "pdreg_router_prompt_tokens_cached_total")
         assert predicted == hits  # and the router predicted exactly that
-        assert router_metric(router, "pdreg_router_kv_exact") == 1
+        assert router_metric(kv_router, "pdreg_router_kv_exact") == 1
 
         # The same tokens without the adapter, or under a salt: other blocks everywhere.
-        complete(http, router.url, "tiny", SYSTEM + "Top customers?")
-        complete(http, router.url, ADAPTER, SYSTEM + "Top customers?", cache_salt="t-a")
+        complete(http, kv_router.url, "tiny", SYSTEM + "Top customers?")
+        complete(http, kv_router.url, ADAPTER, SYSTEM + "Top customers?", cache_salt="t-a")
         assert sum(metrics(h.url)[HITS] for h in prefills) == hits
-        assert router_metric(router, "pdreg_router_prompt_tokens_cached_total") == predicted
+        assert router_metric(kv_router, "pdreg_router_prompt_tokens_cached_total") == predicted
