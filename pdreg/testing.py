@@ -17,6 +17,9 @@ from collections.abc import Callable, Container
 # that range: a port a child process will bind later is chosen below it.
 LOW_PORT_RANGE = (20000, 32768)
 WAIT_POLL_S = 0.02
+# Admission's TTFT SLO for routers in front of torch engines on CPU: those take seconds to
+# a first token, and what would merely queue there must not be refused.
+CPU_ENGINE_TTFT_SLO_MS = 120_000
 _PR_SET_PDEATHSIG = 1
 
 

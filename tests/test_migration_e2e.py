@@ -23,7 +23,7 @@ import httpx
 import pytest
 from reference_helpers import EngineHandle, start_engines, stop_all
 
-from pdreg.testing import wait_until
+from pdreg.testing import CPU_ENGINE_TTFT_SLO_MS, wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
 from router.config import AdmissionOptions, KvOptions, PairingOptions, Retries, Timeouts
@@ -69,10 +69,10 @@ def router(cluster: tuple[RegistryServer, list[EngineHandle]]) -> Iterator[Route
                                        # every request takes both legs: the faults
                                        # are the prefill's and the decode's
                                        kv=KvOptions(disagg_min_uncached_tokens=0),
-                                       # the torch engines on CPU take far longer than
-                                       # the default 1 s SLO once a prefill is gone:
-                                       # nothing here may be refused, only served later
-                                       admission=AdmissionOptions(ttft_slo_ms=120_000),
+                                       # once a prefill is gone nothing here may be
+                                       # refused, only served later
+                                       admission=AdmissionOptions(
+                                           ttft_slo_ms=CPU_ENGINE_TTFT_SLO_MS),
                                        allow_upstream=LOOPBACK_ALLOW),
                           view).start()
     try:

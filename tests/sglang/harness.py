@@ -23,7 +23,13 @@ from pathlib import Path
 
 import httpx
 
-from pdreg.testing import die_with_parent, kill_marked, marked_pids, wait_until
+from pdreg.testing import (
+    CPU_ENGINE_TTFT_SLO_MS,
+    die_with_parent,
+    kill_marked,
+    marked_pids,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PDREG = [str(REPO / ".venv" / "bin" / "python"), "-m", "pdreg"]
@@ -267,7 +273,8 @@ def start_router(router: Proc, registry: str, port: int, policy: str = "round_ro
     what merely queues, so the SLO is set for this machine, as an operator sets it."""
     router.start([*PDREG, "router", "--registry", registry, "--host", "127.0.0.1",
                   "--port", str(port), "--policy", policy, "--max-attempts", "3",
-                  "--allow-upstream", "127.0.0.0/8,::1/128", "--ttft-slo-ms", "120000",
+                  "--allow-upstream", "127.0.0.0/8,::1/128",
+                  "--ttft-slo-ms", str(CPU_ENGINE_TTFT_SLO_MS),
                   *([] if register else ["--no-register"])])
     say(f"started {router.name} ({policy}): pid {router.pid}, port {port}, "
         f"log {router.log_path}")

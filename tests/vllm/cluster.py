@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from pdreg.testing import die_with_parent, wait_until
+from pdreg.testing import CPU_ENGINE_TTFT_SLO_MS, die_with_parent, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -41,8 +41,6 @@ PDREG = (str(REPO / ".venv" / "bin" / "python"), "-m", "pdreg")
 MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
 MODEL_NAME = "tiny"
 EXIT_TIMEOUT_S = 20.0
-# Admission's TTFT SLO for the routers here: CPU engines take seconds to a first token.
-CPU_TTFT_SLO_MS = 120_000
 SIDECAR_EXIT_TIMEOUT_S = 90.0
 LOG_TAIL_LINES = 60
 
@@ -335,7 +333,7 @@ class Router:
         self.proc.start([*PDREG, "router", "--registry", registry, "--host", "127.0.0.1",
                          "--port", str(self.port), "--max-attempts", str(max_attempts),
                          "--allow-upstream", "127.0.0.0/8,::1/128",
-                         "--ttft-slo-ms", str(CPU_TTFT_SLO_MS), *extra], env)
+                         "--ttft-slo-ms", str(CPU_ENGINE_TTFT_SLO_MS), *extra], env)
         say(f"started router: pid {self.proc.pid}, "
             f"port {self.port}, log {self.proc.log_path}")
 
