@@ -67,9 +67,10 @@ def find_pdreg_process() -> tuple[int, list[str]]:
 def liveness_url(argv: list[str]) -> str | None:
     """The URL that says whether the process with pdreg arguments ARGV is alive; None
     for a process without HTTP."""
-    from pdreg.cli import build_parser  # the real parser: the flags mean what pdreg says
+    # the real parser: the flags mean what pdreg says
+    from pdreg.cli import build_parser, subcommand_of
 
-    args = build_parser().parse_args(argv)
+    args = build_parser(subcommand_of(argv)).parse_args(argv)
     if args.subcommand not in LIVENESS:
         return None
     path, port_flag = LIVENESS[args.subcommand]
