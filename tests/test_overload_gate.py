@@ -167,6 +167,33 @@ def test_a_client_that_leaves_just_as_it_is_admitted_gives_its_reservation_back(
     asyncio.run(run())
 
 
+def test_a_decodes_slot_is_taken_when_the_prefill_is_done_not_at_admission() -> None:
+    """One decode with one slot, two prefills: a second request is admitted while the
+    first is still in its prefill (the decode is idle until then); once a prefill part
+    ends the decode's slot is taken, so a third waits for that decode to finish."""
+    async def run() -> None:
+        one_slot = Candidate.of(live("d1", Role.DECODE, capacity=1))
+        admission = gate(Fleet(prefills=(P1, P2), decodes=(one_slot,)))
+        first = await admission.admit("m", who(), Cost(60, 10), 100)
+        assert isinstance(first, Ticket)
+        decode, prefill = admission.charge(first, Pair(P1, one_slot))
+        second = await admission.admit("m", who(), Cost(60, 10), 100)
+        assert isinstance(second, Ticket)  # not queued behind an idle decode
+        assert prefill is not None
+        prefill.release()  # the first moves on to the decode: its slot is taken
+        assert admission.decodes.requests("d1") == 1
+        second.settle()
+        third = asyncio.create_task(admission.admit("m", who(), Cost(60, 10), 100))
+        await asyncio.sleep(0)
+        assert not third.done() and admission.queued() == 1
+        decode.release()  # the first's answer is done
+        ticket = await asyncio.wait_for(third, 5)
+        assert isinstance(ticket, Ticket)
+        ticket.settle()
+        assert list(admission.decodes.members()) == list(admission.prefills.members()) == []
+    asyncio.run(run())
+
+
 def test_higher_priority_goes_first_and_pairing_avoids_full_members() -> None:
     async def run() -> None:
         admission = gate(Fleet(prefills=(P1, P2)))

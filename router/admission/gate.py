@@ -285,8 +285,10 @@ class Admission:
         decode = self._roomiest(decodes, self.decodes, DECODE, cost.kv_tokens)
         if prefill is None or decode is None:
             return None
+        # The decode's slot is not reserved: the request reaches it after its prefill.
         return Ticket(cost, (self._take(self.prefills, PREFILL, prefill.id, cost.prompt_tokens),
-                             self._take(self.decodes, DECODE, decode.id, cost.kv_tokens)))
+                             self._take(self.decodes, DECODE, decode.id, cost.kv_tokens,
+                                        counted=False)))
 
     def _roomiest(self, candidates: Sequence[Candidate], budgets: Budgets, role: str,
                   units: int) -> Candidate | None:
@@ -311,20 +313,22 @@ class Admission:
         """The pair's grants for an admitted request: the decode's, and the prefill's
         unless one member serves both (then the decode's grant holds both). The pair's
         grants are taken before the reservation goes, so the room it frees cannot be
-        given to a queued request in between."""
+        given to a queued request in between. The decode's grant takes a request slot
+        when the prefill's part ends (budgets.py), a mixed member's at once."""
         cost = ticket.cost
         uncached = max(0, cost.prompt_tokens - pair.cached_tokens)
-        decode = self._take(self.decodes, DECODE, pair.decode.id, cost.kv_tokens)
+        decode = self._take(self.decodes, DECODE, pair.decode.id, cost.kv_tokens,
+                            counted=pair.direct)
         prefill = self._take(self.prefills, PREFILL, pair.prefill.id, uncached,
                              timed=not pair.direct)
         ticket.settle()
         if pair.direct:
             return _Both(decode, prefill), None
-        return decode, prefill
+        return decode, _PrefillPart(prefill, decode)
 
     def _take(self, budgets: Budgets, role: str, member_id: str, units: int, *,
-              timed: bool = False) -> Grant:
-        grant = budgets.take(member_id, units, timed=timed)
+              timed: bool = False, counted: bool = True) -> Grant:
+        grant = budgets.take(member_id, units, timed=timed, counted=counted)
         self.metrics.budget_used.labels(member_id, role).set(budgets.used(member_id))
         return grant
 
@@ -404,6 +408,22 @@ class _Both:
     def release(self) -> None:
         for grant in self._grants:
             grant.release()
+
+
+class _PrefillPart:
+    """A split pair's prefill grant: when it ends the request moves on to its decode,
+    whose grant then takes a request slot (before the prefill's room is given out, so
+    the next admission sees the decode as it is)."""
+
+    __slots__ = ("_decode", "_prefill")
+
+    def __init__(self, prefill: Grant, decode: Grant) -> None:
+        self._prefill = prefill
+        self._decode = decode
+
+    def release(self) -> None:
+        self._decode.count()
+        self._prefill.release()
 
 
 def _refusal(status: int, message: str, code: str, retry_after_s: float) -> Response:
