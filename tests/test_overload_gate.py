@@ -201,6 +201,8 @@ def test_higher_priority_goes_first_and_pairing_avoids_full_members() -> None:
         b = await admission.admit("m", who(), Cost(100, 10), 100)  # on p2: most room
         assert isinstance(a, Ticket) and isinstance(b, Ticket)
         assert admission.full("m") == {"p1", "p2"}
+        # ... but the room each reserved is its own: its pair goes there, not to the other
+        assert admission.full("m", a) == {"p2"} and admission.full("m", b) == {"p1"}
         low = asyncio.create_task(admission.admit("m", who(STANDARD), Cost(100, 1), 10))
         await asyncio.sleep(0)
         high = asyncio.create_task(admission.admit("m", who(CRITICAL), Cost(100, 1), 10))

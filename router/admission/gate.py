@@ -87,6 +87,11 @@ class Ticket:
         self.cost = cost
         self._reserved = list(reserved)
 
+    @property
+    def reserved_on(self) -> frozenset[str]:
+        """The members its reservation holds room on (none once settled)."""
+        return frozenset(grant.member_id for grant in self._reserved if not grant.released)
+
     def settle(self) -> None:
         reserved, self._reserved = self._reserved, []
         for grant in reserved:
@@ -172,13 +177,17 @@ class Admission:
             self.adaptive.retain(members.keys())
         self.pump()
 
-    def full(self, model: str) -> frozenset[str]:
+    def full(self, model: str, ticket: Ticket | None = None) -> frozenset[str]:
         """Members of `model` that can take nothing more now (pairing avoids them while
-        another has room)."""
+        another has room). Not those `ticket` reserved room on: that room is its own.
+        Else a request whose reservation filled a prefill would see both prefills full
+        and could be paired with the busy one, to wait in its engine behind another
+        prompt while the prefill reserved for it stood idle."""
         prefills, decodes = self._candidates(model)
-        return frozenset(
+        full = frozenset(
             [c.id for c in prefills if self.prefills.full(c.id, self.limit(c, PREFILL))]
             + [c.id for c in decodes if self.decodes.full(c.id, self.limit(c, DECODE))])
+        return full - ticket.reserved_on if ticket is not None else full
 
     # --- admitting ----------------------------------------------------------------------
 
