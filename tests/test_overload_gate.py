@@ -194,6 +194,26 @@ def test_a_decodes_slot_is_taken_when_the_prefill_is_done_not_at_admission() -> 
     asyncio.run(run())
 
 
+def test_a_prefills_speed_is_measured_without_the_requests_own_reservation() -> None:
+    """A request alone on a prefill for 0.6 s with 60 uncached tokens: 0.01 s a token.
+    Its own reservation, given back as its pair's grant is taken, is not work beside it
+    (else 0.005, and its class's deadline would allow for half the service it takes)."""
+    async def run() -> None:
+        now = [0.0]
+        admission = Admission(AdmissionOptions(prefill_budget_tokens=100), BOOK, Fleet(),
+                              LatencyTracker(), AdmissionMetrics(CollectorRegistry()),
+                              lambda: now[0])
+        ticket = await admission.admit("m", who(), Cost(60, 10), 100)
+        assert isinstance(ticket, Ticket) and ticket.reserved("p1") == 60
+        decode, prefill = admission.charge(ticket, Pair(P1, D1))
+        now[0] += 0.6
+        assert prefill is not None
+        prefill.release()
+        decode.release()
+        assert admission.predictor.seconds_per_token(["p1"]) == pytest.approx(0.01)
+    asyncio.run(run())
+
+
 def test_higher_priority_goes_first_and_pairing_avoids_full_members() -> None:
     async def run() -> None:
         admission = gate(Fleet(prefills=(P1, P2)))

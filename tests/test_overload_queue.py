@@ -159,7 +159,7 @@ def test_a_push_past_a_bound_changes_nothing() -> None:
 budget_ops = st.lists(st.one_of(
     # bool: counted at once (a prefill's grant), or later (a decode's, after its prefill)
     st.tuples(st.just("take"), st.sampled_from(["p1", "p2", "d1"]), st.integers(0, 5000),
-              st.booleans()),
+              st.booleans(), st.integers(0, 5000)),  # int: its reservation's units
     st.tuples(st.just("release"), st.integers(0, 100), st.booleans()),
     st.tuples(st.just("count"), st.integers(0, 100), st.booleans()),
 ), max_size=150)
@@ -178,7 +178,12 @@ def test_budgets_are_what_is_in_flight_never_negative_never_leaking(history: lis
     for op in history:
         now[0] += 0.1
         if op[0] == "take":
-            grants.append(budgets.take(op[1], op[2], timed=True, counted=op[3]))
+            before = budgets.used(op[1])
+            grants.append(budgets.take(op[1], op[2], timed=True, counted=op[3],
+                                       replaces=op[4]))
+            # the work beside it: what was there, less its own reservation, never less
+            # than itself
+            assert grants[-1].work == op[2] + max(0, before - op[4])
         elif grants:
             grant = grants[op[1] % len(grants)]
             for _ in range(2 if op[2] else 1):

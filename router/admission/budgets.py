@@ -127,16 +127,18 @@ class Budgets:
         return max(0, limit.units - self._units.get(member_id, 0))
 
     def take(self, member_id: str, units: int, *, timed: bool = False,
-             counted: bool = True) -> Grant:
+             counted: bool = True, replaces: int = 0) -> Grant:
         """`timed`: the grant spans the member's work on it, so its release is reported
         (`on_release`); a reservation's is not. `counted`: it holds a request slot now;
-        else from its `count()` on."""
-        if units < 0:
+        else from its `count()` on. `replaces`: units of this same request's reservation
+        on the member, given back right after: not work in flight beside it."""
+        if units < 0 or replaces < 0:
             raise ValueError("units must be >= 0")
         used = self._units.get(member_id, 0) + units
         self._units[member_id] = used
         self._grants[member_id] = self._grants.get(member_id, 0) + 1
-        grant = Grant(self, member_id, units, self._clock(), used, timed)
+        work = max(units, used - replaces)
+        grant = Grant(self, member_id, units, self._clock(), work, timed)
         if counted:
             grant.count()
         return grant

@@ -92,6 +92,11 @@ class Ticket:
         """The members its reservation holds room on (none once settled)."""
         return frozenset(grant.member_id for grant in self._reserved if not grant.released)
 
+    def reserved(self, member_id: str) -> int:
+        """Units its reservation holds on `member_id`."""
+        return sum(grant.units for grant in self._reserved
+                   if grant.member_id == member_id and not grant.released)
+
     def settle(self) -> None:
         reserved, self._reserved = self._reserved, []
         for grant in reserved:
@@ -328,16 +333,20 @@ class Admission:
         uncached = max(0, cost.prompt_tokens - pair.cached_tokens)
         decode = self._take(self.decodes, DECODE, pair.decode.id, cost.kv_tokens,
                             counted=pair.direct)
+        # Its own reservation there is no work beside it: counted, it would halve the
+        # member's measured time per token and so the service a deadline allows for.
         prefill = self._take(self.prefills, PREFILL, pair.prefill.id, uncached,
-                             timed=not pair.direct)
+                             timed=not pair.direct,
+                             replaces=ticket.reserved(pair.prefill.id))
         ticket.settle()
         if pair.direct:
             return _Both(decode, prefill), None
         return decode, _PrefillPart(prefill, decode)
 
     def _take(self, budgets: Budgets, role: str, member_id: str, units: int, *,
-              timed: bool = False, counted: bool = True) -> Grant:
-        grant = budgets.take(member_id, units, timed=timed, counted=counted)
+              timed: bool = False, counted: bool = True, replaces: int = 0) -> Grant:
+        grant = budgets.take(member_id, units, timed=timed, counted=counted,
+                             replaces=replaces)
         self.metrics.budget_used.labels(member_id, role).set(budgets.used(member_id))
         return grant
 
