@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["UNLIMITED", "Budgets", "Grant", "Limit", "Releasable"]
+__all__ = ["UNLIMITED", "Budgets", "Grant", "Limit", "Releasable", "ThenCount", "Together"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,3 +164,32 @@ class Budgets:
         if self._on_release is not None:
             seconds = self._clock() - grant.taken_at if grant.timed else -1.0
             self._on_release(member_id, seconds, grant.work)
+
+
+class Together:
+    """A mixed member's two grants as one (released together)."""
+
+    __slots__ = ("_grants",)
+
+    def __init__(self, *grants: Grant) -> None:
+        self._grants = grants
+
+    def release(self) -> None:
+        for grant in self._grants:
+            grant.release()
+
+
+class ThenCount:
+    """A split pair's prefill grant: when it ends the request moves on to its decode,
+    whose grant then takes a request slot (before the prefill's room is given out, so
+    the next admission sees the decode as it is)."""
+
+    __slots__ = ("_decode", "_prefill")
+
+    def __init__(self, prefill: Grant, decode: Grant) -> None:
+        self._prefill = prefill
+        self._decode = decode
+
+    def release(self) -> None:
+        self._decode.count()
+        self._prefill.release()

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from registry.client import LiveMember
 from router.admission.adaptive import AdaptiveLimit
-from router.admission.budgets import Budgets, Grant, Limit, Releasable
+from router.admission.budgets import Budgets, Grant, Limit, Releasable, ThenCount, Together
 from router.admission.classes import ClassBook, TrafficClass
 from router.admission.fair_queue import FairQueue, Waiter
 from router.admission.metrics import AdmissionMetrics
@@ -340,8 +340,8 @@ class Admission:
                              replaces=ticket.reserved(pair.prefill.id))
         ticket.settle()
         if pair.direct:
-            return _Both(decode, prefill), None
-        return decode, _PrefillPart(prefill, decode)
+            return Together(decode, prefill), None
+        return decode, ThenCount(prefill, decode)
 
     def _take(self, budgets: Budgets, role: str, member_id: str, units: int, *,
               timed: bool = False, counted: bool = True, replaces: int = 0) -> Grant:
@@ -413,35 +413,6 @@ class Admission:
                          "deadline_ms": c.deadline_s * 1000}
                         for c in self.book.classes.values()],
             "models": models, "members": members}
-
-
-class _Both:
-    """A mixed member's two grants as one (released together)."""
-
-    __slots__ = ("_grants",)
-
-    def __init__(self, *grants: Grant) -> None:
-        self._grants = grants
-
-    def release(self) -> None:
-        for grant in self._grants:
-            grant.release()
-
-
-class _PrefillPart:
-    """A split pair's prefill grant: when it ends the request moves on to its decode,
-    whose grant then takes a request slot (before the prefill's room is given out, so
-    the next admission sees the decode as it is)."""
-
-    __slots__ = ("_decode", "_prefill")
-
-    def __init__(self, prefill: Grant, decode: Grant) -> None:
-        self._prefill = prefill
-        self._decode = decode
-
-    def release(self) -> None:
-        self._decode.count()
-        self._prefill.release()
 
 
 def _refusal(status: int, message: str, code: str, retry_after_s: float) -> Response:
