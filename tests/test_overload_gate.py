@@ -271,7 +271,8 @@ steps = st.lists(st.one_of(
 def test_no_history_leaves_budget_reserved_or_a_request_queued(history: list) -> None:
     """Admissions (some queued), pairs charged (some after a failed first pair: a
     retry), legs ended, clients gone: once every request has ended, every budget is
-    zero, the queue is empty, and the counts never went negative on the way."""
+    zero, the queue is empty, and the counts never went negative on the way; an
+    admitted request never finds the room reserved for it full."""
     async def run() -> None:
         admission = gate(Fleet(prefills=(P1, P2)))
         tasks: list[asyncio.Task[Ticket | Response]] = []
@@ -280,6 +281,14 @@ def test_no_history_leaves_budget_reserved_or_a_request_queued(history: list) ->
         def check() -> None:
             for budgets in (admission.prefills, admission.decodes):
                 assert all(units >= 0 and n > 0 for _, units, n in budgets.members())
+            # An admitted request not yet on a pair: the members it reserved room on
+            # are never full for it (pairing sends it there), others as for anyone.
+            for task in tasks:
+                if task.done() and not task.cancelled() and isinstance(task.result(), Ticket):
+                    ticket = task.result()
+                    full = admission.full("m", ticket)
+                    assert not full & ticket.reserved_on
+                    assert full == admission.full("m") - ticket.reserved_on
 
         for step in history:
             if step[0] == "admit":
