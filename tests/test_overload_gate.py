@@ -191,6 +191,12 @@ def test_a_decodes_slot_is_taken_when_the_prefill_is_done_not_at_admission() -> 
         assert isinstance(ticket, Ticket)
         ticket.settle()
         assert list(admission.decodes.members()) == list(admission.prefills.members()) == []
+        # A mixed member serves its request's decode from the start: counted at once.
+        mixed = Candidate.of(live("m1", Role.MIXED, capacity=1))
+        both, none = admission.charge(Ticket(Cost(60, 10)), Pair(mixed, mixed))
+        assert none is None and admission.decodes.requests("m1") == 1
+        both.release()
+        assert admission.decodes.requests("m1") == 0
     asyncio.run(run())
 
 
