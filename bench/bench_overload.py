@@ -8,17 +8,27 @@ closed loop through pdreg without admission). Then open-loop Poisson arrivals at
 standard 50%, sheddable 30%) and ten tenants, one of them noisy with half the traffic.
 
 Rows, in one run: pdreg with admission (classes file below), pdreg with --no-admission,
-and with --peers the peers bench/peers.py installs: sglang-router with its opt-in global
-limit and FIFO queue (--max-concurrent-requests, --queue-size, --queue-timeout-secs) and
-without it (both in front of the same engines registered as sglang), and vllm-router
-(which has no admission).
+with --routers N also pdreg with admission behind N routers (registered, so each takes
+1/N of every member's budget; the arrivals alternate between them), and with --peers
+the peers bench/peers.py installs: sglang-router with its opt-in global limit and FIFO
+queue (--max-concurrent-requests, --queue-size, --queue-timeout-secs) and without it
+(both in front of the same engines registered as sglang), and vllm-router (which has no
+admission).
 
 Per row and load: goodput (requests that met their class's TTFT SLO, per second),
 critical p99 TTFT, how fast refusals came (p99), answers without Retry-After, requests
 without an answer, Jain's index of goodput/demand over the standard tenants and the
 noisy tenant's goodput/demand beside the others', and the router's RSS after the run.
+Beside Jain's index, the index a perfectly fair server would show with the same arrivals
+and the same number of standard requests served well (max-min fair shares of them over
+the tenants' demands): with a few requests per tenant a cell, the index is far from 1
+even then.
 
-    .venv/bin/python bench/bench_overload.py [--duration 6] [--loads 0.5,1,2,4] [--peers]
+    .venv/bin/python bench/bench_overload.py [--duration 6] [--loads 0.5,1,2,4]
+        [--durations 15,15,15,60] [--routers 2] [--only-admission] [--peers]
+
+The critical class's floor (what no router could beat on these engines) is
+bench/overload_floor.py's.
 
 Writes bench/out/overload.json; the plot bench/plots/overload.png (matplotlib from
 .venv-peers) when it is there.
@@ -28,13 +38,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -99,6 +111,7 @@ class Cell:
     sent: int
     goodput_rps: float
     critical_p99_s: float
+    critical_refused: int
     refusal_p99_ms: float  # every refusal (a 503 at a deadline waited for it)
     shed_p99_ms: float  # 429s alone: the "at once" refusals
     refused: int
@@ -106,8 +119,10 @@ class Cell:
     unanswered: int
     jain_standard: float
     jain_quiet: float  # the nine tenants that are not noisy
+    jain_quiet_fair: float  # what a perfectly fair server shows with the same arrivals
     noisy_ratio: float  # the noisy tenant's goodput/demand (standard class)
     others_ratio: float  # the other standard tenants'
+    duration_s: float = 0.0
     router_rss_mb: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
 
@@ -115,8 +130,12 @@ class Cell:
 @dataclass
 class Target:
     name: str
-    url: str
-    pid: int | None
+    urls: list[str]  # the routers the arrivals alternate between
+    pids: list[int]
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
 
 
 async def _one(session: aiohttp.ClientSession, url: str, klass: str, tenant: str
@@ -159,16 +178,18 @@ def _arrivals(rate: float, duration_s: float, seed: int) -> list[tuple[float, st
         out.append((t, rng.choices(names, weights)[0], tenant))
 
 
-async def open_loop(url: str, rate: float, duration_s: float, seed: int) -> list[Outcome]:
+async def open_loop(urls: list[str], rate: float, duration_s: float, seed: int
+                    ) -> list[Outcome]:
     timeout = aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=timeout) as session:
         start = time.monotonic()
         tasks = []
-        for at, klass, tenant in _arrivals(rate, duration_s, seed):
+        for index, (at, klass, tenant) in enumerate(_arrivals(rate, duration_s, seed)):
             delay = start + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            url = urls[index % len(urls)]
             tasks.append(asyncio.create_task(_one(session, url, klass, tenant)))
         return list(await asyncio.gather(*tasks))
 
@@ -179,6 +200,25 @@ def _jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
+def _fair_shares(demands: dict[str, int], served: int) -> dict[str, float]:
+    """Max-min fair shares of `served` requests over the tenants' demands (each gets
+    min(demand, level), the level set so that the shares add up to `served`)."""
+    shares = dict.fromkeys(demands, 0.0)
+    left, open_ = float(served), sorted(demands, key=demands.__getitem__)
+    while open_ and left > 1e-9:
+        level = left / len(open_)
+        tenant = open_[0]
+        if demands[tenant] - shares[tenant] <= level:  # the smallest is met in full
+            left -= demands[tenant] - shares[tenant]
+            shares[tenant] = float(demands[tenant])
+            open_.pop(0)
+        else:
+            for name in open_:
+                shares[name] += level
+            left = 0.0
+    return shares
+
+
 def summarize(router: str, load: float, rate: float, duration_s: float,
               outcomes: list[Outcome]) -> Cell:
     def good(o: Outcome) -> bool:
@@ -186,12 +226,14 @@ def summarize(router: str, load: float, rate: float, duration_s: float,
     critical = [o.ttft_s for o in outcomes
                 if o.klass == "critical" and o.status == 200 and o.ttft_s is not None]
     refused = [o for o in outcomes if o.status not in (0, 200)]
-    ratios = {}
+    ratios, demands = {}, {}
     for tenant in (f"t{i}" for i in range(TENANTS)):
         mine = [o for o in outcomes if o.klass == "standard" and o.tenant == tenant]
         if mine:
             ratios[tenant] = sum(map(good, mine)) / len(mine)
+            demands[tenant] = len(mine)
     others = [v for t, v in ratios.items() if t != "t0"]
+    fair = _fair_shares(demands, sum(1 for o in outcomes if o.klass == "standard" and good(o)))
     statuses: dict[str, int] = {}
     for o in outcomes:
         statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
@@ -199,6 +241,7 @@ def summarize(router: str, load: float, rate: float, duration_s: float,
         router=router, load=load, offered_rps=round(rate, 2), sent=len(outcomes),
         goodput_rps=round(sum(map(good, outcomes)) / duration_s, 2),
         critical_p99_s=round(p99(sorted(critical)), 3) if critical else float("nan"),
+        critical_refused=sum(1 for o in outcomes if o.klass == "critical" and o.status != 200),
         refusal_p99_ms=round(1000 * p99(sorted(o.answered_s for o in refused)), 1)
         if refused else 0.0,
         shed_p99_ms=round(1000 * p99(sorted(o.answered_s for o in refused
@@ -208,9 +251,10 @@ def summarize(router: str, load: float, rate: float, duration_s: float,
         unanswered=sum(1 for o in outcomes if o.status == 0),
         jain_standard=round(_jain(list(ratios.values())), 3),
         jain_quiet=round(_jain(others), 3),
+        jain_quiet_fair=round(_jain([fair[t] / demands[t] for t in demands if t != "t0"]), 3),
         noisy_ratio=round(ratios.get("t0", 0.0), 3),
         others_ratio=round(sum(others) / len(others), 3) if others else 0.0,
-        statuses=statuses)
+        duration_s=duration_s, statuses=statuses)
 
 
 @contextmanager
@@ -229,22 +273,41 @@ def engines(handshake: str) -> Iterator[tuple[RegistryServer, list[EngineHandle]
 
 
 @contextmanager
-def pdreg(registry: str, admission: bool) -> Iterator[Target]:
-    with tempfile.NamedTemporaryFile("w", suffix=".toml") as classes:
+def pdreg(registry: str, admission: bool, routers: int = 1) -> Iterator[Target]:
+    """pdreg, with admission or without; behind `routers` routers, registered when more
+    than one (so that each counts the others and takes its share of every budget)."""
+    name = "pdreg admission" if admission else "pdreg no admission"
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as classes, ExitStack() as stack:
         classes.write(CLASSES_TOML)
         classes.flush()
         flags = [*LOCAL_ROUTER_FLAGS, *(["--classes", classes.name] if admission
                                         else ["--no-admission"])]
-        with router_process(registry, "peak_ewma", flags=flags) as router:
-            yield Target("pdreg admission" if admission else "pdreg no admission",
-                         router.url, router.proc.pid)
+        started = [stack.enter_context(router_process(registry, "peak_ewma", flags=flags,
+                                                      register=routers > 1))
+                   for _ in range(routers)]
+        urls = [router.url for router in started]
+        if routers > 1:
+            _counted(urls, routers)
+            name += f", {routers} routers"
+        yield Target(name, urls, [router.proc.pid for router in started])
+
+
+def _counted(urls: list[str], routers: int) -> None:
+    """Wait until every router counts `routers` routers (its budgets split N ways)."""
+    deadline = time.monotonic() + 30
+    for url in urls:
+        while json.loads(urllib.request.urlopen(url + "/v1/admission", timeout=5).read()
+                         )["routers"] != routers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} does not count {routers} routers")
+            time.sleep(0.2)
 
 
 @contextmanager
 def peer(start: Callable[[], peers.PeerRouter], label: str = "") -> Iterator[Target]:
     router = start()
     try:
-        yield Target(label or router.name, router.url, router.proc.pid)
+        yield Target(label or router.name, [router.url], [router.proc.pid])
     finally:
         router.stop()
 
@@ -272,16 +335,17 @@ def capacity(url: str) -> float:
     return len(load.latencies) / load.wall_s
 
 
-def run_row(target: Target, rps: float, loads: list[float], duration_s: float
+def run_row(target: Target, rps: float, loads: list[float], durations: list[float]
             ) -> list[Cell]:
-    _ready(target.url)
+    for url in target.urls:
+        _ready(url)
     cells = []
-    for index, load in enumerate(loads):
+    for index, (load, duration_s) in enumerate(zip(loads, durations, strict=True)):
         rate = load * rps
-        outcomes = asyncio.run(open_loop(target.url, rate, duration_s, seed=index))
+        outcomes = asyncio.run(open_loop(target.urls, rate, duration_s, seed=index))
         cell = summarize(target.name, load, rate, duration_s, outcomes)
-        if target.pid is not None:
-            cell.router_rss_mb = round(rss_bytes(target.pid) / 2**20, 1)
+        if target.pids:  # the largest router's
+            cell.router_rss_mb = round(max(map(rss_bytes, target.pids)) / 2**20, 1)
         print(f"  {target.name} {load}x: goodput {cell.goodput_rps}/s, critical p99 "
               f"{cell.critical_p99_s}s, statuses {cell.statuses}", flush=True)
         cells.append(cell)
@@ -289,9 +353,12 @@ def run_row(target: Target, rps: float, loads: list[float], duration_s: float
     return cells
 
 
-def lineups(with_peers: bool) -> Iterator[tuple[str, list[Callable[..., AbstractContextManager[
-        Target]]]]]:
-    yield "vllm-nixl", [lambda reg, hs: pdreg(reg, True), lambda reg, hs: pdreg(reg, False)]
+def lineups(with_peers: bool, routers: int, only_admission: bool
+            ) -> Iterator[tuple[str, list[Callable[..., AbstractContextManager[Target]]]]]:
+    yield "vllm-nixl", [
+        lambda reg, hs: pdreg(reg, True),
+        *([lambda reg, hs: pdreg(reg, True, routers)] if routers > 1 else []),
+        *([] if only_admission else [lambda reg, hs: pdreg(reg, False)])]
     if with_peers:
         def prefills(hs: list[EngineHandle]) -> list[EngineHandle]:
             return [h for h in hs if h.id.startswith("prefill")]
@@ -312,12 +379,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per load")
     parser.add_argument("--loads", default="0.5,1,2,4")
+    parser.add_argument("--durations", default="",
+                        help="seconds per load, one per --loads (default: --duration each)")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="also a row with admission behind this many routers")
+    parser.add_argument("--only-admission", action="store_true",
+                        help="leave out the row without admission")
     parser.add_argument("--peers", action="store_true", help="the peer routers too")
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
+    durations = ([float(x) for x in args.durations.split(",")] if args.durations
+                 else [args.duration] * len(loads))
+    if len(durations) != len(loads):
+        parser.error("--durations needs one value per load")
     cells: list[Cell] = []
     rps = 0.0
-    for handshake, factories in lineups(args.peers):
+    for handshake, factories in lineups(args.peers, args.routers, args.only_admission):
         with engines(handshake) as (registry, handles):
             if not rps:
                 with pdreg(registry.control_address, False) as target:
@@ -326,18 +403,20 @@ def main() -> int:
             for factory in factories:
                 try:
                     with factory(registry.control_address, handles) as target:
-                        cells += run_row(target, rps, loads, args.duration)
+                        cells += run_row(target, rps, loads, durations)
                 except RuntimeError as exc:  # a peer that would not start: its row is left out
                     print(f"  skipped: {str(exc)[:300]}", flush=True)
-    write_json(OUT, {"capacity_rps": rps, "duration_s": args.duration,
+    write_json(OUT, {"capacity_rps": rps, "durations_s": durations,
                      "cells": [asdict(c) for c in cells]})
-    print_table(["router", "load", "offered/s", "goodput/s", "critical p99 s",
-                 "429 p99 ms", "refusal p99 ms", "refused", "no Retry-After", "unanswered",
-                 "Jain all / quiet", "noisy / others", "RSS MB"],
-                [(c.router, f"{c.load:g}x", c.offered_rps, c.goodput_rps, c.critical_p99_s,
-                  c.shed_p99_ms, c.refusal_p99_ms, c.refused, c.no_retry_after, c.unanswered,
-                  f"{c.jain_standard} / {c.jain_quiet}", f"{c.noisy_ratio} / {c.others_ratio}",
-                  c.router_rss_mb) for c in cells])
+    print_table(["router", "load", "s", "offered/s", "goodput/s", "critical p99 s",
+                 "critical refused", "429 p99 ms", "refusal p99 ms", "refused",
+                 "no Retry-After", "unanswered", "Jain all / quiet / fair", "noisy / others",
+                 "RSS MB"],
+                [(c.router, f"{c.load:g}x", f"{c.duration_s:g}", c.offered_rps, c.goodput_rps,
+                  c.critical_p99_s, c.critical_refused, c.shed_p99_ms, c.refusal_p99_ms,
+                  c.refused, c.no_retry_after, c.unanswered,
+                  f"{c.jain_standard} / {c.jain_quiet} / {c.jain_quiet_fair}",
+                  f"{c.noisy_ratio} / {c.others_ratio}", c.router_rss_mb) for c in cells])
     plot()
     return 0
 

@@ -78,11 +78,14 @@ class RouterProcess:
 @contextmanager
 def router_process(registry: str, policy: str, *, flags: Sequence[str] = LOCAL_ROUTER_FLAGS,
                    src: Path = ROOT, log_level: str = "WARNING",
-                   log_path: Path | None = None) -> Iterator[RouterProcess]:
-    """`pdreg router --policy POLICY` (not registered: no planner reads it) from source
-    tree `src`, following `registry`. Its log goes to `log_path`, else to a temporary
-    file removed afterwards: a client that hangs up after [DONE] makes the HTTP client
-    log a traceback per request, which would drown the benchmark's own output."""
+                   log_path: Path | None = None, register: bool = False
+                   ) -> Iterator[RouterProcess]:
+    """`pdreg router --policy POLICY` from source tree `src`, following `registry`; not
+    registered (no planner reads it) unless `register` (routers count each other so:
+    admission splits each member's budget among them). Its log goes to `log_path`, else
+    to a temporary file removed afterwards: a client that hangs up after [DONE] makes
+    the HTTP client log a traceback per request, which would drown the benchmark's own
+    output."""
     keep = log_path is not None
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="pdreg-bench-router-", suffix=".log")
@@ -91,8 +94,8 @@ def router_process(registry: str, policy: str, *, flags: Sequence[str] = LOCAL_R
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdreg", "--log-level", log_level, "router", "--registry",
-             registry, "--port", str(free_low_port()), "--policy", policy, "--no-register",
-             *flags],
+             registry, "--port", str(free_low_port()), "--policy", policy,
+             *([] if register else ["--no-register"]), *flags],
             cwd=src, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent)
     try:

@@ -56,8 +56,9 @@ class MembershipSource(Protocol):
 class BudgetPort(Protocol):
     """What pairing asks of admission (router/admission/gate.py `Admission`)."""
 
-    def full(self, model: str) -> Collection[str]:
-        """Members of `model` with no budget left: chosen only if no other is eligible."""
+    def full(self, model: str, ticket: Any = None) -> Collection[str]:
+        """Members of `model` with no budget left for the request holding `ticket`:
+        chosen only if no other is eligible."""
 
     def charge(self, ticket: Any, pair: Pair) -> tuple[Any, Any]:
         """The request's budget grants on `pair` (decode's, prefill's or None), each with
@@ -146,12 +147,14 @@ class Pairing:
         return self.table().models(self.quarantine.active(self._clock()))
 
     def choose(self, model: str, affinity: Affinity, tried: Collection[str], *,
-               despite_quarantine: bool = False) -> Pair | None:
+               despite_quarantine: bool = False, ticket: Any = None) -> Pair | None:
+        """`ticket`: admission's for the request (the members it reserved room on are
+        not full for it)."""
         now = self._clock()
         quarantined = None if despite_quarantine else self.quarantine.active(now)
         exclude: Collection[str] = tried
         if self._budgets is not None:
-            full = self._budgets.full(model)
+            full = self._budgets.full(model, ticket)
             if full:
                 exclude = {*tried, *full}
         pair = self.pairer.choose(self.table(), model, now=now,

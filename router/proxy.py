@@ -147,10 +147,10 @@ class Proxy:
 
     def _choose(self, continuing: bool) -> Pair | None:
         pairing, call = self.ports.pairing, self.call
-        pair = pairing.choose(call.model, call.affinity, self.tried)
+        pair = pairing.choose(call.model, call.affinity, self.tried, ticket=call.ticket)
         if pair is None and continuing:
             pair = pairing.choose(call.model, call.affinity, self.tried,
-                                  despite_quarantine=True)
+                                  despite_quarantine=True, ticket=call.ticket)
         return pair
 
     @staticmethod

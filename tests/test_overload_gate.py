@@ -167,6 +167,59 @@ def test_a_client_that_leaves_just_as_it_is_admitted_gives_its_reservation_back(
     asyncio.run(run())
 
 
+def test_a_decodes_slot_is_taken_when_the_prefill_is_done_not_at_admission() -> None:
+    """One decode with one slot, two prefills: a second request is admitted while the
+    first is still in its prefill (the decode is idle until then); once a prefill part
+    ends the decode's slot is taken, so a third waits for that decode to finish."""
+    async def run() -> None:
+        one_slot = Candidate.of(live("d1", Role.DECODE, capacity=1))
+        admission = gate(Fleet(prefills=(P1, P2), decodes=(one_slot,)))
+        first = await admission.admit("m", who(), Cost(60, 10), 100)
+        assert isinstance(first, Ticket)
+        decode, prefill = admission.charge(first, Pair(P1, one_slot))
+        second = await admission.admit("m", who(), Cost(60, 10), 100)
+        assert isinstance(second, Ticket)  # not queued behind an idle decode
+        assert prefill is not None
+        prefill.release()  # the first moves on to the decode: its slot is taken
+        assert admission.decodes.requests("d1") == 1
+        second.settle()
+        third = asyncio.create_task(admission.admit("m", who(), Cost(60, 10), 100))
+        await asyncio.sleep(0)
+        assert not third.done() and admission.queued() == 1
+        decode.release()  # the first's answer is done
+        ticket = await asyncio.wait_for(third, 5)
+        assert isinstance(ticket, Ticket)
+        ticket.settle()
+        assert list(admission.decodes.members()) == list(admission.prefills.members()) == []
+        # A mixed member serves its request's decode from the start: counted at once.
+        mixed = Candidate.of(live("m1", Role.MIXED, capacity=1))
+        both, none = admission.charge(Ticket(Cost(60, 10)), Pair(mixed, mixed))
+        assert none is None and admission.decodes.requests("m1") == 1
+        both.release()
+        assert admission.decodes.requests("m1") == 0
+    asyncio.run(run())
+
+
+def test_a_prefills_speed_is_measured_without_the_requests_own_reservation() -> None:
+    """A request alone on a prefill for 0.6 s with 60 uncached tokens: 0.01 s a token.
+    Its own reservation, given back as its pair's grant is taken, is not work beside it
+    (else 0.005, and its class's deadline would allow for half the service it takes)."""
+    async def run() -> None:
+        now = [0.0]
+        admission = Admission(AdmissionOptions(prefill_budget_tokens=100), BOOK, Fleet(),
+                              LatencyTracker(), AdmissionMetrics(CollectorRegistry()),
+                              lambda: now[0])
+        ticket = await admission.admit("m", who(), Cost(60, 10), 100)
+        assert isinstance(ticket, Ticket) and ticket.reserved("p1") == 60
+        decode, prefill = admission.charge(ticket, Pair(P1, D1))
+        now[0] += 0.6
+        assert prefill is not None
+        prefill.release()
+        decode.release()
+        assert admission.predictor.seconds_per_token(["p1"]) == pytest.approx(0.01)
+    asyncio.run(run())
+
+
 def test_higher_priority_goes_first_and_pairing_avoids_full_members() -> None:
     async def run() -> None:
         admission = gate(Fleet(prefills=(P1, P2)))
@@ -174,6 +227,8 @@ def test_higher_priority_goes_first_and_pairing_avoids_full_members() -> None:
         b = await admission.admit("m", who(), Cost(100, 10), 100)  # on p2: most room
         assert isinstance(a, Ticket) and isinstance(b, Ticket)
         assert admission.full("m") == {"p1", "p2"}
+        # ... but the room each reserved is its own: its pair goes there, not to the other
+        assert admission.full("m", a) == {"p2"} and admission.full("m", b) == {"p1"}
         low = asyncio.create_task(admission.admit("m", who(STANDARD), Cost(100, 1), 10))
         await asyncio.sleep(0)
         high = asyncio.create_task(admission.admit("m", who(CRITICAL), Cost(100, 1), 10))
@@ -222,7 +277,8 @@ steps = st.lists(st.one_of(
 def test_no_history_leaves_budget_reserved_or_a_request_queued(history: list) -> None:
     """Admissions (some queued), pairs charged (some after a failed first pair: a
     retry), legs ended, clients gone: once every request has ended, every budget is
-    zero, the queue is empty, and the counts never went negative on the way."""
+    zero, the queue is empty, and the counts never went negative on the way; an
+    admitted request never finds the room reserved for it full."""
     async def run() -> None:
         admission = gate(Fleet(prefills=(P1, P2)))
         tasks: list[asyncio.Task[Ticket | Response]] = []
@@ -231,6 +287,14 @@ def test_no_history_leaves_budget_reserved_or_a_request_queued(history: list) ->
         def check() -> None:
             for budgets in (admission.prefills, admission.decodes):
                 assert all(units >= 0 and n > 0 for _, units, n in budgets.members())
+            # An admitted request not yet on a pair: the members it reserved room on
+            # are never full for it (pairing sends it there), others as for anyone.
+            for task in tasks:
+                if task.done() and not task.cancelled() and isinstance(task.result(), Ticket):
+                    ticket = task.result()
+                    full = admission.full("m", ticket)
+                    assert not full & ticket.reserved_on
+                    assert full == admission.full("m") - ticket.reserved_on
 
         for step in history:
             if step[0] == "admit":

@@ -157,15 +157,19 @@ def test_a_push_past_a_bound_changes_nothing() -> None:
 
 
 budget_ops = st.lists(st.one_of(
-    st.tuples(st.just("take"), st.sampled_from(["p1", "p2", "d1"]), st.integers(0, 5000)),
+    # bool: counted at once (a prefill's grant), or later (a decode's, after its prefill)
+    st.tuples(st.just("take"), st.sampled_from(["p1", "p2", "d1"]), st.integers(0, 5000),
+              st.booleans(), st.integers(0, 5000)),  # int: its reservation's units
     st.tuples(st.just("release"), st.integers(0, 100), st.booleans()),
+    st.tuples(st.just("count"), st.integers(0, 100), st.booleans()),
 ), max_size=150)
 
 
 @given(budget_ops)
 def test_budgets_are_what_is_in_flight_never_negative_never_leaking(history: list) -> None:
     """Takes and releases in any order, releases twice (a cancellation racing the end of
-    a leg), a retry's new grant before the old one goes: the counts are the sum of the
+    a leg), a retry's new grant before the old one goes, a decode's grant counted once
+    its prefill is done (twice, or after it was released): the counts are the sum of the
     grants outstanding, and zero, with no entry left, once all are released."""
     now = [0.0]
     samples: list[tuple[str, float, int]] = []
@@ -174,16 +178,21 @@ def test_budgets_are_what_is_in_flight_never_negative_never_leaking(history: lis
     for op in history:
         now[0] += 0.1
         if op[0] == "take":
-            grants.append(budgets.take(op[1], op[2], timed=True))
+            before = budgets.used(op[1])
+            grants.append(budgets.take(op[1], op[2], timed=True, counted=op[3],
+                                       replaces=op[4]))
+            # the work beside it: what was there, less its own reservation, never less
+            # than itself
+            assert grants[-1].work == op[2] + max(0, before - op[4])
         elif grants:
             grant = grants[op[1] % len(grants)]
-            grant.release()
-            if op[2]:
-                grant.release()
+            for _ in range(2 if op[2] else 1):
+                grant.release() if op[0] == "release" else grant.count()
         for member in ("p1", "p2", "d1"):
             live = [g for g in grants if g.member_id == member and not g.released]
             assert budgets.used(member) == sum(g.units for g in live) >= 0
-            assert budgets.requests(member) == len(live)
+            assert budgets.requests(member) == sum(g.counted for g in live)
+            assert (member in {m for m, _, _ in budgets.members()}) is bool(live)
     for grant in grants:
         grant.release()
     assert list(budgets.members()) == []
@@ -205,6 +214,22 @@ def test_fits(in_flight: list[int], units: int, limit: Limit, fits: bool) -> Non
         budgets.take("m", n)
     assert budgets.fits("m", units, limit) is fits
     assert budgets.full("m", limit) is (bool(in_flight) and not budgets.fits("m", 0, limit))
+
+
+def test_a_grant_takes_a_request_slot_only_once_counted() -> None:
+    """A decode's slot is taken when its prefill is done, not at admission: a request
+    still in its prefill leaves the decode's one slot free; its units count at once."""
+    budgets = Budgets(lambda: 0.0)
+    one_slot = Limit(requests=1)
+    in_prefill = budgets.take("d", 30, counted=False)
+    assert budgets.fits("d", 30, one_slot) and not budgets.full("d", one_slot)
+    assert budgets.used("d") == 30
+    in_prefill.count()
+    assert not budgets.fits("d", 30, one_slot) and budgets.full("d", one_slot)
+    assert not budgets.fits("d", 10, Limit(units=35))  # the units bound both alike
+    in_prefill.release()
+    in_prefill.count()  # a late count after the release changes nothing
+    assert budgets.requests("d") == budgets.used("d") == 0 and not list(budgets.members())
 
 
 # --- a prefill's budget, steered by its legs (router/admission/adaptive.py) ---------------

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from registry.client import LiveMember
 from router.admission.adaptive import AdaptiveLimit
-from router.admission.budgets import Budgets, Grant, Limit, Releasable
+from router.admission.budgets import Budgets, Grant, Limit, Releasable, ThenCount, Together
 from router.admission.classes import ClassBook, TrafficClass
 from router.admission.fair_queue import FairQueue, Waiter
 from router.admission.metrics import AdmissionMetrics
@@ -86,6 +86,16 @@ class Ticket:
     def __init__(self, cost: Cost, reserved: Sequence[Grant] = ()) -> None:
         self.cost = cost
         self._reserved = list(reserved)
+
+    @property
+    def reserved_on(self) -> frozenset[str]:
+        """The members its reservation holds room on (none once settled)."""
+        return frozenset(grant.member_id for grant in self._reserved if not grant.released)
+
+    def reserved(self, member_id: str) -> int:
+        """Units its reservation holds on `member_id`."""
+        return sum(grant.units for grant in self._reserved
+                   if grant.member_id == member_id and not grant.released)
 
     def settle(self) -> None:
         reserved, self._reserved = self._reserved, []
@@ -172,13 +182,17 @@ class Admission:
             self.adaptive.retain(members.keys())
         self.pump()
 
-    def full(self, model: str) -> frozenset[str]:
+    def full(self, model: str, ticket: Ticket | None = None) -> frozenset[str]:
         """Members of `model` that can take nothing more now (pairing avoids them while
-        another has room)."""
+        another has room). Not those `ticket` reserved room on: that room is its own.
+        Else a request whose reservation filled a prefill would see both prefills full
+        and could be paired with the busy one, to wait in its engine behind another
+        prompt while the prefill reserved for it stood idle."""
         prefills, decodes = self._candidates(model)
-        return frozenset(
+        full = frozenset(
             [c.id for c in prefills if self.prefills.full(c.id, self.limit(c, PREFILL))]
             + [c.id for c in decodes if self.decodes.full(c.id, self.limit(c, DECODE))])
+        return full - ticket.reserved_on if ticket is not None else full
 
     # --- admitting ----------------------------------------------------------------------
 
@@ -285,8 +299,10 @@ class Admission:
         decode = self._roomiest(decodes, self.decodes, DECODE, cost.kv_tokens)
         if prefill is None or decode is None:
             return None
+        # The decode's slot is not reserved: the request reaches it after its prefill.
         return Ticket(cost, (self._take(self.prefills, PREFILL, prefill.id, cost.prompt_tokens),
-                             self._take(self.decodes, DECODE, decode.id, cost.kv_tokens)))
+                             self._take(self.decodes, DECODE, decode.id, cost.kv_tokens,
+                                        counted=False)))
 
     def _roomiest(self, candidates: Sequence[Candidate], budgets: Budgets, role: str,
                   units: int) -> Candidate | None:
@@ -311,20 +327,26 @@ class Admission:
         """The pair's grants for an admitted request: the decode's, and the prefill's
         unless one member serves both (then the decode's grant holds both). The pair's
         grants are taken before the reservation goes, so the room it frees cannot be
-        given to a queued request in between."""
+        given to a queued request in between. The decode's grant takes a request slot
+        when the prefill's part ends (budgets.py), a mixed member's at once."""
         cost = ticket.cost
         uncached = max(0, cost.prompt_tokens - pair.cached_tokens)
-        decode = self._take(self.decodes, DECODE, pair.decode.id, cost.kv_tokens)
+        decode = self._take(self.decodes, DECODE, pair.decode.id, cost.kv_tokens,
+                            counted=pair.direct)
+        # Its own reservation there is no work beside it: counted, it would halve the
+        # member's measured time per token and so the service a deadline allows for.
         prefill = self._take(self.prefills, PREFILL, pair.prefill.id, uncached,
-                             timed=not pair.direct)
+                             timed=not pair.direct,
+                             replaces=ticket.reserved(pair.prefill.id))
         ticket.settle()
         if pair.direct:
-            return _Both(decode, prefill), None
-        return decode, prefill
+            return Together(decode, prefill), None
+        return decode, ThenCount(prefill, decode)
 
     def _take(self, budgets: Budgets, role: str, member_id: str, units: int, *,
-              timed: bool = False) -> Grant:
-        grant = budgets.take(member_id, units, timed=timed)
+              timed: bool = False, counted: bool = True, replaces: int = 0) -> Grant:
+        grant = budgets.take(member_id, units, timed=timed, counted=counted,
+                             replaces=replaces)
         self.metrics.budget_used.labels(member_id, role).set(budgets.used(member_id))
         return grant
 
@@ -391,19 +413,6 @@ class Admission:
                          "deadline_ms": c.deadline_s * 1000}
                         for c in self.book.classes.values()],
             "models": models, "members": members}
-
-
-class _Both:
-    """A mixed member's two grants as one (released together)."""
-
-    __slots__ = ("_grants",)
-
-    def __init__(self, *grants: Grant) -> None:
-        self._grants = grants
-
-    def release(self) -> None:
-        for grant in self._grants:
-            grant.release()
 
 
 def _refusal(status: int, message: str, code: str, retry_after_s: float) -> Response:
