@@ -104,9 +104,11 @@ KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queu
 # holding them (67% hits); 2.0 gave 72%, 3.0 75%, none 77%, each with a lower TTFT.
 KV_BOUND_FACTOR: Final = 2.0
 # Conditional disaggregation's threshold, in uncached prompt tokens on a decode that
-# holds the rest. bench_kv.py (bench/RESULTS.md): multi-turn chat, TTFT p50 0.78x of
-# always disaggregating at 512 (0.76x at 1,024); 128 and 256 skipped almost nothing.
-DEFAULT_DISAGG_MIN_UNCACHED_TOKENS: Final = 512
+# holds the rest. bench_kv.py --trace chat (bench/RESULTS.md), the decode holding the
+# conversation and the answer it wrote: TTFT p50 0.49x of always disaggregating at 256,
+# 0.51x at 512, 0.49x at 1,024, 0.78x at 128 (a new question is ~100-170 tokens). The
+# smallest N on that plateau: the less a decode prefills, the less its other streams wait.
+DEFAULT_DISAGG_MIN_UNCACHED_TOKENS: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
