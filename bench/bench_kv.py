@@ -254,7 +254,9 @@ def _router(policy: str, registry: RegistryServer, handles: list[EngineHandle],
 
 
 def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: int,
-               decisions: Path | None = None, replicas: int = 1) -> Row:
+               decisions: Path | None = None, replicas: int = 1,
+               max_tokens: list[int] | None = None) -> Row:
+    """`max_tokens`: each request's (the chat trace's answers), else MAX_TOKENS."""
     with cluster(cache_blocks) as (registry, handles, specs):
         _wait_ready(registry)
         with _router(policy, registry, handles, decisions, replicas) as (urls, pids):
@@ -265,7 +267,7 @@ def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: 
             mid = MidRun(registry.control_address, handles, specs, cache_blocks, len(trace))
             load = OpenLoop(urls, max_tokens=MAX_TOKENS, workers=MAX_CONCURRENT)
             cpu_before = sum(tree_cpu_s(pid) for pid in pids)
-            load.run(trace, times, mid)
+            load.run(trace, times, mid, max_tokens)
             cpu = sum(tree_cpu_s(pid) for pid in pids) - cpu_before
             # Summed over replicas: every counter the row reads is a sum.
             router_metrics = "\n".join(httpx.get(url + "/metrics").text for url in urls)
@@ -359,8 +361,10 @@ def main() -> int:
         index_alone()
         return 0
     KV_EVENTS[0] = not args.no_kv_events
+    answers: list[int] | None = None
     if args.trace == "chat":
-        trace = make_chat_trace(args.requests, args.seed)
+        chat = make_chat_trace(args.requests, args.seed)
+        trace, answers = chat.prompts, chat.max_tokens
     else:
         trace = make_trace(args.requests, args.seed, args.prompt_scale)
     times = arrivals(trace, args.utilisation, args.seed)
@@ -382,7 +386,8 @@ def main() -> int:
             if args.decisions and ":" not in policy else None
         if decisions is not None:
             decisions.parent.mkdir(parents=True, exist_ok=True)
-        row = run_router(policy, trace, times, args.cache_blocks, decisions, replicas)
+        row = run_router(policy, trace, times, args.cache_blocks, decisions, replicas,
+                         answers)
         row.vs_oracle = row.hit_rate / fair.hit_rate if fair.hit_rate else 0.0
         row.vs_greedy_oracle = row.hit_rate / greedy.hit_rate if greedy.hit_rate else 0.0
         rows.append(row)

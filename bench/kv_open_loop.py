@@ -39,7 +39,9 @@ class OpenLoop:
         self._local = threading.local()
         self._clients: list[httpx.Client] = []
 
-    def run(self, trace: list[str], times: list[float], mid: Changes) -> None:
+    def run(self, trace: list[str], times: list[float], mid: Changes,
+            max_tokens: Sequence[int] | None = None) -> None:
+        """`max_tokens`: each request's own (a chat's answers), else `self.max_tokens`."""
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             started = time.monotonic()
             for i, at in enumerate(times):
@@ -47,18 +49,19 @@ class OpenLoop:
                 delay = started + at - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-                pool.submit(self._one, i, trace[i])
+                pool.submit(self._one, i, trace[i],
+                            max_tokens[i] if max_tokens else self.max_tokens)
         mid.join()
         for c in self._clients:
             c.close()
 
-    def _one(self, i: int, prompt: str) -> None:
+    def _one(self, i: int, prompt: str, max_tokens: int) -> None:
         client = getattr(self._local, "client", None)
         if client is None:
             client = self._local.client = httpx.Client(timeout=120)
             with self.lock:
                 self._clients.append(client)
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens,
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                 "ignore_eos": True}
         try:
             t = first_token_s(client, self.urls[i % len(self.urls)], body)

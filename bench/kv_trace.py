@@ -17,7 +17,8 @@ import statistics
 from dataclasses import dataclass
 
 from engine_agent.reference.prefix_cache import PrefixCache
-from engine_agent.reference.tokens import encode
+from engine_agent.reference.sim import sim_answer
+from engine_agent.reference.tokens import decode, encode
 from router.choosers import AFFINITY_BOUND_FACTOR
 
 # vLLM's and SGLang's GPU builds cache 16-token blocks (the CPU build: 128); the sim
@@ -70,12 +71,20 @@ CHAT_SESSIONS = 16  # conversations open at once
 CHAT_TURNS = 8  # turns per conversation; then a new one takes its place
 
 
-def make_chat_trace(n: int, seed: int) -> list[str]:
+@dataclass(frozen=True)
+class ChatTrace:
+    prompts: list[str]
+    max_tokens: list[int]  # each turn's answer length: the next turn repeats the answer
+
+
+def make_chat_trace(n: int, seed: int) -> ChatTrace:
     """Multi-turn chat only: CHAT_SESSIONS conversations at once, each on one of 4 system
-    prompts, a turn appending a question and an answer to its history; after CHAT_TURNS
-    turns a conversation ends and a new one starts. A turn's prompt is its previous
-    turn's prompt plus the new exchange, so a decode that kept the previous prompt's KV
-    lacks only that (`bench_kv.py --trace chat`: conditional disaggregation)."""
+    prompts; a turn sends the history plus a new question and asks for an answer of 60-200
+    tokens, and the next turn repeats that answer (the sim's own, `sim_answer`: what a
+    client sends back) before its question. After CHAT_TURNS turns a conversation ends
+    and a new one starts. So a decode that kept the previous turn's prompt and the answer
+    it generated lacks only the new question (`bench_kv.py --trace chat`: conditional
+    disaggregation), where a prefill lacks the answer too."""
     rng = random.Random(seed)
     base = make_trace(4 * SESSIONS, seed)  # only for its vocabulary of system prompts
 
@@ -85,15 +94,17 @@ def make_chat_trace(n: int, seed: int) -> list[str]:
     systems = [f"[system {i}] " + text(rng.randint(1000, 2000)) for i in range(4)]
     histories = [rng.choice(systems) for _ in range(CHAT_SESSIONS)]
     turns = [0] * CHAT_SESSIONS
-    trace = []
+    trace = ChatTrace([], [])
     for _ in range(n):
         s = rng.randrange(CHAT_SESSIONS)
         if turns[s] == CHAT_TURNS:
             histories[s], turns[s] = rng.choice(systems) + f" [chat {rng.random()}]", 0
-        histories[s] += "\nUser: " + text(rng.randint(40, 150)) + "\nAssistant: " + \
-            text(rng.randint(60, 200))
+        prompt = histories[s] + "\nUser: " + text(rng.randint(40, 150)) + "\nAssistant: "
+        answer = rng.randint(60, 200)
+        histories[s] = prompt + decode(sim_answer(encode(prompt), answer))
         turns[s] += 1
-        trace.append(histories[s])
+        trace.prompts.append(prompt)
+        trace.max_tokens.append(answer)
     return trace
 
 

@@ -9,6 +9,8 @@ import random
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_policies import NOW, member, view
 
 from pdreg.testing import wait_until
@@ -19,7 +21,7 @@ from router.kv.policy import KvAffinity, make_kv_pairer
 from router.kv.routing import KvOptions, KvRouting
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
-from router.policies import PREFILL_ROLE, make_pairer
+from router.policies import KV_FULL_PENALTY_REQS, PREFILL_ROLE, make_pairer
 from router.table import PairingTable
 from wire.kv_events import BlockStored, KVEventBatch
 from wire.protocol import KvEventsSpec, Role
@@ -92,6 +94,24 @@ def test_cached_nowhere_goes_by_the_ring(fallback):
     pair = choose(indexed({"a": 0, "b": 0, "c": 0}), members, key=key)
     assert pair is not None and pair.prefill.id == ring_pick(members, fallback)
     assert pair.cached_tokens == 0 and pair.exact
+
+
+@given(loads=st.lists(st.integers(0, 3), min_size=2, max_size=6),
+       kv=st.lists(st.floats(0.0, 1.0), min_size=6, max_size=6), key=st.integers(0, 2**63))
+def test_cached_nowhere_never_waits_behind_a_queue(loads, kv, key):
+    """A miss computes the whole prompt wherever it lands: it goes where the load (queue
+    and KV pressure) is least, to within half a request (the ring only orders the equally
+    loaded), never behind a busy prefill while another is free."""
+    ids = [f"p{i}" for i in range(len(loads))]
+    kv = kv[:len(loads)]
+    members = [member(i, running=n, kv=k)
+               for i, n, k in zip(ids, loads, kv, strict=True)] + [DECODE]
+    request = KvAffinity(key=key, prompt_tokens=len(PROMPT),
+                         keys={BLOCK: block_keys(PROMPT, BLOCK)})
+    pair = choose(indexed(dict.fromkeys(ids, 0)), members, key=request)
+    assert pair is not None and pair.cached_tokens == 0
+    load = [n + k * KV_FULL_PENALTY_REQS for n, k in zip(loads, kv, strict=True)]
+    assert load[ids.index(pair.prefill.id)] < min(load) + 0.5
 
 
 def test_replaying_or_other_incarnations_claim_nothing():

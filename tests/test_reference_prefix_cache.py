@@ -10,6 +10,7 @@ import warnings
 
 import httpx
 import msgspec
+import pytest
 import zmq
 from reference_helpers import HTTP_TIMEOUT_S, metrics, start_engine
 
@@ -202,3 +203,29 @@ def test_engine_reports_hits_and_publishes_the_prompts_blocks():
         first = block_keys(encode(prompt + "First?"), 16)
         second = block_keys(ids, 16)
         assert stored == first + [k for k in second if k not in first]
+
+
+@pytest.mark.parametrize("backend", ["sim", "torch"])
+def test_the_answer_is_cached_for_the_next_turn(backend: str) -> None:
+    """As vLLM caches a block once its KV is computed, generated tokens' too: a next turn
+    that repeats the answer finds it cached, and (torch) answers as a full prefill does
+    (the same prompt under a `cache_salt` shares no block)."""
+    with start_engine(role="mixed", backend=backend) as engine, \
+            httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+        def complete(prompt: list[int], max_tokens: int, **extra: str) -> tuple[list[int], int]:
+            r = client.post(engine.url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                "ignore_eos": True, "return_token_ids": True, **extra})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            return body["choices"][0]["token_ids"], \
+                body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        prompt = encode("The question, asked once: what is a block? ")
+        answer, _ = complete(prompt, 48)
+        turn = [*prompt, *answer, *encode(" And a chain?")[1:]]
+        ids, cached = complete(turn, 8)
+        # Every full block of the prompt and of the answer's first 47 tokens (the last
+        # sampled token has no KV yet).
+        assert cached == (len(prompt) + 47) // 16 * 16 > len(prompt)
+        assert ids == complete(turn, 8, cache_salt="fresh")[0]

@@ -64,6 +64,11 @@ class Backend(Protocol):
         """What the prefix cache keeps of block `index` of a prefill's KV."""
         ...
 
+    def sequence_block_payload(self, seq: SequenceState, index: int, block_size: int) -> Any:
+        """What the prefix cache keeps of block `index` of a running sequence's KV (its
+        prompt and the tokens generated so far: positions below `seq.length`)."""
+        ...
+
     def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> SequenceState: ...
 
     async def step(self, seq: SequenceState, token: int) -> Any:

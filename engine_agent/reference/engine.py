@@ -96,7 +96,10 @@ class Generation:
         self.finish_reason = "length"
         self.completion_tokens = 0
         self._decoded_kv_tokens = 0  # KV positions added by decode steps, freed on close
+        self._generated: list[int] = []  # every token sampled so far
         stack.callback(self._free_decoded_kv)
+        if sequence is not None:  # runs first on close (LIFO), while the KV is held
+            stack.callback(lambda: engine.keep_generated(request, sequence, self._generated))
 
     def _free_decoded_kv(self) -> None:
         self._engine.scheduler.free_kv(self._decoded_kv_tokens)
@@ -116,6 +119,7 @@ class Generation:
                 self._engine.scheduler.add_kv(1)
                 self._decoded_kv_tokens += 1
             token = backend.sample(logits, params, sampler)
+            self._generated.append(token)
             self.completion_tokens += 1
             if token == EOS_ID and not params.ignore_eos:
                 self.finish_reason = "stop"
@@ -254,6 +258,26 @@ class Engine:
         self.pulled_hit_tokens_total += hit.cached_blocks * cache.block_size
         events = cache.store(prompt, hit.keys, lambda i: self.backend.block_payload(
             prefilled, i, cache.block_size), scope)
+        if events and self.publish is not None:
+            self.publish(events)
+
+    def keep_generated(self, request: GenerationRequest, sequence: Any,
+                       generated: Sequence[int]) -> None:
+        """Cache the full blocks the generation added (prompt + the tokens whose KV was
+        computed: all but the last sampled) and publish them, as vLLM caches a block once
+        its KV is computed, generated tokens' included: a chat's next turn repeats this
+        answer, so the engine that wrote it (a decode under conditional disaggregation)
+        computes only the new message."""
+        cache = self.prefix_cache
+        prompt = request.prompt
+        with_kv = min(len(generated), sequence.length - len(prompt))
+        if cache is None or (len(prompt) + with_kv) // cache.block_size <= \
+                len(prompt) // cache.block_size:
+            return  # no new full block
+        tokens = [*prompt, *generated[:with_kv]]
+        events = cache.store(tokens, cache.keys_of(tokens, request.scope),
+                             lambda i: self.backend.sequence_block_payload(
+                                 sequence, i, cache.block_size), request.scope)
         if events and self.publish is not None:
             self.publish(events)
 

@@ -33,6 +33,20 @@ def _crc(tokens: Sequence[int], crc: int = 0) -> int:
     return zlib.crc32(b"".join(t.to_bytes(2, "little") for t in tokens), crc)
 
 
+def _letter(crc: int) -> int:
+    return _FIRST_LETTER + crc % _LETTERS
+
+
+def sim_answer(prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """The tokens the sim generates for `prompt` (EOS ignored), without running it: a
+    benchmark's chat trace repeats each answer in the next turn, as a client does."""
+    crc, out = _crc(prompt), []
+    for _ in range(max_tokens):
+        out.append(_letter(crc))
+        crc = _crc((out[-1],), crc)
+    return out
+
+
 class SimBackend:
     name = "sim"
     max_model_len = 1 << 16
@@ -60,6 +74,9 @@ class SimBackend:
     def block_payload(self, prefilled: Prefilled, index: int, block_size: int) -> None:
         return None  # the sim's KV is zeros: nothing to keep
 
+    def sequence_block_payload(self, seq: SimSequence, index: int, block_size: int) -> None:
+        return None
+
     def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> SimSequence:
         return SimSequence(length=prefilled.num_tokens, crc=int(prefilled.logits))
 
@@ -74,7 +91,7 @@ class SimBackend:
         return None
 
     def sample(self, logits: Any, params: SamplingParams, sampler: Any) -> int:
-        return _FIRST_LETTER + int(logits) % _LETTERS
+        return _letter(int(logits))
 
     def pack(self, prefilled: Prefilled) -> tuple[list[TensorMeta], list[Any]]:
         first = int(prefilled.logits).to_bytes(4, "little")  # the CRC state

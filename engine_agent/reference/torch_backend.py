@@ -74,6 +74,11 @@ class TorchBackend:
         kv: torch.Tensor = prefilled.kv
         return kv[:, :, :, index * block_size:(index + 1) * block_size].clone()
 
+    def sequence_block_payload(self, seq: TorchSequence, index: int,
+                               block_size: int) -> torch.Tensor:
+        """Block `index` of a running sequence's KV (prompt or generated), copied."""
+        return seq.cache[:, :, :, index * block_size:(index + 1) * block_size].clone()
+
     def start_sequence(self, prefilled: Prefilled, max_new_tokens: int) -> TorchSequence:
         cache = self.model.new_cache(prefilled.kv, prefilled.num_tokens + max_new_tokens)
         return TorchSequence(cache=cache, length=prefilled.num_tokens)

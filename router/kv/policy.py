@@ -19,7 +19,8 @@ requests of ours that have finished since, so the rest counts at OTHERS_WEIGHT (
 an EWMA of the uncached tokens of recent picks. So a member with a long queue loses its
 cache advantage once its queue costs more than the tokens it saves. Loads too old to
 trust (the usual score: saturated) rank last. A prompt cached nowhere is placed by the
-`prefix` ring (bounded load), so requests sharing a new prefix meet on one prefill.
+`prefix` ring among the least loaded members, so requests sharing a new prefix meet on
+one prefill whenever it is as free as any, and a miss never waits behind a queue.
 On top, the bounded-load rule of `prefix` (router/choosers.py) with a looser factor: only
 members whose load is within KV_BOUND_FACTOR x the average (+1) compete, so a hot prefix
 never piles onto one prefill. The decode is chosen as `peak_ewma` chooses it (power of
@@ -103,10 +104,16 @@ KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queu
 # bench_kv.py at 70% utilisation: 1.25 spilt ~9% of the prompt tokens off the prefill
 # holding them (67% hits); 2.0 gave 72%, 3.0 75%, none 77%, each with a lower TTFT.
 KV_BOUND_FACTOR: Final = 2.0
+# A prompt cached nowhere goes by the ring among the members this close to the least
+# loaded (in requests). bench_kv.py --decisions: with the ring's own bound, one miss in
+# ten waited behind a busy prefill while another was idle (the tail's slowest requests).
+LEAST_LOADED_SLACK: Final = 0.5
 # Conditional disaggregation's threshold, in uncached prompt tokens on a decode that
-# holds the rest. bench_kv.py (bench/RESULTS.md): multi-turn chat, TTFT p50 0.78x of
-# always disaggregating at 512 (0.76x at 1,024); 128 and 256 skipped almost nothing.
-DEFAULT_DISAGG_MIN_UNCACHED_TOKENS: Final = 512
+# holds the rest. bench_kv.py --trace chat (bench/RESULTS.md), the decode holding the
+# conversation and the answer it wrote: TTFT p50 0.49x of always disaggregating at 256,
+# 0.51x at 512, 0.49x at 1,024, 0.78x at 128 (a new question is ~100-170 tokens). The
+# smallest N on that plateau: the less a decode prefills, the less its other streams wait.
+DEFAULT_DISAGG_MIN_UNCACHED_TOKENS: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,10 +188,11 @@ class KvChooser:
             choice = Choice(eligible[i], self.cached_tokens(eligible[i], affinity, now),
                             exact=True)
         elif not any(cached for _, _, cached in within):
-            # Cached nowhere: place it by the prefix ring (bounded load), so the requests
-            # that will share this prefix meet on one prefill instead of each caching it
-            # wherever the queue was shortest.
-            choice = Choice(self._ring.choose([c for c, _, _ in within], load, affinity),
+            # Cached nowhere: place it by the prefix ring among the least loaded, so the
+            # requests that will share this prefix meet on one prefill while it is as
+            # free as any; never behind a queue another prefill does not have (a miss
+            # computes the whole prompt anywhere: waiting buys it nothing).
+            choice = Choice(self._ring.choose(_least_loaded(within), load, affinity),
                             exact=True)
         else:
             choice = self._cheapest(within, affinity, in_flight)
@@ -246,6 +254,13 @@ class KvChooser:
                               f"{'' if id(c) in kept else ':over'}"
                               for c, v in zip(eligible, loads, strict=True)),
                      choice.candidate.id, choice.cached_tokens)
+
+
+def _least_loaded(within: Within) -> list[Candidate]:
+    """The members within LEAST_LOADED_SLACK of the least load (a member's KV pressure
+    adds a fraction of a request to its load: not a queue)."""
+    least = min(c_load for _, c_load, _ in within)
+    return [c for c, c_load, _ in within if c_load < least + LEAST_LOADED_SLACK]
 
 
 class KvPairer(Pairer):
