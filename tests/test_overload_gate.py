@@ -105,6 +105,39 @@ def test_admits_while_a_pair_has_room_then_queues_until_a_release() -> None:
     asyncio.run(run())
 
 
+def test_a_membership_change_seen_while_admitting_from_the_queue_admits_once() -> None:
+    # Reading the candidates applies what changed in the view, and on_members pumps: the
+    # queued request must get one reservation and the router no error.
+    async def run() -> None:
+        admission: Admission
+
+        @dataclass
+        class Changing(Fleet):
+            armed: bool = False
+
+            def __call__(self, model: str) -> tuple[Sequence[Candidate], Sequence[Candidate]]:
+                if self.armed:
+                    self.armed = False
+                    admission.on_members({}, ())
+                return super().__call__(model)
+
+        fleet = Changing()
+        admission = gate(fleet)
+        first = await admission.admit("m", who(), Cost(60, 10), 100)
+        assert isinstance(first, Ticket)
+        second = asyncio.create_task(admission.admit("m", who(), Cost(60, 10), 100))
+        await asyncio.sleep(0)
+        assert admission.queued() == 1
+        fleet.armed = True
+        first.settle()  # room again: the pump reads the candidates, which changed
+        ticket = await asyncio.wait_for(second, 5)
+        assert isinstance(ticket, Ticket) and admission.queued() == 0
+        assert admission.prefills.used("p1") == 60  # one reservation, not two
+        ticket.settle()
+        assert admission.prefills.used("p1") == 0
+    asyncio.run(run())
+
+
 def test_a_sheddable_request_that_would_miss_its_slo_gets_429_at_once() -> None:
     async def run() -> None:
         admission = gate()

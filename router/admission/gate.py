@@ -130,6 +130,7 @@ class Admission:
         self._decode_latency = decode_latency
         self._clock = clock
         self._queues: dict[str, FairQueue] = {}
+        self._pumping = self._pump_again = False
         # The budgets protect the top class's SLO: each prefill's follows its legs.
         top = max(book.classes.values(), key=lambda c: c.priority)
         share = options.budget_slo_share
@@ -269,7 +270,23 @@ class Admission:
             self._gauges(model, queue)
 
     def pump(self) -> None:
-        """Admit queued requests, in the queue's order, while the budget allows."""
+        """Admit queued requests, in the queue's order, while the budget allows. Reading
+        the candidates may apply a membership change, whose on_members pumps again: that
+        inner call asks the running pump for another round rather than run beside it
+        (two rounds would hand one waiter two reservations)."""
+        if self._pumping:
+            self._pump_again = True
+            return
+        self._pumping = True
+        try:
+            self._pump_again = True
+            while self._pump_again:
+                self._pump_again = False
+                self._pump_round()
+        finally:
+            self._pumping = False
+
+    def _pump_round(self) -> None:
         now = self._clock()
         for model, queue in list(self._queues.items()):
             while len(queue):
