@@ -57,6 +57,7 @@ from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import KvFeed
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES, KvIndex
 from router.kv.key_cache import PrefixKeyCache
+from router.kv.limits import ModelLimit, PromptLimits
 from router.kv.keys import multimodal, request_keys
 from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT, LongPromptGate
 from router.kv.metrics import KvCollector
@@ -145,6 +146,7 @@ class KvRouting:
         self.publishers = Publishers(options.max_block_sizes,
                                      follow_decodes=bool(options.disagg_min_uncached_tokens))
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
+        self.limits = PromptLimits()  # prompts surely over their model's context: 400
         self._logged: set[tuple[str, str]] = set()
         metrics.registry.register(KvCollector(self.index, self.feed))
 
@@ -165,6 +167,7 @@ class KvRouting:
             self._matching = {m: why for m, why in self._matching.items() if m in fleet}
         if change.follow is not None:
             self.feed.update(change.follow)
+        self._update_limits()
 
     async def affinity(self, body: Mapping[str, Any], model: str,
                        client: str = "") -> Affinity:
@@ -296,6 +299,20 @@ class KvRouting:
                         "gaps": s.gaps, "replays": s.replays, "unknown": s.losses,
                         "distrusted_s": round(left, 1) if left is not None else None})
         return out
+
+    def _update_limits(self) -> None:
+        """Each model's prompt limit, where its context and tokenizer bound are known."""
+        limits = {}
+        for model in self.publishers.fleet:
+            context = self.publishers.context_length(model)
+            if context is None:
+                continue
+            info = self.publishers.models.get(model)
+            tokenizer = self.tokenizers.get(model, info.tokenizer_source if info else "")
+            per_token = tokenizer.max_chars_per_token if tokenizer is not None else None
+            if per_token:
+                limits[model] = ModelLimit(context, per_token)
+        self.limits.update(limits)
 
     def _learnt_block_sizes(self, info: ModelKv) -> tuple[int, ...]:
         """Block sizes the members' events showed (a spec that did not say)."""
