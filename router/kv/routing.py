@@ -57,8 +57,8 @@ from router.choice import NO_AFFINITY, Affinity
 from router.kv.feed import KvFeed
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES, KvIndex
 from router.kv.key_cache import PrefixKeyCache
-from router.kv.limits import ModelLimit, PromptLimits
 from router.kv.keys import multimodal, request_keys
+from router.kv.limits import ModelLimit, PromptLimits
 from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT, LongPromptGate
 from router.kv.metrics import KvCollector
 from router.kv.policy import (

@@ -9,8 +9,8 @@ fallback, SentencePiece-style normalizers) and is checked here from `tokenizer.j
 
 - the model must never emit an unknown token that covers several characters, nor drop
   one: BPE with byte fallback, or with `fuse_unk` off and an unknown token or the whole
-  byte-level alphabet; Unigram with byte fallback. WordPiece and WordLevel map a whole word (any length) to
-  `[UNK]`: no bound.
+  byte-level alphabet; Unigram with byte fallback. WordPiece and WordLevel map a whole
+  word (any length) to `[UNK]`: no bound.
 - the normalizer may only keep or grow the text (NFD/NFKD, Lowercase, Prepend, Replace
   of a literal), or compose it (NFC/NFKC: at most MAX_COMPOSED characters into one);
   anything else (Strip, BertNormalizer, Precompiled) may drop characters: no bound.
