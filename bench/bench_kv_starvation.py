@@ -2,30 +2,41 @@
 cost the `kv` router to tokenize, against the same router with no attack, for this tree
 and (side by side, same run) a baseline commit.
 
-One fleet (a real registry, one sim prefill publishing KV events, one sim decode); each
-router is a `pdreg router --policy kv --tokenizer tiny=DIR` process, DIR a word-level
-tokenizer.json (tests/test_kv_tokenizer.py's). Per router: --requests small streamed
-requests one after another, alone, then while 3 attacker threads send, as fast as the
-router answers, 4 MB prompts, 480 KB prompts (80,001 tokens) and a 102,400-message chat.
+One fleet (a real registry, one sim prefill publishing KV events, one sim decode, each
+registering a 65,536-token context); each router is a `pdreg router --policy kv
+--tokenizer tiny=DIR` process, DIR a byte-level BPE tokenizer.json whose tokens cover
+at most 6 characters (tests/test_kv_tokenizer.py's; `--word-level`: the word-level one
+of earlier runs, which bounds nothing: a word of any length is one `[UNK]`). Per router:
+--requests small streamed requests one after another, alone, then while 3 attacker
+threads send, as fast as the router answers, 4 MB prompts, 480 KB prompts and a
+102,400-message chat (all three over 65,536 x 6 characters: a router that knows the
+bound refuses them before decoding them).
 
     .venv/bin/python bench/bench_kv_starvation.py [--baseline COMMIT] [--requests 30]
 
 Reports each router's small-request TTFT p50 alone and under attack, and their ratio
 (the goal: <= 2x), and the same for `GET /v1/models`, which the router answers itself:
 the completion's TTFT also waits for engines that the attack's requests load (they
-parse and refuse 4 MB prompts), on the same cores.
+parse and refuse 4 MB prompts), on the same cores. Also: small completions refused
+under attack (admission's 503 when the attack fills the prefill's token budget), and
+attack requests answered per second (a router that refuses them sooner gets more).
+The attacker is a process of its own, so its JSON encoding does not stall the
+measuring client's GIL.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import httpx
@@ -34,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from reference_helpers import start_engines  # noqa: E402
-from test_kv_tokenizer import make_hf_tokenizer  # noqa: E402
+from test_kv_tokenizer import make_byte_level_tokenizer, make_hf_tokenizer  # noqa: E402
 
 from bench.load import first_token_s  # noqa: E402
 from bench.procs import remove_tree, router_process, source_tree  # noqa: E402
@@ -50,46 +61,67 @@ ATTACKS = [("/v1/completions", {"prompt": "hello world " * 350_000}),
 READY_S = 60.0
 
 
-def attack(url: str, stop: threading.Event) -> list[threading.Thread]:
+def attacker(url: str, stop: EventType, answered: Synchronized) -> None:
+    """The attacking client: 3 threads, each sending one kind of request as fast as the
+    router answers. A process of its own: its JSON encoding (tens of ms of GIL for the
+    chat) must not hold up the measuring client's own timing."""
     def loop(path: str, body: dict) -> None:
         with httpx.Client(timeout=120) as http:
             while not stop.is_set():
                 with contextlib.suppress(httpx.HTTPError):  # answered or not, go on
                     http.post(url + path, json={"model": "tiny", "max_tokens": 1, **body})
+                    with answered.get_lock():
+                        answered.value += 1
 
     threads = [threading.Thread(target=loop, args=a, daemon=True) for a in ATTACKS]
     for t in threads:
         t.start()
-    return threads
+    for t in threads:
+        t.join()
 
 
-def small_ttfts(url: str, n: int) -> tuple[float, float]:
+Small = tuple[float, float, int]  # TTFT p50 (ms), /v1/models p50 (ms), completions not 200
+
+
+def small_ttfts(url: str, n: int) -> Small:
     """p50s (ms) of n small completions' TTFT and of n `GET /v1/models` (answered by the
-    router alone: its own starvation, without the engines the attack also loads)."""
-    ttfts, models = [], []
+    router alone: its own starvation, without the engines the attack also loads), and
+    how many completions were refused (admission's 503 when the attack fills the
+    prefill's budget): the p50 is of those answered."""
+    ttfts, models, refused = [], [], 0
     with httpx.Client(timeout=120) as http:
         for _ in range(n):
-            ttfts.append(first_token_s(http, url, SMALL))
+            try:
+                ttfts.append(first_token_s(http, url, SMALL))
+            except RuntimeError:  # not 200
+                refused += 1
             started = time.monotonic()
             http.get(url + "/v1/models").raise_for_status()
             models.append(time.monotonic() - started)
-    return 1000 * statistics.median(ttfts), 1000 * statistics.median(models)
+    ttft = 1000 * statistics.median(ttfts) if ttfts else float("inf")
+    return ttft, 1000 * statistics.median(models), refused
 
 
-def measure(url: str, n: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Small-request p50s alone, then under attack."""
+def measure(url: str, n: int) -> tuple[Small, Small, float]:
+    """Small-request p50s alone, then under attack; attack requests answered per second."""
     small_ttfts(url, 3)  # warm connections
     alone = small_ttfts(url, n)
-    stop = threading.Event()
-    threads = attack(url, stop)
+    spawn = multiprocessing.get_context("spawn")
+    stop, answered = spawn.Event(), spawn.Value("q", 0)
+    process = spawn.Process(target=attacker, args=(url, stop, answered), daemon=True)
+    process.start()
     try:
-        small_ttfts(url, 2)  # the attack under way
+        assert wait_until(lambda: answered.value >= 3, READY_S)  # the attack under way
+        small_ttfts(url, 2)
+        before, started = answered.value, time.monotonic()
         attacked = small_ttfts(url, n)
+        rate = (answered.value - before) / (time.monotonic() - started)
     finally:
         stop.set()
-        for t in threads:
-            t.join(timeout=120)
-    return alone, attacked
+        process.join(timeout=120)
+        if process.is_alive():
+            process.kill()
+    return alone, attacked, rate
 
 
 def run(name: str, src: Path, control: str, tokenizer: Path, n: int,
@@ -98,16 +130,19 @@ def run(name: str, src: Path, control: str, tokenizer: Path, n: int,
              "--tokenizer", f"tiny={tokenizer}"]
     with router_process(control, "kv", flags=flags, src=src) as router:
         assert wait_until(lambda: httpx.get(router.url + "/v1/models").json()["data"], READY_S)
-        (alone, models_alone), (attacked, models_attacked) = measure(router.url, n)
+        (alone, models_alone, _), (attacked, models_attacked, refused), rate = measure(
+            router.url, n)
     report(f"| {name} | {alone:.1f} ms | {attacked:.1f} ms | {attacked / alone:.1f}x | "
-           f"{models_alone:.1f} ms | {models_attacked:.1f} ms | "
-           f"{models_attacked / models_alone:.1f}x |")
+           f"{refused} of {n} | {models_alone:.1f} ms | {models_attacked:.1f} ms | "
+           f"{models_attacked / models_alone:.1f}x | {rate:.1f}/s |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="", help="a commit to compare with")
     parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--word-level", action="store_true",
+                        help="the word-level tokenizer (no bound on characters per token)")
     args = parser.parse_args()
     registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0,
                                              heartbeat_interval_s=0.5, lease_s=3.0)).start()
@@ -119,10 +154,11 @@ def main() -> int:
                                   "extra_args": ["--kv-events"]},
                                  {"role": "decode", "registry": control}])
         with tempfile.TemporaryDirectory() as tokenizer:
-            make_hf_tokenizer(Path(tokenizer))
-            print("| router | small TTFT p50 alone | under attack | ratio | /v1/models p50 "
-                  "alone | under attack | ratio |\n|---|---:|---:|---:|---:|---:|---:|",
-                  flush=True)
+            make = make_hf_tokenizer if args.word_level else make_byte_level_tokenizer
+            make(Path(tokenizer))
+            print("| router | small TTFT p50 alone | under attack | ratio | refused under "
+                  "attack | /v1/models p50 alone | under attack | ratio | attack answered "
+                  "|\n|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
             if baseline is not None:
                 run(f"kv @ {args.baseline}", Path(baseline), control, Path(tokenizer),
                     args.requests, lambda line: print(line, flush=True))

@@ -99,9 +99,8 @@ class PromptLimits:
             return None
         if isinstance(prompt, str):
             chars = len(prompt)
-        elif shape.messages is not None and _chat_chars(shape.messages, strip=False) \
-                > limit.chars:
-            chars = _chat_chars(shape.messages, strip=True)  # sure: count as templates may
+        elif shape.messages is not None:
+            chars = _chat_chars(shape.messages, limit.chars)
         else:
             return None
         if chars <= limit.chars:
@@ -110,19 +109,22 @@ class PromptLimits:
                          f"of text, at most {limit.chars_per_token} per token)")
 
 
-def _chat_chars(messages: list[_Message], *, strip: bool) -> int:
+def _chat_chars(messages: list[_Message], enough: int) -> int:
+    """The text of the non-assistant messages, stripped as a template may strip it
+    (and may drop an earlier assistant turn's reasoning); counting stops past `enough`."""
     total = 0
     for message in messages:
         if message.role == "assistant":
-            continue  # templates may drop an earlier turn's reasoning
+            continue
         content = message.content
         if isinstance(content, str):
-            total += len(content.strip() if strip else content)
+            total += len(content.strip())
         elif isinstance(content, list):
-            for part in content:
-                text = part.get("text") if isinstance(part, dict) else None
-                if isinstance(text, str) and part.get("type") == "text":
-                    total += len(text.strip() if strip else text)
+            total += sum(len(part["text"].strip()) for part in content
+                         if isinstance(part, dict) and part.get("type") == "text"
+                         and isinstance(part.get("text"), str))
+        if total > enough:
+            break
     return total
 
 
