@@ -160,3 +160,17 @@ def test_a_context_is_the_longest_any_member_takes_and_unknown_if_one_does_not_s
     publishers.update(members, ["b", "c"])
     assert publishers.context_length("m") == 4096
     assert publishers.context_length("other") is None
+
+
+@given(st.text(max_size=400) | st.text(alphabet="hello world", max_size=400),
+       st.integers(min_value=1, max_value=120))
+def test_a_refused_prompt_never_fits(tokenizers, text: str, context: int) -> None:
+    """What the router refuses, the engine's own tokens would not fit either."""
+    for tok in [ByteTokenizer(), *tokenizers]:
+        assert tok.max_chars_per_token is not None
+        limit = PromptLimits()
+        limit.update({"m": ModelLimit(context, tok.max_chars_per_token)})
+        if refused(limit, prompt=text):
+            assert len(tok.completion_ids(text)) > context
+        if refused(limit, messages=[{"role": "user", "content": text}]):
+            assert len(tok.completion_ids(text.strip())) > context

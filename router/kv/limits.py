@@ -74,10 +74,6 @@ class PromptLimits:
         self._limits = dict(limits)
         self._smallest = min((limit.chars for limit in self._limits.values()), default=0)
 
-    @property
-    def limits(self) -> Mapping[str, ModelLimit]:
-        return self._limits
-
     def refusal(self, body: bytes) -> Response | None:
         """The 400 for a request whose prompt surely exceeds its model's context, else
         None (then the request goes on as usual)."""

@@ -7,8 +7,10 @@ only with `--policy kv`.
   note, per model, its tokenizer (`--tokenizer MODEL=PATH`, else what members register)
   and its block sizes: only those of ready members it follows (a joining member that
   never becomes routable adds none), at most `--kv-max-block-sizes` per model, those of
-  the most members first, since every prompt is keyed once per size. Given the members
-  that changed, it costs those (and their models' publishers), not the fleet.
+  the most members first, since every prompt is keyed once per size; and each model's
+  prompt limit (its engines' context, its tokenizer's characters per token), past which
+  a request gets a 400 before its body is decoded (router/kv/limits.py). Given the
+  members that changed, it costs those (and their models' publishers), not the fleet.
 - `affinity`: the prompt's exact token ids (the client's, else tokenized: off the event
   loop when long) and its block keys per block size -> a `KvAffinity`. A model or
   request we cannot match exactly gets a plain `Affinity` instead, and its prefill is
