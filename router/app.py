@@ -351,7 +351,8 @@ class Router:
                 INVALID_REQUEST, "loop_detected"))
         if self.kv is not None:  # surely over the context: refused before any decoding
             self.pairing.table()  # the models' limits follow membership
-            too_long = self.kv.limits.refusal(request.body)
+            too_long = self.kv.limits.refusal(request.body,
+                                              chat=request.path == "/v1/chat/completions")
             if too_long is not None:
                 return self._refuse("context_length", too_long)
         try:

@@ -115,7 +115,9 @@ def limits(context: int = 100, per_token: int = 2) -> PromptLimits:
 
 
 def refused(limit: PromptLimits, **body: object) -> bool:
-    answer = limit.refusal(msgspec.json.encode({"model": "m", **body}))
+    """Refused as the endpoint the body is for: a chat when it has messages."""
+    answer = limit.refusal(msgspec.json.encode({"model": "m", **body}),
+                           chat="messages" in body)
     if answer is None:
         return False
     assert answer.status == 400
@@ -138,9 +140,13 @@ def test_what_is_refused_is_surely_over_the_context() -> None:
     assert not refused(limit, messages=[user, {"role": "user", "content": " " * 300}])
     assert not refused(limit, model="other", prompt="a" * 500)  # no limit known
     assert not refused(limit, prompt="a" * 150, messages="x" * 500)  # malformed: not here
-    assert limit.refusal(b"{" * 300) is None  # not JSON: the usual path answers it
-    assert PromptLimits().refusal(msgspec.json.encode({"model": "m", "prompt": "a" * 500})) \
-        is None
+    # Each endpoint's engine reads its own field only.
+    assert not refused(limit, prompt="a" * 500, messages=[{"role": "user", "content": "a"}])
+    assert limit.refusal(msgspec.json.encode({"model": "m", "prompt": "a",
+                                              "messages": [user, user]}), chat=False) is None
+    assert limit.refusal(b"{" * 300, chat=False) is None  # not JSON: the usual path says
+    assert PromptLimits().refusal(msgspec.json.encode({"model": "m", "prompt": "a" * 500}),
+                                  chat=False) is None
 
 
 def test_a_context_is_the_longest_any_member_takes_and_unknown_if_one_does_not_say():

@@ -74,9 +74,10 @@ class PromptLimits:
         self._limits = dict(limits)
         self._smallest = min((limit.chars for limit in self._limits.values()), default=0)
 
-    def refusal(self, body: bytes) -> Response | None:
+    def refusal(self, body: bytes, *, chat: bool) -> Response | None:
         """The 400 for a request whose prompt surely exceeds its model's context, else
-        None (then the request goes on as usual)."""
+        None (then the request goes on as usual). `chat`: a chat completion, whose
+        engine reads `messages` only (a completion's reads `prompt` only)."""
         if not self._smallest or len(body) <= self._smallest:
             return None
         try:
@@ -86,7 +87,7 @@ class PromptLimits:
         limit = self._limits.get(shape.model) if isinstance(shape.model, str) else None
         if limit is None:
             return None
-        prompt = shape.prompt
+        prompt = None if chat else shape.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, list):
@@ -95,7 +96,7 @@ class PromptLimits:
             return None
         if isinstance(prompt, str):
             chars = len(prompt)
-        elif shape.messages is not None:
+        elif chat and shape.messages is not None:
             chars = _chat_chars(shape.messages, limit.chars)
         else:
             return None
