@@ -19,7 +19,9 @@ Reports each router's small-request TTFT p50 alone and under attack, and their r
 the completion's TTFT also waits for engines that the attack's requests load (they
 parse and refuse 4 MB prompts), on the same cores. Also: small completions refused
 under attack (admission's 503 when the attack fills the prefill's token budget), and
-attack requests answered per second (a router that refuses them sooner gets more).
+attack requests answered per second (a router that refuses them sooner gets more), and
+the CPU the router and the engines spent per attack request answered (from /proc: the
+steadiest figure on a shared machine).
 The attacker is a process of its own, so its JSON encoding does not stall the
 measuring client's GIL.
 """
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
@@ -48,7 +51,7 @@ from reference_helpers import start_engines  # noqa: E402
 from test_kv_tokenizer import make_byte_level_tokenizer, make_hf_tokenizer  # noqa: E402
 
 from bench.load import first_token_s  # noqa: E402
-from bench.procs import remove_tree, router_process, source_tree  # noqa: E402
+from bench.procs import remove_tree, router_process, source_tree, tree_cpu_s  # noqa: E402
 from pdreg.testing import wait_until  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
 from router.guard import LOOPBACK_ALLOW  # noqa: E402
@@ -102,39 +105,58 @@ def small_ttfts(url: str, n: int) -> Small:
     return ttft, 1000 * statistics.median(models), refused
 
 
-def measure(url: str, n: int) -> tuple[Small, Small, float]:
-    """Small-request p50s alone, then under attack; attack requests answered per second."""
+@dataclass
+class Attack:
+    """What one router went through under attack: the attack requests answered, and the
+    CPU seconds the router and the engines spent meanwhile."""
+
+    answered: int
+    seconds: float
+    router_cpu_s: float
+    engines_cpu_s: float
+
+    def per_request_ms(self, cpu_s: float) -> float:
+        return 1000 * cpu_s / max(1, self.answered)
+
+
+def measure(url: str, n: int, cpu: Callable[[], tuple[float, float]]
+            ) -> tuple[Small, Small, Attack]:
+    """Small-request p50s alone, then under attack; `cpu`: the router's and the engines'
+    CPU seconds so far."""
     small_ttfts(url, 3)  # warm connections
     alone = small_ttfts(url, n)
     spawn = multiprocessing.get_context("spawn")
     stop, answered = spawn.Event(), spawn.Value("q", 0)
     process = spawn.Process(target=attacker, args=(url, stop, answered), daemon=True)
+    (router_cpu, engines_cpu), started = cpu(), time.monotonic()
     process.start()
     try:
-        started = time.monotonic()
         assert wait_until(lambda: answered.value >= 3, READY_S)  # the attack under way
         small_ttfts(url, 2)
         attacked = small_ttfts(url, n)
-        rate = answered.value / (time.monotonic() - started)  # over the whole attack
     finally:
         stop.set()
         process.join(timeout=120)
         if process.is_alive():
             process.kill()
-    return alone, attacked, rate
+    router_now, engines_now = cpu()
+    return alone, attacked, Attack(answered.value, time.monotonic() - started,
+                                   router_now - router_cpu, engines_now - engines_cpu)
 
 
 def run(name: str, src: Path, control: str, tokenizer: Path, n: int,
-        report: Callable[[str], None]) -> None:
+        engine_pids: list[int], report: Callable[[str], None]) -> None:
     flags = ["--drain-delay", "0", "--allow-upstream", LOOPBACK_ALLOW,
              "--tokenizer", f"tiny={tokenizer}"]
     with router_process(control, "kv", flags=flags, src=src) as router:
         assert wait_until(lambda: httpx.get(router.url + "/v1/models").json()["data"], READY_S)
-        (alone, models_alone, _), (attacked, models_attacked, refused), rate = measure(
-            router.url, n)
+        (alone, models_alone, _), (attacked, models_attacked, refused), attack = measure(
+            router.url, n, lambda: (router.cpu_s(), sum(map(tree_cpu_s, engine_pids))))
     report(f"| {name} | {alone:.1f} ms | {attacked:.1f} ms | {attacked / alone:.1f}x | "
            f"{refused} of {n} | {models_alone:.1f} ms | {models_attacked:.1f} ms | "
-           f"{models_attacked / models_alone:.1f}x | {rate:.1f}/s |")
+           f"{models_attacked / models_alone:.1f}x | {attack.answered / attack.seconds:.1f}/s"
+           f" | {attack.per_request_ms(attack.router_cpu_s):.1f} ms | "
+           f"{attack.per_request_ms(attack.engines_cpu_s):.1f} ms |")
 
 
 def main() -> int:
@@ -158,11 +180,13 @@ def main() -> int:
             make(Path(tokenizer))
             print("| router | small TTFT p50 alone | under attack | ratio | refused under "
                   "attack | /v1/models p50 alone | under attack | ratio | attack answered "
-                  "|\n|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+                  "| router CPU per attack request | engines' |\n"
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+            pids = [h.proc.pid for h in handles]
             if baseline is not None:
                 run(f"kv @ {args.baseline}", Path(baseline), control, Path(tokenizer),
-                    args.requests, lambda line: print(line, flush=True))
-            run("kv (this tree)", REPO, control, Path(tokenizer), args.requests,
+                    args.requests, pids, lambda line: print(line, flush=True))
+            run("kv (this tree)", REPO, control, Path(tokenizer), args.requests, pids,
                 lambda line: print(line, flush=True))
     finally:
         for h in handles:
