@@ -7,10 +7,11 @@ registering a 65,536-token context); each router is a `pdreg router --policy kv
 --tokenizer tiny=DIR` process, DIR a byte-level BPE tokenizer.json whose tokens cover
 at most 6 characters (tests/test_kv_tokenizer.py's; `--word-level`: the word-level one
 of earlier runs, which bounds nothing: a word of any length is one `[UNK]`). Per router:
---requests small streamed requests one after another, alone, then while 3 attacker
-threads send, as fast as the router answers, 4 MB prompts, 480 KB prompts and a
-102,400-message chat (all three over 65,536 x 6 characters: a router that knows the
-bound refuses them before decoding them).
+--requests small streamed requests one after another, alone, and as many while 3
+attacker threads send, as fast as the router answers, 4 MB prompts, 480 KB prompts and
+a 102,400-message chat (all three over 65,536 x 6 characters: a router that knows the
+bound refuses them before decoding them); alone and attacked in alternating windows of
+ROUND requests, so that the machine's drift falls on both alike.
 
     .venv/bin/python bench/bench_kv_starvation.py [--baseline COMMIT] [--requests 30]
 
@@ -21,9 +22,8 @@ parse and refuse 4 MB prompts), on the same cores. Also: small completions refus
 under attack (admission's 503 when the attack fills the prefill's token budget), and
 attack requests answered per second (a router that refuses them sooner gets more), and
 the CPU the router and the engines spent per attack request answered (from /proc: the
-steadiest figure on a shared machine).
-The attacker is a process of its own, so its JSON encoding does not stall the
-measuring client's GIL.
+steadiest figure on a shared machine). The attacker is a process of its own, so its
+JSON encoding does not stall the measuring client's GIL.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
@@ -64,17 +64,37 @@ ATTACKS = [("/v1/completions", {"prompt": "hello world " * 350_000}),
 READY_S = 60.0
 
 
-def attacker(url: str, stop: EventType, answered: Synchronized) -> None:
+ROUND = 5  # small requests per window: alone and attacked windows alternate
+
+
+@dataclass
+class Shared:
+    """Between the measuring process and the attacker's: `attacking` set while it
+    attacks; the attack requests answered, and those in flight."""
+
+    stop: EventType
+    attacking: EventType
+    answered: Synchronized
+    in_flight: Synchronized
+
+
+def attacker(url: str, shared: Shared) -> None:
     """The attacking client: 3 threads, each sending one kind of request as fast as the
-    router answers. A process of its own: its JSON encoding (tens of ms of GIL for the
-    chat) must not hold up the measuring client's own timing."""
+    router answers, while `attacking` is set. A process of its own: its JSON encoding
+    (tens of ms of GIL for the chat) must not hold up the measuring client's timing."""
     def loop(path: str, body: dict) -> None:
         with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
+            while not shared.stop.is_set():
+                if not shared.attacking.wait(0.1):
+                    continue
+                with shared.in_flight.get_lock():
+                    shared.in_flight.value += 1
                 with contextlib.suppress(httpx.HTTPError):  # answered or not, go on
                     http.post(url + path, json={"model": "tiny", "max_tokens": 1, **body})
-                    with answered.get_lock():
-                        answered.value += 1
+                    with shared.answered.get_lock():
+                        shared.answered.value += 1
+                with shared.in_flight.get_lock():
+                    shared.in_flight.value -= 1
 
     threads = [threading.Thread(target=loop, args=a, daemon=True) for a in ATTACKS]
     for t in threads:
@@ -83,26 +103,31 @@ def attacker(url: str, stop: EventType, answered: Synchronized) -> None:
         t.join()
 
 
-Small = tuple[float, float, int]  # TTFT p50 (ms), /v1/models p50 (ms), completions not 200
+@dataclass
+class Samples:
+    """Small requests' TTFTs and `GET /v1/models` times (s), and completions not 200
+    (admission's 503 when the attack fills the prefill's budget)."""
+
+    ttfts: list[float] = field(default_factory=list)
+    models: list[float] = field(default_factory=list)
+    refused: int = 0
+
+    def p50s_ms(self) -> tuple[float, float]:
+        ttft = 1000 * statistics.median(self.ttfts) if self.ttfts else float("inf")
+        return ttft, 1000 * statistics.median(self.models)
 
 
-def small_ttfts(url: str, n: int) -> Small:
-    """p50s (ms) of n small completions' TTFT and of n `GET /v1/models` (answered by the
-    router alone: its own starvation, without the engines the attack also loads), and
-    how many completions were refused (admission's 503 when the attack fills the
-    prefill's budget): the p50 is of those answered."""
-    ttfts, models, refused = [], [], 0
-    with httpx.Client(timeout=120) as http:
-        for _ in range(n):
-            try:
-                ttfts.append(first_token_s(http, url, SMALL))
-            except RuntimeError:  # not 200
-                refused += 1
-            started = time.monotonic()
-            http.get(url + "/v1/models").raise_for_status()
-            models.append(time.monotonic() - started)
-    ttft = 1000 * statistics.median(ttfts) if ttfts else float("inf")
-    return ttft, 1000 * statistics.median(models), refused
+def small_requests(http: httpx.Client, url: str, n: int, into: Samples) -> None:
+    """n small completions' TTFT and n `GET /v1/models` (answered by the router alone:
+    its own starvation, without the engines the attack also loads)."""
+    for _ in range(n):
+        try:
+            into.ttfts.append(first_token_s(http, url, SMALL))
+        except RuntimeError:  # not 200
+            into.refused += 1
+        started = time.monotonic()
+        http.get(url + "/v1/models").raise_for_status()
+        into.models.append(time.monotonic() - started)
 
 
 @dataclass
@@ -110,38 +135,48 @@ class Attack:
     """What one router went through under attack: the attack requests answered, and the
     CPU seconds the router and the engines spent meanwhile."""
 
-    answered: int
-    seconds: float
-    router_cpu_s: float
-    engines_cpu_s: float
+    answered: int = 0
+    seconds: float = 0.0
+    router_cpu_s: float = 0.0
+    engines_cpu_s: float = 0.0
 
     def per_request_ms(self, cpu_s: float) -> float:
         return 1000 * cpu_s / max(1, self.answered)
 
 
 def measure(url: str, n: int, cpu: Callable[[], tuple[float, float]]
-            ) -> tuple[Small, Small, Attack]:
-    """Small-request p50s alone, then under attack; `cpu`: the router's and the engines'
-    CPU seconds so far."""
-    small_ttfts(url, 3)  # warm connections
-    alone = small_ttfts(url, n)
+            ) -> tuple[Samples, Samples, Attack]:
+    """Small requests alone and under attack, in alternating windows of ROUND each (the
+    machine drifts less within a window than across a run); `cpu`: the router's and
+    the engines' CPU seconds so far, counted over the attacked windows."""
     spawn = multiprocessing.get_context("spawn")
-    stop, answered = spawn.Event(), spawn.Value("q", 0)
-    process = spawn.Process(target=attacker, args=(url, stop, answered), daemon=True)
-    (router_cpu, engines_cpu), started = cpu(), time.monotonic()
+    shared = Shared(spawn.Event(), spawn.Event(), spawn.Value("q", 0), spawn.Value("q", 0))
+    process = spawn.Process(target=attacker, args=(url, shared), daemon=True)
     process.start()
+    alone, attacked, attack = Samples(), Samples(), Attack()
     try:
-        assert wait_until(lambda: answered.value >= 3, READY_S)  # the attack under way
-        small_ttfts(url, 2)
-        attacked = small_ttfts(url, n)
+        with httpx.Client(timeout=120) as http:
+            small_requests(http, url, 3, Samples())  # warm connections
+            for _ in range(max(1, n // ROUND)):
+                small_requests(http, url, ROUND, alone)
+                (router_cpu, engines_cpu), started = cpu(), time.monotonic()
+                before = shared.answered.value
+                shared.attacking.set()
+                assert wait_until(lambda b=before: shared.answered.value >= b + 3, READY_S)
+                small_requests(http, url, ROUND, attacked)
+                shared.attacking.clear()
+                assert wait_until(lambda: shared.in_flight.value == 0, READY_S)
+                router_now, engines_now = cpu()
+                attack.answered += shared.answered.value - before
+                attack.seconds += time.monotonic() - started
+                attack.router_cpu_s += router_now - router_cpu
+                attack.engines_cpu_s += engines_now - engines_cpu
     finally:
-        stop.set()
+        shared.stop.set()
         process.join(timeout=120)
         if process.is_alive():
             process.kill()
-    router_now, engines_now = cpu()
-    return alone, attacked, Attack(answered.value, time.monotonic() - started,
-                                   router_now - router_cpu, engines_now - engines_cpu)
+    return alone, attacked, attack
 
 
 def run(name: str, src: Path, control: str, tokenizer: Path, n: int,
@@ -150,12 +185,14 @@ def run(name: str, src: Path, control: str, tokenizer: Path, n: int,
              "--tokenizer", f"tiny={tokenizer}"]
     with router_process(control, "kv", flags=flags, src=src) as router:
         assert wait_until(lambda: httpx.get(router.url + "/v1/models").json()["data"], READY_S)
-        (alone, models_alone, _), (attacked, models_attacked, refused), attack = measure(
+        alone, attacked, attack = measure(
             router.url, n, lambda: (router.cpu_s(), sum(map(tree_cpu_s, engine_pids))))
-    report(f"| {name} | {alone:.1f} ms | {attacked:.1f} ms | {attacked / alone:.1f}x | "
-           f"{refused} of {n} | {models_alone:.1f} ms | {models_attacked:.1f} ms | "
-           f"{models_attacked / models_alone:.1f}x | {attack.answered / attack.seconds:.1f}/s"
-           f" | {attack.per_request_ms(attack.router_cpu_s):.1f} ms | "
+    (ttft_alone, models_alone), (ttft, models) = alone.p50s_ms(), attacked.p50s_ms()
+    report(f"| {name} | {ttft_alone:.1f} ms | {ttft:.1f} ms | {ttft / ttft_alone:.1f}x | "
+           f"{attacked.refused} of {len(attacked.models)} | {models_alone:.1f} ms | "
+           f"{models:.1f} ms | {models / models_alone:.1f}x | "
+           f"{attack.answered / attack.seconds:.1f}/s | "
+           f"{attack.per_request_ms(attack.router_cpu_s):.1f} ms | "
            f"{attack.per_request_ms(attack.engines_cpu_s):.1f} ms |")
 
 
