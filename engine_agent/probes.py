@@ -128,6 +128,7 @@ class EngineMetadata:
     tp_size: int = 1
     dp_size: int = 1
     kv_block_size: int = 0  # tokens per block of its KV events, where it says (SGLang)
+    max_model_len: int = 0  # its context length in tokens, where it says (vLLM)
 
 
 Sample = tuple[dict[str, str], float]  # (labels, value)
@@ -331,7 +332,11 @@ class EngineProbe:
         response = self._client.get("/v1/models")
         response.raise_for_status()
         models = response.json()["data"]
-        return EngineMetadata(model=str(models[0]["id"]) if models else "")
+        if not models:
+            return EngineMetadata()
+        length = models[0].get("max_model_len")
+        return EngineMetadata(model=str(models[0]["id"]), max_model_len=length
+                              if type(length) is int and 0 < length < 2**31 else 0)
 
     def _sglang_metadata(self) -> EngineMetadata:
         response = self._client.get("/server_info")

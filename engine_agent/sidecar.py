@@ -297,6 +297,7 @@ class Sidecar:
             kv_events=kv_events_from_command(cfg.command, advertise_host, cfg.engine.value,
                                              metadata.kv_block_size)
             if cfg.role in (Role.PREFILL, Role.MIXED) else None,
+            max_model_len=metadata.max_model_len,
         )
 
     # --- the child process -----------------------------------------------------------

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP front: admission, then a `Proxy` per request.
 
 Admission reads and decodes the body once, strips the fields the router owns, and
-refuses what it cannot serve: 401 (API key), 400 (not JSON, nested too deep, no model),
+refuses what it cannot serve: 401 (API key), 400 (not JSON, nested too deep, no model;
+`context_length_exceeded`, a prompt surely over its model's context, before the body is
+even decoded: router/kv/limits.py, `--policy kv`),
 404 `model_not_found` (no member serves or has served the model), 503 `no_capacity` (a
 known model, no routable pair now), 508 (a request from a router: a loop). The HTTP
 server (serving/http_server.py) answers before admission for what never arrives whole:
@@ -347,6 +349,12 @@ class Router:
             return self._refuse("loop", openai_error(
                 508, "request loop: this router was reached through a router",
                 INVALID_REQUEST, "loop_detected"))
+        if self.kv is not None:  # surely over the context: refused before any decoding
+            self.pairing.table()  # the models' limits follow membership
+            too_long = self.kv.limits.refusal(request.body,
+                                              chat=request.path == "/v1/chat/completions")
+            if too_long is not None:
+                return self._refuse("context_length", too_long)
         try:
             body = _decode(request.body)
         except msgspec.DecodeError as exc:

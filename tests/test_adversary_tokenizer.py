@@ -3,7 +3,9 @@ it to tokenize: 4 MB prompts, a 100,000-message chat, and prompts just long enou
 tokenized, sent as fast as the router answers. Another client's small requests must
 still be answered, and matched exactly; the long ones are paired as `peak_ewma`,
 counted (docs/security.md). The router tokenizes with a Hugging Face tokenizer.json,
-as for a real model. Timings are bench/bench_kv_starvation.py's."""
+as for a real model. With one whose tokens cover a bounded number of characters, the
+router answers what is surely over the engines' context with a 400 itself, and no
+engine sees it (router/kv/limits.py). Timings are bench/bench_kv_starvation.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import httpx
 import pytest
 from reference_helpers import EngineHandle, start_engines
 from test_kv_e2e import SYSTEM, ask, kv_members, ready, router_metric
-from test_kv_tokenizer import make_hf_tokenizer
+from test_kv_tokenizer import make_byte_level_tokenizer, make_hf_tokenizer
 
 from pdreg.testing import wait_until
 from registry.client import MembershipView
@@ -100,3 +102,57 @@ def test_long_prompts_do_not_starve_small_requests(
                 and 'why="too_long"' in line]
     assert too_long and float(too_long[0].rsplit(" ", 1)[1]) >= 2  # the 4 MB and the chat
     assert router_metric(router, "pdreg_router_kv_exact") == 1  # the model still exact
+
+
+def engine_answered(router: RouterServer) -> float:
+    """Requests an engine refused (its 400 passed on to the client)."""
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdreg_router_requests_total{")
+               and 'outcome="client_error"' in line)
+
+
+def refused_for_context(router: RouterServer) -> float:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdreg_router_refused_total{")
+               and 'reason="context_length"' in line)
+
+
+def test_a_prompt_surely_over_the_context_is_refused_before_an_engine_sees_it(
+        registry: RegistryServer, view: MembershipView, handles: list[EngineHandle],
+        tmp_path: Path) -> None:
+    make_byte_level_tokenizer(tmp_path)  # a token covers at most 6 characters
+    config = RouterConfig(port=0, policy="kv", allow_upstream=LOOPBACK_ALLOW,
+                          kv=KvOptions(tokenizers=(("tiny", str(tmp_path)),)))
+    router = RouterServer(config, view).start()
+    try:
+        control = registry.control_address
+        p, d = start_engines([{"role": "prefill", "registry": control,
+                               "extra_args": ["--kv-events"]},
+                              {"role": "decode", "registry": control}])
+        handles += [p, d]
+        assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
+        # Both register a 65,536-token context: more than 393,216 characters cannot fit.
+        assert {m.record.spec.max_model_len for m in view.members().values()} == {65536}
+        with httpx.Client(timeout=60) as http:
+            assert ask(http, router, SYSTEM + "Name a colour.")  # followed, and served
+            for path, body in (("/v1/completions", {"prompt": HUGE}),
+                               ("/v1/completions", {"prompt": LONG}),
+                               ("/v1/completions", {"prompt": list(range(70_000))}),
+                               ("/v1/chat/completions", {"messages": CHAT})):
+                r = http.post(router.url + path, json={"model": "tiny", **body})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["code"] == "context_length_exceeded"
+                assert "maximum context length is 65536 tokens" in error["message"]
+            assert refused_for_context(router) == 4
+            assert engine_answered(router) == 0  # no engine saw any of them
+            # Not surely too long for the router (360,000 characters): the engine says.
+            r = http.post(router.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "hello world " * 30_000})
+            assert r.status_code == 400  # the engine's byte tokens: 360,001 of them
+            assert engine_answered(router) == 1 and refused_for_context(router) == 4
+            assert ask(http, router, SYSTEM + "Why is the sky blue?")  # others unaffected
+    finally:
+        router.close()

@@ -46,6 +46,29 @@ def make_hf_tokenizer(directory: Path) -> None:
         {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
 
 
+def make_byte_level_tokenizer(directory: Path) -> None:
+    """A byte-level BPE tokenizer.json, as real models ship (no unknown token, nothing
+    dropped): its longest token, "Ġhello" or "Ġworld", covers 6 characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    words = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "hello"),
+             ("w", "o"), ("r", "l"), ("wo", "rl"), ("worl", "d"), ("Ġ", "world")]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for left, right in words:
+        vocab[left + right] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, words))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+
+
 def test_hf_tokenizer_and_chat_template(tmp_path: Path):
     make_hf_tokenizer(tmp_path)
     t = load_tokenizer(str(tmp_path))

@@ -125,6 +125,7 @@ def test_vllm_ready_gating_load_health_and_sigterm_drain(
     assert record is not None
     assert record.state is MemberState.JOINING
     assert record.spec.model == "tiny" and record.spec.protocol == "vllm-nixl"
+    assert record.spec.max_model_len == 512  # its context, as /v1/models says it
     assert record.spec.endpoints.http == f"http://127.0.0.1:{port}"
     assert (record.spec.endpoints.kv_host, record.spec.endpoints.kv_port) == (
         "127.0.0.1", nixl_port)

@@ -194,6 +194,9 @@ class MemberSpec(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     started_at: UnixTime = 0.0  # unix time the process started, for uptime
     kv_events: KvEventsSpec | None = None  # None: publishes no KV events (old members)
     adapters: Adapters = ()  # LoRA adapters served besides `model` (router/table.served)
+    # Its context length in tokens (vLLM's max_model_len; 0: not said). A router refuses
+    # a prompt sure to be longer than every member of the model takes (router/kv/limits.py).
+    max_model_len: Count = 0
 
 
 class Load(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):

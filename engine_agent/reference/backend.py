@@ -52,6 +52,7 @@ class SequenceState(Protocol):
 class Backend(Protocol):
     name: str
     kv_bytes_per_token: int
+    max_model_len: int  # prompt + generated tokens it takes (its context length)
 
     async def prefill(self, prompt: list[int]) -> Prefilled: ...
 

@@ -225,9 +225,11 @@ async def run_engine(config: EngineConfig) -> int:
         kv_port = held.kv_server.port if held.kv_server is not None else 0
         endpoints = Endpoints(http=url, kv_host=advertise if kv_port else "",
                               kv_port=kv_port, bootstrap_port=bootstrap_port)
-        spec_for = functools.partial(_member_spec, config, endpoints, kv_events)
-        held.agent, spec = _make_agent(config, spec_for, scheduler.load, port)
+        # The backend first: its context length is part of what the member registers.
         held.backend = await loop.run_in_executor(None, make_backend, config)
+        spec_for = functools.partial(_member_spec, config, endpoints, kv_events,
+                                     held.backend.max_model_len)
+        held.agent, spec = _make_agent(config, spec_for, scheduler.load, port)
         engine = Engine(held.backend, scheduler, engine_id=engine_id, store=store,
                         kv_client=held.kv_client, resolver=held.resolver, kv_host=advertise,
                         kv_port=kv_port, fetch_timeout_s=config.kv_fetch_timeout_s,
@@ -261,12 +263,12 @@ def _publish_kv_events(config: EngineConfig, advertise: str, held: _Held
 
 
 def _member_spec(config: EngineConfig, endpoints: Endpoints, kv_events: KvEventsSpec | None,
-                 member_id: str, incarnation: int) -> MemberSpec:
+                 max_model_len: int, member_id: str, incarnation: int) -> MemberSpec:
     return MemberSpec(
         id=member_id, incarnation=incarnation, role=config.role, model=config.model,
         protocol=config.protocol, endpoints=endpoints, capacity=config.max_running,
         labels=config.labels, started_at=time.time(), kv_events=kv_events,
-        adapters=config.adapters)
+        adapters=config.adapters, max_model_len=max_model_len)
 
 
 def _announce_ready(spec: MemberSpec, engine_id: str, backend: str, endpoints: Endpoints,

@@ -7,7 +7,9 @@ one), its block sizes (those of the ready members followed, the commonest first,
 `max_block_sizes`: every prompt is keyed once per size, so joining members that never
 become routable cannot multiply that), and its publishers' ids. A member serves its
 base model and its LoRA adapters (`served`): an adapter shares its base model's
-tokenizer and events. Pure: no I/O, no clock.
+tokenizer and events. Per model also the longest context its engines registered
+(`context_length`): a prompt surely longer is refused (router/kv/limits.py). Pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class Publishers:
         self._publisher_models: dict[str, tuple[str, ...]] = {}  # id -> models, of those
         self._engine_models: dict[str, tuple[str, ...]] = {}  # id -> models, every engine
         self._engines: Counter[str] = Counter()  # model (or adapter) -> engine members
+        # model -> its engine members' context lengths (0: one did not say), and per id
+        self._lengths: dict[str, Counter[int]] = {}
+        self._length_of: dict[str, int] = {}
         self._adapter_count: Counter[str] = Counter()  # adapter -> engine members
 
     def update(self, members: Mapping[str, LiveMember],
@@ -82,6 +87,8 @@ class Publishers:
             self._engine_models.clear()
             self._engines.clear()
             self._adapter_count.clear()
+            self._lengths.clear()
+            self._length_of.clear()
             self.models.clear()
             moved = members.keys()
         dirty: set[str] = set()  # models whose publishers changed
@@ -109,9 +116,11 @@ class Publishers:
             return False
         models = served(spec)  # an adapter shares its base model's tokenizer and events
         self._engine_models[spec.id] = models
+        self._length_of[spec.id] = spec.max_model_len
         changed = False
         for model in models:
             self._engines[model] += 1
+            self._lengths.setdefault(model, Counter())[spec.max_model_len] += 1
             changed |= self._engines[model] == 1
         self._adapter_count.update(spec.adapters)
         kv = spec.kv_events
@@ -134,9 +143,16 @@ class Publishers:
                 del self._by_model[model]
             dirty.add(model)
         models = self._engine_models.pop(member_id, ())
+        length = self._length_of.pop(member_id, 0)
         changed = False
         for model in models:
             self._engines[model] -= 1
+            lengths = self._lengths[model]
+            lengths[length] -= 1
+            if not lengths[length]:
+                del lengths[length]
+                if not lengths:
+                    del self._lengths[model]
             if not self._engines[model]:
                 del self._engines[model]
                 changed = True
@@ -158,6 +174,14 @@ class Publishers:
         sizes = self.commonest(p.block_size for p in held.values()
                                 if p.block_size and p.follow is not None)
         self.models[model] = ModelKv(source, sizes, ids)
+
+    def context_length(self, model: str) -> int | None:
+        """The longest context (tokens) any engine member of `model` registered; None
+        when one said nothing (it may take any length) or none serves it."""
+        lengths = self._lengths.get(model)
+        if not lengths or 0 in lengths:
+            return None
+        return max(lengths)
 
     def commonest(self, sizes: Iterable[int]) -> tuple[int, ...]:
         """The block sizes most members have, at most `max_block_sizes` (ties: the

@@ -7,8 +7,10 @@ only with `--policy kv`.
   note, per model, its tokenizer (`--tokenizer MODEL=PATH`, else what members register)
   and its block sizes: only those of ready members it follows (a joining member that
   never becomes routable adds none), at most `--kv-max-block-sizes` per model, those of
-  the most members first, since every prompt is keyed once per size. Given the members
-  that changed, it costs those (and their models' publishers), not the fleet.
+  the most members first, since every prompt is keyed once per size; and each model's
+  prompt limit (its engines' context, its tokenizer's characters per token), past which
+  a request gets a 400 before its body is decoded (router/kv/limits.py). Given the
+  members that changed, it costs those (and their models' publishers), not the fleet.
 - `affinity`: the prompt's exact token ids (the client's, else tokenized: off the event
   loop when long) and its block keys per block size -> a `KvAffinity`. A model or
   request we cannot match exactly gets a plain `Affinity` instead, and its prefill is
@@ -58,6 +60,7 @@ from router.kv.feed import KvFeed
 from router.kv.index import DEFAULT_MAX_PENDING_BYTES, KvIndex
 from router.kv.key_cache import PrefixKeyCache
 from router.kv.keys import multimodal, request_keys
+from router.kv.limits import ModelLimit, PromptLimits
 from router.kv.long_prompts import MAX_IN_FLIGHT, PER_CLIENT, LongPromptGate
 from router.kv.metrics import KvCollector
 from router.kv.policy import (
@@ -145,6 +148,7 @@ class KvRouting:
         self.publishers = Publishers(options.max_block_sizes,
                                      follow_decodes=bool(options.disagg_min_uncached_tokens))
         self._matching: dict[str, str] = {}  # model -> "" (exact) or why it falls back
+        self.limits = PromptLimits()  # prompts surely over their model's context: 400
         self._logged: set[tuple[str, str]] = set()
         metrics.registry.register(KvCollector(self.index, self.feed))
 
@@ -165,6 +169,7 @@ class KvRouting:
             self._matching = {m: why for m, why in self._matching.items() if m in fleet}
         if change.follow is not None:
             self.feed.update(change.follow)
+        self._update_limits()
 
     async def affinity(self, body: Mapping[str, Any], model: str,
                        client: str = "") -> Affinity:
@@ -296,6 +301,20 @@ class KvRouting:
                         "gaps": s.gaps, "replays": s.replays, "unknown": s.losses,
                         "distrusted_s": round(left, 1) if left is not None else None})
         return out
+
+    def _update_limits(self) -> None:
+        """Each model's prompt limit, where its context and tokenizer bound are known."""
+        limits = {}
+        for model in self.publishers.fleet:
+            context = self.publishers.context_length(model)
+            if context is None:
+                continue
+            info = self.publishers.models.get(model)
+            tokenizer = self.tokenizers.get(model, info.tokenizer_source if info else "")
+            per_token = tokenizer.max_chars_per_token if tokenizer is not None else None
+            if per_token:
+                limits[model] = ModelLimit(context, per_token)
+        self.limits.update(limits)
 
     def _learnt_block_sizes(self, info: ModelKv) -> tuple[int, ...]:
         """Block sizes the members' events showed (a spec that did not say)."""

@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from router.kv.token_bound import max_chars_per_token
+
 __all__ = ["BYTES_TOKENIZER", "ByteTokenizer", "HfTokenizer", "PromptTokenizer",
            "TokenizerSet", "load_tokenizer", "parse_tokenizer_flags"]
 
@@ -40,6 +42,8 @@ MAX_TOKENIZE_CHARS: Final = 4 * 1024 * 1024  # longer prompts are not matched
 
 class PromptTokenizer(Protocol):
     name: str
+    # Characters one token covers at most (router/kv/token_bound.py); None: no bound.
+    max_chars_per_token: int | None
 
     def completion_ids(self, prompt: str) -> Sequence[int]: ...
     def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> Sequence[int] | None: ...
@@ -69,6 +73,7 @@ class ByteTokenizer:
     array of the same type with one memcpy), which was most of keying a long prompt."""
 
     name = BYTES_TOKENIZER
+    max_chars_per_token: int | None = 1  # a token per UTF-8 byte: at most one character
 
     def completion_ids(self, prompt: str) -> Sequence[int]:
         data = prompt.encode("utf-8")
@@ -96,10 +101,14 @@ class HfTokenizer:
     """A Hugging Face `tokenizer.json` (the `tokenizers` library) and its chat template."""
 
     def __init__(self, name: str, directory: Path) -> None:
-        from tokenizers import Tokenizer  # a dependency of the kv policy only
+        from tokenizers import Tokenizer, pre_tokenizers  # the kv policy's dependency
 
         self.name = name
         self._tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.max_chars_per_token = max_chars_per_token(
+            json.loads((directory / "tokenizer.json").read_bytes()),
+            self._tok.get_vocab(with_added_tokens=True),
+            frozenset(pre_tokenizers.ByteLevel.alphabet()))
         self._template: Callable[..., str] | None = None
         self._specials: dict[str, str] = {}
         config_path = directory / "tokenizer_config.json"
