@@ -89,12 +89,15 @@ def test_a_registry_closed_while_its_loop_is_busy_closes_its_sockets_later(monke
     failures: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
     registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=-1)).start()
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
 
     def slow(membership: Membership, now: float) -> Outcome:
+        started.set()
         release.wait(5)  # an admin action holding the loop
         return Outcome(ReplyStatus.OK)
     done = registry.submit(slow)
+    # Closed once the loop holds the action (closed before, the loop just stops).
+    assert started.wait(10)
     registry.close()  # gives up waiting after 0.1 s
     assert registry._loop_thread is not None and registry._loop_thread.is_alive()
     assert not registry._ctx.closed
