@@ -124,7 +124,10 @@ def test_a_frozen_registry_does_not_keep_a_dead_decode_routable(processes: Proce
         processes.start(member_id, ["engine", "--role", role, "--backend", "sim",
                                     "--protocol", "vllm-nixl", "--model", "tiny",
                                     "--host", "127.0.0.1", "--port", str(http_port),
-                                    "--registry", both], {})
+                                    "--registry", both,
+                                    # a prefill holds KV for the decode killed below until
+                                    # it times out: its drain at the end need not wait
+                                    "--drain-timeout", "2"], {})
     router_port = port()
     processes.start("router", ["router", "--registry", both, "--host", "127.0.0.1",
                                "--port", str(router_port), "--policy", "peak_ewma",
