@@ -5,14 +5,18 @@ membership changes: rebuilding the table (`PairingTable.build`) or comparing eve
 to find what changed cost it its core. The view says which ids changed since the version
 the table was made from (registry/view_changes.py), and for each:
 
-- the same record with a new load (a digest): its candidate is replaced in place,
-  found by bisection in its sorted tier (`PairingTable.with_loads`);
+- the same record with a new load (a digest): its new candidate waits with its model's
+  other new loads, and goes into the model's pools (found by bisection in each sorted
+  tier, `ProtocolPool.with_candidates`) when that model's pools are next read
+  (`pools_of`, a request for the model); a model nobody asks for costs its digests a
+  dict entry per member, never a copy of its pools;
 - anything else (joined, left, another state, suspicion, spec): its model's pools alone
   are made again, from the candidates this keeps per model; every other model's pools
   are the same objects as before.
 
-After any sequence of changes the table equals `PairingTable.build` of the members
-(tests/test_table_updater.py checks that with Hypothesis). Pure: no clock, no threads;
+After any sequence of changes `table` (every waiting load swapped in) equals
+`PairingTable.build` of the members, and `pools_of(model)` is its pools of `model`
+(tests/test_table_updater.py checks both with Hypothesis). Pure: no clock, no threads;
 the router's loop is its only user.
 """
 
@@ -23,7 +27,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from registry.client import LiveMember
-from router.table import Candidate, PairingTable, model_pools, served, takes_requests
+from router.table import (
+    Candidate,
+    PairingTable,
+    ProtocolPool,
+    model_pools,
+    served,
+    takes_requests,
+)
 
 __all__ = ["TableUpdate", "TableUpdater"]
 
@@ -43,7 +54,10 @@ class TableUpdater:
                  protocols: Collection[str] | None = None) -> None:
         self.locality_key = locality_key
         self.protocols = protocols
-        self.table = PairingTable({})
+        self._pools: dict[str, tuple[ProtocolPool, ...]] = {}  # model -> its pools
+        # model -> id -> its candidate with a newer load than its model's pools hold
+        self._waiting: dict[str, dict[str, Candidate]] = {}
+        self._table: PairingTable | None = PairingTable({})  # None: to be made again
         # model -> id -> (candidate, suspect): every member pairing may choose
         self._by_model: dict[str, dict[str, tuple[Candidate, bool]]] = {}
         self._models_of: dict[str, tuple[str, ...]] = {}  # id -> the models it serves
@@ -56,18 +70,17 @@ class TableUpdater:
         self._models_of.clear()
         self._urls.clear()
         self._url_set = None
-        self.table = PairingTable({})
+        self._pools.clear()
         dirty: set[str] = set()
         for member_id, member in members.items():
             self._add(member_id, member, dirty)
-        self.table = self._rebuilt(dirty, {})
+        self._rebuild(dirty)
         return TableUpdate(None, ())
 
     def apply(self, previous: Mapping[str, LiveMember], members: Mapping[str, LiveMember],
               changed: Collection[str]) -> TableUpdate:
         """`members` is `previous` with `changed` (ids) changed: follow them."""
         dirty: set[str] = set()  # models whose pools are made again
-        loads: dict[str, dict[str, Candidate]] = {}  # model -> id -> with its new load
         moved: list[str] = []
         gone: list[str] = []
         for member_id in changed:
@@ -82,7 +95,10 @@ class TableUpdater:
                     fresh = candidate.with_load(new)
                     for model in models:  # its base model and its adapters
                         self._by_model[model][member_id] = (fresh, suspect)
-                        loads.setdefault(model, {})[member_id] = fresh
+                        waiting = self._waiting.get(model)
+                        if waiting is None:
+                            waiting = self._waiting[model] = {}
+                        waiting[member_id] = fresh
                 continue
             moved.append(member_id)
             if new is None:
@@ -90,9 +106,38 @@ class TableUpdater:
             self._remove(member_id, dirty)
             if new is not None:
                 self._add(member_id, new, dirty)
-        if dirty or loads:
-            self.table = self._rebuilt(dirty, loads)
+        if dirty:
+            self._rebuild(dirty)
         return TableUpdate(tuple(moved), tuple(gone))
+
+    @property
+    def table(self) -> PairingTable:
+        """The whole table, every waiting load swapped in: what `PairingTable.build`
+        makes of the members. Costs the loads waiting in every model's pools; a request
+        reads `pools_of` its model instead."""
+        for model in list(self._waiting):
+            self._swap_loads(model)
+        return self.membership
+
+    @property
+    def membership(self) -> PairingTable:
+        """The table as far as membership goes: who is in which pool (the same as
+        `table`'s), with loads that may be older than the view's for models whose pools
+        were not read since (for what loads do not decide: /v1/models, eligibility)."""
+        if self._table is None:
+            self._table = PairingTable(dict(sorted(self._pools.items())))
+        return self._table
+
+    def pools_of(self, model: str) -> tuple[ProtocolPool, ...]:
+        """`model`'s pools with every load the view has (what `table` holds for it);
+        costs the loads waiting for this model alone, never another model's."""
+        if model in self._waiting:
+            self._swap_loads(model)
+        return self._pools.get(model, ())
+
+    def serves(self, model: str) -> bool:
+        """A member of a handshake we speak serves `model` now (it has pools)."""
+        return model in self._pools
 
     def routable_urls(self) -> frozenset[str]:
         """The base URLs of the routable (ready, not suspect) candidates."""
@@ -131,21 +176,21 @@ class TableUpdater:
                 del self._urls[candidate.http]
                 self._url_set = None
 
-    def _rebuilt(self, dirty: set[str], loads: Mapping[str, Mapping[str, Candidate]]
-                 ) -> PairingTable:
-        """The table with `dirty` models' pools made again and `loads` swapped into the
-        others'; models in the order `build` gives them (sorted)."""
-        held = self.table.pools
-        pools = dict(held)
+    def _rebuild(self, dirty: set[str]) -> None:
+        """Make the `dirty` models' pools again from their candidates (whose loads are
+        current: what waited for them is in)."""
         for model in dirty:
+            self._waiting.pop(model, None)
             slots = self._by_model.get(model)
             if slots:
-                pools[model] = model_pools(slots.values())
+                self._pools[model] = model_pools(slots.values())
             else:
-                pools.pop(model, None)
-        for model, fresh in loads.items():
-            if model not in dirty and model in pools:
-                pools[model] = tuple(pool.with_candidates(fresh) for pool in pools[model])
-        if pools.keys() != held.keys():
-            pools = dict(sorted(pools.items()))
-        return PairingTable(pools)
+                self._pools.pop(model, None)
+        self._table = None
+
+    def _swap_loads(self, model: str) -> None:
+        fresh = self._waiting.pop(model)
+        pools = self._pools.get(model)
+        if pools:
+            self._pools[model] = tuple(pool.with_candidates(fresh) for pool in pools)
+            self._table = None
