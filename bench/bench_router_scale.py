@@ -317,6 +317,7 @@ from registry.frozen_map import FrozenMap
 from router.inflight import InFlight
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
+from router.choice import NO_AFFINITY
 from router.pairing import Pairing
 from router.policies import make_pairer
 from router.quarantine import Quarantine
@@ -348,18 +349,40 @@ class View:  # what MembershipView hands a router: the members, and what changed
             self._trail.publish(self._members, list(updates))
     def loads_confirmed_at(self, model): return -math.inf
     def report(self, *a): pass
-view = View(FrozenMap({m.id: m for m in map(member, range(n))}))
+def tiny(i):  # the model the router gets requests for: 2 prefills, 2 decodes
+    spec = MemberSpec(id=f"tiny-{i}", incarnation=1, role=(Role.PREFILL, Role.DECODE)[i % 2],
+                      model="tiny", protocol="vllm-nixl",
+                      endpoints=Endpoints(http=f"http://10.9.0.{i}:8000"))
+    record = MemberRecord(spec, MemberState.READY, load=Load(running=1))
+    return LiveMember(record, record.load, time.monotonic(), "r")
+view = View(FrozenMap({m.id: m for m in (*map(member, range(n)), *map(tiny, range(4)))}))
 metrics, latency = RouterMetrics(), LatencyTracker()
 pairing = Pairing(view, make_pairer("peak_ewma", latency=latency), locality_label="",
                   protocols={"vllm-nixl"}, quarantine=Quarantine(5.0),
                   in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
                   latency=latency, clock=time.monotonic, on_members=lambda *a: None)
 t0 = time.perf_counter(); pairing.table(); first_ms = 1e3 * (time.perf_counter() - t0)
+gc.collect()
+tracked = len(gc.get_objects())  # what every full collection walks, the table included
+t0 = time.perf_counter(); gc.collect(); full_gc_ms = 1e3 * (time.perf_counter() - t0)
+pauses = []
+gc.callbacks.append(lambda phase, info: pauses.append(time.perf_counter()) if phase == "start"
+                    else pauses.append(time.perf_counter() - pauses.pop()))
 rng = random.Random(7)
+request_cpu = [0.0]
 def timed(updates):
     view.set(updates)
     t0 = time.process_time()
     pairing.table()
+    spent = time.process_time() - t0
+    t0 = time.process_time()  # then a request for tiny (after the whole table: free)
+    pairing.choose("tiny", NO_AFFINITY, ())
+    request_cpu[0] += time.process_time() - t0
+    return spent
+def as_request(updates):  # the update, then a request for tiny: what that request pays
+    view.set(updates)
+    t0 = time.process_time()
+    pairing.choose("tiny", NO_AFFINITY, ())
     return time.process_time() - t0
 digest = 0.0  # a digest: 50 members' loads (the same records)
 for r in range(rounds):
@@ -372,9 +395,19 @@ for r in range(flips):
     state = MemberState.DRAINING if r % 2 == 0 else MemberState.READY
     flip += timed({"m-3": msgspec.structs.replace(
         held, record=msgspec.structs.replace(held.record, state=state))})
+served = 0.0  # digests of other models, each followed by a request for tiny
+for r in range(rounds):
+    ids = [f"m-{rng.randrange(n)}" for _ in range(50)]
+    served += as_request({i: msgspec.structs.replace(
+        view.members()[i], load=Load(running=r % 9 + 1), load_at=time.monotonic())
+        for i in ids})
 print(json.dumps({"members": n, "first_ms": round(first_ms, 1),
                   "digest_us": round(1e6 * digest / rounds, 1),
-                  "flip_ms": round(1e3 * flip / flips, 2)}))
+                  "flip_ms": round(1e3 * flip / flips, 2),
+                  "request_after_digest_us": round(1e6 * served / rounds, 1),
+                  "request_us": round(1e6 * request_cpu[0] / (rounds + flips), 1),
+                  "tracked": tracked, "full_gc_ms": round(full_gc_ms, 1),
+                  "gcs": len(pauses), "longest_gc_ms": round(1e3 * max(pauses, default=0), 2)}))
 """
 
 
@@ -383,8 +416,10 @@ def table(members: int, trees: list[tuple[str, str]], rounds: int = 200,
     """Per source tree, in its own process: what a view of `members` members costs the
     router's pairing table per load digest (50 loads) and per state flip (CPU time)."""
     import subprocess
-    print("| router | members | first table | per digest (50 loads) | per state flip |")
-    print("|---|---:|---:|---:|---:|")
+    print("| router | members | first table | per digest (50 loads) | per state flip | a "
+          "request for tiny after a digest of others | tracked objects | a full "
+          "collection | collections in the rounds (longest) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, src in trees:
         done = subprocess.run([sys.executable, "-c", _TABLE_PROBE, str(members), str(rounds),
                                str(flips)], cwd=src, env={**os.environ, "PYTHONPATH": src},
@@ -393,7 +428,8 @@ def table(members: int, trees: list[tuple[str, str]], rounds: int = 200,
             raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
         r = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"| {name} | {r['members']:,} | {r['first_ms']} ms | {r['digest_us']} µs | "
-              f"{r['flip_ms']} ms |", flush=True)
+              f"{r['flip_ms']} ms | {r['request_after_digest_us']} µs | {r['tracked']:,} | "
+              f"{r['full_gc_ms']} ms | {r['gcs']} ({r['longest_gc_ms']} ms) |", flush=True)
 
 
 if __name__ == "__main__":
