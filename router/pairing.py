@@ -46,6 +46,10 @@ class MembershipSource(Protocol):
         """The view's version and members, and the ids changed after version `since`
         (registry/view_changes.py)."""
 
+    def loads(self, model: str, after: int, upto: int) -> Collection[str] | None:
+        """The ids of `model` whose load alone changed in versions (after, upto] (None:
+        not known any more); those are not in `changes` (registry/view_changes.py)."""
+
     def loads_confirmed_at(self, model: str) -> float:
         """When a registry last confirmed `model`'s loads unchanged (monotonic)."""
 
@@ -92,7 +96,7 @@ class Pairing:
         self._budgets = budgets
         self._seen: Mapping[str, LiveMember] = {}
         self._version = -1  # of the view the table follows (-1: none read yet)
-        self._updater = TableUpdater(locality_label, protocols)
+        self._updater = TableUpdater(locality_label, protocols, view.loads)
         self._known_models: set[str] = set()
 
     def table(self) -> PairingTable:
@@ -111,9 +115,10 @@ class Pairing:
             return
         members = changes.members
         if changes.changed is None:
-            update = self._updater.reset(members)
+            update = self._updater.reset(members, changes.version)
         else:
-            update = self._updater.apply(self._seen, members, changes.changed)
+            update = self._updater.apply(self._seen, members, changes.changed,
+                                         changes.version)
         self._seen = members
         self._version = changes.version
         moved = update.moved

@@ -23,7 +23,7 @@ the router's loop is its only user.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from registry.client import LiveMember
@@ -36,7 +36,7 @@ from router.table import (
     takes_requests,
 )
 
-__all__ = ["TableUpdate", "TableUpdater"]
+__all__ = ["LoadsSince", "TableUpdate", "TableUpdater"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +49,26 @@ class TableUpdate:
     gone: tuple[str, ...]
 
 
+# (model, after, upto) -> the ids of `model` whose load alone changed in view versions
+# (after, upto], None when that is no longer known (registry/view_changes.py `loads`)
+LoadsSince = Callable[[str, int, int], Collection[str] | None]
+
+
 class TableUpdater:
-    def __init__(self, locality_key: str = "",
-                 protocols: Collection[str] | None = None) -> None:
+    def __init__(self, locality_key: str = "", protocols: Collection[str] | None = None,
+                 loads_since: LoadsSince | None = None) -> None:
+        """`loads_since`: where the loads the view did not list as changes are (a view
+        that tells loads apart lists only membership changes); None: every change is
+        in what `apply` is given."""
         self.locality_key = locality_key
         self.protocols = protocols
+        self._loads_since = loads_since
+        self._members: Mapping[str, LiveMember] = {}  # the view the table follows
+        self._version = 0  # its version
+        # model -> the version up to which the trail's loads are in its candidates
+        # (absent: `_reset_at`, when everything was read whole)
+        self._loads_at: dict[str, int] = {}
+        self._reset_at = 0
         self._pools: dict[str, tuple[ProtocolPool, ...]] = {}  # model -> its pools
         # model -> id -> its candidate with a newer load than its model's pools hold
         self._waiting: dict[str, dict[str, Candidate]] = {}
@@ -64,8 +79,13 @@ class TableUpdater:
         self._urls: Counter[str] = Counter()  # base URL -> routable members with it
         self._url_set: frozenset[str] | None = frozenset()  # None: to be made again
 
-    def reset(self, members: Mapping[str, LiveMember]) -> TableUpdate:
-        """Read `members` whole (the first view, or one whose changes are not known)."""
+    def reset(self, members: Mapping[str, LiveMember], version: int = 0) -> TableUpdate:
+        """Read `members` whole (the first view, or one whose changes are not known),
+        the view's `version`."""
+        self._members = members
+        self._version = self._reset_at = version
+        self._loads_at.clear()
+        self._waiting.clear()
         self._by_model.clear()
         self._models_of.clear()
         self._urls.clear()
@@ -78,8 +98,11 @@ class TableUpdater:
         return TableUpdate(None, ())
 
     def apply(self, previous: Mapping[str, LiveMember], members: Mapping[str, LiveMember],
-              changed: Collection[str]) -> TableUpdate:
-        """`members` is `previous` with `changed` (ids) changed: follow them."""
+              changed: Collection[str], version: int = 0) -> TableUpdate:
+        """`members` (the view's `version`) is `previous` with `changed` (ids) changed:
+        follow them. Loads listed apart (`loads_since`) are read when their model is."""
+        self._members = members
+        self._version = version
         dirty: set[str] = set()  # models whose pools are made again
         moved: list[str] = []
         gone: list[str] = []
@@ -89,16 +112,7 @@ class TableUpdater:
             if old is new:
                 continue
             if old is not None and new is not None and old.record is new.record:
-                models = self._models_of.get(member_id, ())
-                if models:  # a candidate: its load alone changed
-                    candidate, suspect = self._by_model[models[0]][member_id]
-                    fresh = candidate.with_load(new)
-                    for model in models:  # its base model and its adapters
-                        self._by_model[model][member_id] = (fresh, suspect)
-                        waiting = self._waiting.get(model)
-                        if waiting is None:
-                            waiting = self._waiting[model] = {}
-                        waiting[member_id] = fresh
+                self._loaded(member_id, new)
                 continue
             moved.append(member_id)
             if new is None:
@@ -110,13 +124,28 @@ class TableUpdater:
             self._rebuild(dirty)
         return TableUpdate(tuple(moved), tuple(gone))
 
+    def _loaded(self, member_id: str, member: LiveMember) -> None:
+        """`member_id`'s load alone changed: its new candidate waits for its models' next
+        read."""
+        models = self._models_of.get(member_id, ())
+        if not models:
+            return  # not a candidate
+        candidate, suspect = self._by_model[models[0]][member_id]
+        fresh = candidate.with_load(member)
+        for model in models:  # its base model and its adapters
+            self._by_model[model][member_id] = (fresh, suspect)
+            waiting = self._waiting.get(model)
+            if waiting is None:
+                waiting = self._waiting[model] = {}
+            waiting[member_id] = fresh
+
     @property
     def table(self) -> PairingTable:
-        """The whole table, every waiting load swapped in: what `PairingTable.build`
-        makes of the members. Costs the loads waiting in every model's pools; a request
-        reads `pools_of` its model instead."""
-        for model in list(self._waiting):
-            self._swap_loads(model)
+        """The whole table, every load swapped in: what `PairingTable.build` makes of
+        the members. Costs every model's loads since its last read; a request reads
+        `pools_of` its model instead."""
+        for model in list(self._by_model):
+            self.pools_of(model)
         return self.membership
 
     @property
@@ -131,6 +160,7 @@ class TableUpdater:
     def pools_of(self, model: str) -> tuple[ProtocolPool, ...]:
         """`model`'s pools with every load the view has (what `table` holds for it);
         costs the loads waiting for this model alone, never another model's."""
+        self._take_loads(model)
         if model in self._waiting:
             self._swap_loads(model)
         return self._pools.get(model, ())
@@ -180,6 +210,7 @@ class TableUpdater:
         """Make the `dirty` models' pools again from their candidates (whose loads are
         current: what waited for them is in)."""
         for model in dirty:
+            self._take_loads(model)
             self._waiting.pop(model, None)
             slots = self._by_model.get(model)
             if slots:
@@ -187,6 +218,37 @@ class TableUpdater:
             else:
                 self._pools.pop(model, None)
         self._table = None
+
+    def _take_loads(self, model: str) -> None:
+        """The loads of `model` the view listed apart since they were last taken, into
+        its candidates (and waiting for its pools). The trail is asked per name: a
+        member with adapters gets a candidate per name it serves this way."""
+        after = self._loads_at.get(model, self._reset_at)
+        if self._loads_since is None or after >= self._version:
+            return
+        self._loads_at[model] = self._version
+        slots = self._by_model.get(model)
+        if not slots:
+            return
+        ids = self._loads_since(model, after, self._version)
+        if ids is None:  # the trail no longer reaches back: look at each of the model's
+            ids = list(slots)
+        members = self._members
+        waiting = self._waiting.get(model)
+        for member_id in ids:
+            held = slots.get(member_id)
+            member = members.get(member_id)
+            if held is None or member is None:
+                continue  # not a candidate (any more)
+            candidate, suspect = held
+            known = candidate.member
+            if known is member or known is None or known.record is not member.record:
+                continue  # nothing new, or a membership change (`apply` makes those)
+            fresh = candidate.with_load(member)
+            slots[member_id] = (fresh, suspect)
+            if waiting is None:
+                waiting = self._waiting[model] = {}
+            waiting[member_id] = fresh
 
     def _swap_loads(self, model: str) -> None:
         fresh = self._waiting.pop(model)

@@ -153,6 +153,35 @@ def test_a_model_read_alone_has_every_load_and_leaves_the_others_waiting(history
     assert updater.table == PairingTable.build(members, "", SPOKEN)
 
 
+@given(histories, st.lists(st.sets(st.sampled_from([*MODELS, "z"])), min_size=25,
+                           max_size=25), st.sampled_from([2, 1024]))
+def test_loads_listed_apart_reach_a_model_when_it_is_read(history, reads, max_steps):
+    """A view that lists loads apart, per model (as the real one does): a router's
+    pairing follows membership from the changes and takes a model's loads when a
+    request reads that model, also when the trail no longer reaches back that far (a
+    model unread for long): each read gives what `build` makes of the members."""
+    view = StaticView(loads_apart=True, max_steps=max_steps)
+    metrics = RouterMetrics()
+    latency = LatencyTracker()
+    pairing = Pairing(view, make_pairer("least_loaded", latency=latency), locality_label="",
+                      protocols=SPOKEN, quarantine=Quarantine(5.0),
+                      in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
+                      latency=latency, clock=lambda: 0.0)
+    members: dict[str, LiveMember] = {}
+    for now, update in enumerate(history):
+        for op in update:
+            step(members, op, float(now))
+        view.set(members)
+        pairing.follow()
+        expected = PairingTable.build(members, "", SPOKEN)
+        for model in sorted(reads[now]):
+            pools = expected.pools.get(model, ())
+            assert pairing.candidates(model) == (
+                [c for pool in pools for c in (pool.prefills or pool.prefills_suspect)],
+                [c for pool in pools for c in (pool.decodes or pool.decodes_suspect)])
+    assert pairing.table() == PairingTable.build(members, "", SPOKEN)
+
+
 def test_a_load_reaches_only_the_model_read():
     """A digest for two models: reading one swaps its loads in; the other's pools are
     the objects they were until it is read."""
