@@ -343,10 +343,22 @@ class View:  # what MembershipView hands a router: the members, and what changed
             self._trail.publish(members, list(members))
     def members(self): return self._members
     def changes(self, since): return self._trail.since(since)
+    def loads(self, model, after, upto): return self._trail.loads(model, after, upto)
     def set(self, updates):
-        self._members = self._members.updated(updates)
-        if self._trail:
+        old, self._members = self._members, self._members.updated(updates)
+        if not self._trail:
+            return
+        if not hasattr(self._trail, "loads"):  # a trail from before loads went apart
             self._trail.publish(self._members, list(updates))
+            return
+        moved, loaded = [], {}  # as the view's merge tells them apart
+        for i, new in updates.items():
+            was = old.get(i)
+            if was is not None and new is not None and was.record is new.record:
+                loaded.setdefault(new.record.spec.model, []).append(i)
+            else:
+                moved.append(i)
+        self._trail.publish(self._members, moved, loaded)
     def loads_confirmed_at(self, model): return -math.inf
     def report(self, *a): pass
 def tiny(i):  # the model the router gets requests for: 2 prefills, 2 decodes
