@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from registry.client import LiveMember
 from router.table import (
@@ -48,6 +49,8 @@ class TableUpdate:
     moved: tuple[str, ...] | None
     gone: tuple[str, ...]
 
+
+MAX_NAME_SETS: Final = 10_000  # distinct (model, adapters...) tuples shared, at most
 
 # (model, after, upto) -> the ids of `model` whose load alone changed in view versions
 # (after, upto], None when that is no longer known (registry/view_changes.py `loads`)
@@ -73,8 +76,13 @@ class TableUpdater:
         # model -> id -> its candidate with a newer load than its model's pools hold
         self._waiting: dict[str, dict[str, Candidate]] = {}
         self._table: PairingTable | None = PairingTable({})  # None: to be made again
-        # model -> id -> (candidate, suspect): every member pairing may choose
-        self._by_model: dict[str, dict[str, tuple[Candidate, bool]]] = {}
+        # model -> id -> candidate: every member pairing may choose. No tuple per member
+        # (the collector tracks new tuples: a first read of 100k members made 200k of
+        # them, walked by the young collections that followed): suspicion is a set, the
+        # model names a member serves one shared tuple per distinct set of names.
+        self._by_model: dict[str, dict[str, Candidate]] = {}
+        self._suspect: set[str] = set()  # ids of the candidates that are suspect
+        self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._models_of: dict[str, tuple[str, ...]] = {}  # id -> the models it serves
         self._urls: Counter[str] = Counter()  # base URL -> routable members with it
         self._url_set: frozenset[str] | None = frozenset()  # None: to be made again
@@ -87,6 +95,7 @@ class TableUpdater:
         self._loads_at.clear()
         self._waiting.clear()
         self._by_model.clear()
+        self._suspect.clear()
         self._models_of.clear()
         self._urls.clear()
         self._url_set = None
@@ -130,10 +139,9 @@ class TableUpdater:
         models = self._models_of.get(member_id, ())
         if not models:
             return  # not a candidate
-        candidate, suspect = self._by_model[models[0]][member_id]
-        fresh = candidate.with_load(member)
+        fresh = self._by_model[models[0]][member_id].with_load(member)
         for model in models:  # its base model and its adapters
-            self._by_model[model][member_id] = (fresh, suspect)
+            self._by_model[model][member_id] = fresh
             waiting = self._waiting.get(model)
             if waiting is None:
                 waiting = self._waiting[model] = {}
@@ -179,10 +187,14 @@ class TableUpdater:
         if not takes_requests(member, self.protocols):
             return
         models = served(member.record.spec)
+        models = self._names.setdefault(models, models) \
+            if len(self._names) < MAX_NAME_SETS else models
         candidate = Candidate.of(member, self.locality_key)
         suspect = member.record.suspect
+        if suspect:
+            self._suspect.add(member_id)
         for model in models:
-            self._by_model.setdefault(model, {})[member_id] = (candidate, suspect)
+            self._by_model.setdefault(model, {})[member_id] = candidate
         self._models_of[member_id] = models
         dirty.update(models)
         if not suspect:
@@ -196,11 +208,13 @@ class TableUpdater:
             return
         for model in models:
             slots = self._by_model[model]
-            candidate, suspect = slots.pop(member_id)
+            candidate = slots.pop(member_id)
             if not slots:
                 del self._by_model[model]
         dirty.update(models)
-        if not suspect:
+        if member_id in self._suspect:
+            self._suspect.discard(member_id)
+        else:
             self._urls[candidate.http] -= 1
             if not self._urls[candidate.http]:
                 del self._urls[candidate.http]
@@ -214,7 +228,9 @@ class TableUpdater:
             self._waiting.pop(model, None)
             slots = self._by_model.get(model)
             if slots:
-                self._pools[model] = model_pools(slots.values())
+                suspect = self._suspect
+                self._pools[model] = model_pools([(c, c.id in suspect)
+                                                  for c in slots.values()])
             else:
                 self._pools.pop(model, None)
         self._table = None
@@ -240,12 +256,11 @@ class TableUpdater:
             member = members.get(member_id)
             if held is None or member is None:
                 continue  # not a candidate (any more)
-            candidate, suspect = held
-            known = candidate.member
+            known = held.member
             if known is member or known is None or known.record is not member.record:
                 continue  # nothing new, or a membership change (`apply` makes those)
-            fresh = candidate.with_load(member)
-            slots[member_id] = (fresh, suspect)
+            fresh = held.with_load(member)
+            slots[member_id] = fresh
             if waiting is None:
                 waiting = self._waiting[model] = {}
             waiting[member_id] = fresh
