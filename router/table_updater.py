@@ -10,9 +10,10 @@ the table was made from (registry/view_changes.py), and for each:
   tier, `ProtocolPool.with_candidates`) when that model's pools are next read
   (`pools_of`, a request for the model); a model nobody asks for costs its digests a
   dict entry per member, never a copy of its pools;
-- anything else (joined, left, another state, suspicion, spec): its model's pools alone
-  are made again, from the candidates this keeps per model; every other model's pools
-  are the same objects as before.
+- anything else (joined, left, another state, suspicion, spec): its candidate is
+  added, removed or replaced at once, and its model's pools alone are made again, from
+  the candidates this keeps per model, when that model is next read; every other
+  model's pools are the same objects as before.
 
 After any sequence of changes `table` (every waiting load swapped in) equals
 `PairingTable.build` of the members, and `pools_of(model)` is its pools of `model`
@@ -76,6 +77,7 @@ class TableUpdater:
         # model -> id -> its candidate with a newer load than its model's pools hold
         self._waiting: dict[str, dict[str, Candidate]] = {}
         self._table: PairingTable | None = PairingTable({})  # None: to be made again
+        self._stale: set[str] = set()  # models whose pools are made again when read
         # model -> id -> candidate: every member pairing may choose. No tuple per member
         # (the collector tracks new tuples: a first read of 100k members made 200k of
         # them, walked by the young collections that followed): suspicion is a set, the
@@ -100,6 +102,7 @@ class TableUpdater:
         self._urls.clear()
         self._url_set = None
         self._pools.clear()
+        self._stale.clear()
         dirty: set[str] = set()
         for member_id, member in members.items():
             self._add(member_id, member, dirty)
@@ -152,7 +155,7 @@ class TableUpdater:
         """The whole table, every load swapped in: what `PairingTable.build` makes of
         the members. Costs every model's loads since its last read; a request reads
         `pools_of` its model instead."""
-        for model in list(self._by_model):
+        for model in [*self._stale, *self._by_model]:
             self.pools_of(model)
         return self.membership
 
@@ -161,6 +164,8 @@ class TableUpdater:
         """The table as far as membership goes: who is in which pool (the same as
         `table`'s), with loads that may be older than the view's for models whose pools
         were not read since (for what loads do not decide: /v1/models, eligibility)."""
+        for model in list(self._stale):
+            self._remake(model)
         if self._table is None:
             self._table = PairingTable(dict(sorted(self._pools.items())))
         return self._table
@@ -169,13 +174,15 @@ class TableUpdater:
         """`model`'s pools with every load the view has (what `table` holds for it);
         costs the loads waiting for this model alone, never another model's."""
         self._take_loads(model)
-        if model in self._waiting:
+        if model in self._stale:
+            self._remake(model)
+        elif model in self._waiting:
             self._swap_loads(model)
         return self._pools.get(model, ())
 
     def serves(self, model: str) -> bool:
         """A member of a handshake we speak serves `model` now (it has pools)."""
-        return model in self._pools
+        return model in self._by_model
 
     def routable_urls(self) -> frozenset[str]:
         """The base URLs of the routable (ready, not suspect) candidates."""
@@ -221,18 +228,21 @@ class TableUpdater:
                 self._url_set = None
 
     def _rebuild(self, dirty: set[str]) -> None:
-        """Make the `dirty` models' pools again from their candidates (whose loads are
-        current: what waited for them is in)."""
-        for model in dirty:
-            self._take_loads(model)
-            self._waiting.pop(model, None)
-            slots = self._by_model.get(model)
-            if slots:
-                suspect = self._suspect
-                self._pools[model] = model_pools([(c, c.id in suspect)
-                                                  for c in slots.values()])
-            else:
-                self._pools.pop(model, None)
+        """The `dirty` models' pools are made again when next read: a model nobody asks
+        for costs its membership changes nothing but this."""
+        self._stale.update(dirty)
+        self._table = None
+
+    def _remake(self, model: str) -> None:
+        """`model`'s pools made again from its candidates (every load waiting for them
+        is in its candidates already)."""
+        self._stale.discard(model)
+        self._waiting.pop(model, None)
+        slots = self._by_model.get(model)
+        if slots:
+            self._pools[model] = model_pools(slots.values(), self._suspect)
+        else:
+            self._pools.pop(model, None)
         self._table = None
 
     def _take_loads(self, model: str) -> None:
