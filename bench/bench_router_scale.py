@@ -27,7 +27,9 @@ replica's snapshot of N members, after a gc.freeze of what came before): the obj
 tracked, a full collection's time, and a digest round over a fifth of the loads (what
 100k members heartbeating every 5 s send each second) with the collections it caused.
 With --table, per tree likewise: the CPU a router's pairing table takes per view update
-at N members (a load digest of 50 members; a member's state flip), --repeat times.
+at N members (a load digest of 50 members; a member's state flip; both reading the whole
+table), what a request for another model (`tiny`) pays right after a digest, and the
+objects the collector tracks after the first table, --repeat times.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from bench_registry import registry_process  # noqa: E402
 from reference_helpers import start_engines, stop_all  # noqa: E402
 
 from bench.procs import source_tree  # noqa: E402
+from bench.router_scale_probes import heap, table  # noqa: E402
 from bench.scale.generator import generator  # noqa: E402
 
 HANDSHAKE = "vllm-nixl"
@@ -70,17 +73,21 @@ INTERVAL_S = 5.0
 REGISTER_TIMEOUT_S = 2400.0
 
 # Bench-only: the router imports this first (a sitecustomize on its path) and logs every
-# garbage collection: unix time, generation, milliseconds.
+# garbage collection: unix time, generation, milliseconds of wall time and of the
+# collecting thread's CPU. The two differ when the thread waited for the GIL in between
+# (a callback is Python code: another thread may run, e.g. the view decoding a snapshot
+# in one C call): the CPU figure is the collector's own pause.
 _GC_SHIM = """
 import gc, os, time
 _log = open(os.environ["PDREG_BENCH_ROUTER_GC_LOG"], "a", buffering=1)
-_start = [0.0]
+_start = [0.0, 0.0]
 def _timed(phase, info):
     if phase == "start":
-        _start[0] = time.perf_counter()
+        _start[:] = time.perf_counter(), time.thread_time()
     else:
         _log.write(f"{time.time():.4f} {info['generation']} "
-                   f"{1e3 * (time.perf_counter() - _start[0]):.3f}\\n")
+                   f"{1e3 * (time.perf_counter() - _start[0]):.3f} "
+                   f"{1e3 * (time.thread_time() - _start[1]):.3f}\\n")
 gc.callbacks.append(_timed)
 """
 
@@ -98,21 +105,25 @@ class Row:
     gc_full: int
     gc_max_ms: float
     gc_ms_per_s: float
+    gc_max_cpu_ms: float = 0.0  # the longest by the collecting thread's CPU time
 
 
-def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float]:
-    """(count, full, longest ms, ms per second) of the collections logged in [t0, t1]."""
+def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float, float]:
+    """(count, full, longest ms, ms per second, longest ms of the thread's CPU) of the
+    collections logged in [t0, t1]."""
     count = full = 0
-    longest = total = 0.0
+    longest = total = longest_cpu = 0.0
     with contextlib.suppress(FileNotFoundError), open(path) as log:
         for line in log:
-            at, generation, ms = line.split()
+            at, generation, ms, *cpu = line.split()
             if t0 <= float(at) <= t1:
                 count += 1
                 full += generation == "2"
                 longest = max(longest, float(ms))
+                longest_cpu = max(longest_cpu, float(cpu[0]) if cpu else 0.0)
                 total += float(ms)
-    return count, full, round(longest, 1), round(total / max(1e-9, t1 - t0), 1)
+    return (count, full, round(longest, 1), round(total / max(1e-9, t1 - t0), 1),
+            round(longest_cpu, 1))
 
 
 @contextlib.contextmanager
@@ -174,13 +185,13 @@ def print_table(rows: list[Row], requests: int, policy: str) -> None:
     print(f"\n{requests} requests at c={bench_router.CONCURRENCY} per run, policy "
           f"{policy}; GC over the whole measurement\n")
     print("| router | members | CPU per request | p50 / p99 at c=32 | req/s | GCs "
-          "(full) | longest GC | GC ms per s |")
+          "(full) | longest GC (wall / the thread's CPU) | GC ms per s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cpu = f"{r.cpu_us_per_req:.0f} µs" if r.cpu_us_per_req is not None else "-"
         print(f"| {r.variant} | {r.members:,} | {cpu} | {r.p50_ms_c32:.1f} / "
               f"{r.p99_ms_c32:.1f} ms | {r.req_per_s_c32:,.0f} | {r.gc_count} ({r.gc_full}) "
-              f"| {r.gc_max_ms} ms | {r.gc_ms_per_s} |")
+              f"| {r.gc_max_ms} / {r.gc_max_cpu_ms} ms | {r.gc_ms_per_s} |")
 
 
 def main() -> int:
@@ -242,158 +253,6 @@ def main() -> int:
     print_table(rows, args.requests, args.policy)
     return 0
 
-
-
-# --- the view's heap alone (--heap N): what a view of N members gives the collector ------
-
-_HEAP_PROBE = """
-import gc, json, sys, time
-from registry.replica import Replica
-from wire.protocol import (Endpoints, Load, LoadDigest, LoadEntry, MemberRecord, MemberSpec,
-                           MemberState, Role, Snapshot)
-n = int(sys.argv[1])
-def spec(i):
-    host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
-    return MemberSpec(id=f"decode-{i}", incarnation=1, role=Role.DECODE, model=f"m{i % 8}",
-                      protocol="reference", endpoints=Endpoints(http=f"http://{host}:8000"),
-                      labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
-records = [MemberRecord(spec(i), MemberState.READY, load=Load(running=i % 7),
-                        heartbeat_at=time.time()) for i in range(n)]
-gc.collect()
-gc.freeze()  # what start-up made is out of the collector's walks (as a router's settle_heap)
-replica = Replica("r")
-t0 = time.perf_counter()
-replica.apply_snapshot(Snapshot(1, 1, records, 5.0), time.monotonic(), time.time())
-sync_ms = 1e3 * (time.perf_counter() - t0)
-del records  # as a view drops the snapshot, and merges what changed:
-replica.take_changed()
-tracked = len(gc.get_objects())
-t0 = time.perf_counter()
-gc.collect()
-full_ms = 1e3 * (time.perf_counter() - t0)
-# A digest round of a fifth of the members (100k at a 5 s interval: 20k loads a second).
-loads = [LoadEntry(f"decode-{i}", 1, Load(running=i % 5 + 1), 0.1) for i in range(0, n, 5)]
-gcs = []
-gc.callbacks.append(lambda phase, info: gcs.append(time.perf_counter()) if phase == "start"
-                    else gcs.append(time.perf_counter() - gcs.pop()))
-t0 = time.perf_counter()
-for start in range(0, len(loads), 256):
-    replica.apply(LoadDigest(1, 1, f"m{start % 8}", loads[start:start + 256], 5.0),
-                  time.monotonic())
-replica.take_changed()
-digest_ms = 1e3 * (time.perf_counter() - t0)
-print(json.dumps({"members": n, "sync_ms": round(sync_ms, 1), "tracked_after_sync": tracked,
-                  "full_gc_ms": round(full_ms, 1), "digest_round_ms": round(digest_ms, 1),
-                  "gcs_in_round": len(gcs), "longest_gc_ms": round(1e3 * max(gcs, default=0), 2)}))
-"""
-
-
-def heap(members: int, trees: list[tuple[str, str]]) -> None:
-    """Per source tree, in its own process: a view's replica of `members` members."""
-    import subprocess
-    print("| router | members | tracked objects after the sync | a full collection "
-          "| a digest round (a fifth of the loads) | collections in it, longest |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, src in trees:
-        done = subprocess.run([sys.executable, "-c", _HEAP_PROBE, str(members)], cwd=src,
-                              env={**os.environ, "PYTHONPATH": src},
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
-        r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['members']:,} | {r['tracked_after_sync']:,} | "
-              f"{r['full_gc_ms']} ms | {r['digest_round_ms']} ms | {r['gcs_in_round']}, "
-              f"{r['longest_gc_ms']} ms |", flush=True)
-
-
-
-# --- the router's table alone (--table N): what a view update costs the pairing table ---
-
-_TABLE_PROBE = """
-import gc, json, math, random, sys, time
-import msgspec
-from registry.client import LiveMember
-from registry.frozen_map import FrozenMap
-from router.inflight import InFlight
-from router.latency import LatencyTracker
-from router.metrics import RouterMetrics
-from router.pairing import Pairing
-from router.policies import make_pairer
-from router.quarantine import Quarantine
-from wire.protocol import Endpoints, Load, MemberRecord, MemberSpec, MemberState, Role
-try:
-    from registry.view_changes import ChangeTrail
-except ImportError:  # a tree from before the view handed out its changes
-    ChangeTrail = None
-n, rounds, flips = (int(a) for a in sys.argv[1:4])
-def member(i):
-    host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
-    spec = MemberSpec(id=f"m-{i}", incarnation=1, role=(Role.PREFILL, Role.DECODE)[i % 2],
-                      model=f"m{i % 8}", protocol="vllm-nixl",
-                      endpoints=Endpoints(http=f"http://{host}:8000"))
-    record = MemberRecord(spec, MemberState.READY, load=Load(running=i % 7))
-    return LiveMember(record, record.load, time.monotonic(), "r")
-class View:  # what MembershipView hands a router: the members, and what changed
-    synced = True
-    def __init__(self, members):
-        self._members = members
-        self._trail = ChangeTrail(members) if ChangeTrail else None
-        if self._trail:
-            self._trail.publish(members, list(members))
-    def members(self): return self._members
-    def changes(self, since): return self._trail.since(since)
-    def set(self, updates):
-        self._members = self._members.updated(updates)
-        if self._trail:
-            self._trail.publish(self._members, list(updates))
-    def loads_confirmed_at(self, model): return -math.inf
-    def report(self, *a): pass
-view = View(FrozenMap({m.id: m for m in map(member, range(n))}))
-metrics, latency = RouterMetrics(), LatencyTracker()
-pairing = Pairing(view, make_pairer("peak_ewma", latency=latency), locality_label="",
-                  protocols={"vllm-nixl"}, quarantine=Quarantine(5.0),
-                  in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
-                  latency=latency, clock=time.monotonic, on_members=lambda *a: None)
-t0 = time.perf_counter(); pairing.table(); first_ms = 1e3 * (time.perf_counter() - t0)
-rng = random.Random(7)
-def timed(updates):
-    view.set(updates)
-    t0 = time.process_time()
-    pairing.table()
-    return time.process_time() - t0
-digest = 0.0  # a digest: 50 members' loads (the same records)
-for r in range(rounds):
-    ids = [f"m-{rng.randrange(n)}" for _ in range(50)]
-    digest += timed({i: msgspec.structs.replace(view.members()[i], load=Load(running=r % 9),
-                                                load_at=time.monotonic()) for i in ids})
-flip = 0.0  # a probe member flipping its state (a new record)
-for r in range(flips):
-    held = view.members()["m-3"]
-    state = MemberState.DRAINING if r % 2 == 0 else MemberState.READY
-    flip += timed({"m-3": msgspec.structs.replace(
-        held, record=msgspec.structs.replace(held.record, state=state))})
-print(json.dumps({"members": n, "first_ms": round(first_ms, 1),
-                  "digest_us": round(1e6 * digest / rounds, 1),
-                  "flip_ms": round(1e3 * flip / flips, 2)}))
-"""
-
-
-def table(members: int, trees: list[tuple[str, str]], rounds: int = 200,
-          flips: int = 20) -> None:
-    """Per source tree, in its own process: what a view of `members` members costs the
-    router's pairing table per load digest (50 loads) and per state flip (CPU time)."""
-    import subprocess
-    print("| router | members | first table | per digest (50 loads) | per state flip |")
-    print("|---|---:|---:|---:|---:|")
-    for name, src in trees:
-        done = subprocess.run([sys.executable, "-c", _TABLE_PROBE, str(members), str(rounds),
-                               str(flips)], cwd=src, env={**os.environ, "PYTHONPATH": src},
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
-        r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['members']:,} | {r['first_ms']} ms | {r['digest_us']} µs | "
-              f"{r['flip_ms']} ms |", flush=True)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,11 @@ class MembershipView:
         not the whole view (registry/view_changes.py). Free when nothing changed."""
         return self._trail.since(since)
 
+    def loads(self, model: str, after: int, upto: int) -> frozenset[str] | None:
+        """The ids of `model` whose load alone changed in versions (after, upto]: not in
+        `changes` (registry/view_changes.py). None: not known any more."""
+        return self._trail.loads(model, after, upto)
+
     def loads_confirmed_at(self, model: str) -> float:
         """When the registries `model`'s members come from last confirmed their loads
         (monotonic; -inf if one never did): a member's load is current as of then, even
@@ -427,7 +432,7 @@ class MembershipView:
                     self._changed.notify_all()
             return
         view = self._merge.members
-        self._trail.publish(view, self._merge.last_changed)
+        self._trail.publish(view, self._merge.last_changed, self._merge.last_loaded)
         with self._changed:
             self._members = view
             self._changed.notify_all()

@@ -37,6 +37,7 @@ from typing import Final
 
 from registry.frozen_map import FrozenMap
 from registry.replica import LiveMember, Replica
+from wire.protocol import MemberSpec
 
 __all__ = ["AWAY_AFTER_INTERVALS", "MIN_AWAY_AFTER_S", "Merge"]
 
@@ -63,9 +64,12 @@ class Merge:
         self._pending: set[str] = set()  # ids to look at again once a registry is live
         self._counts: dict[str, Counter[str]] = {}  # model -> source -> members from it
         self._moved: set[str] = set()  # models whose set of sources changed
-        # The ids the last update that changed `members` added, changed or removed
-        # (registry/view_changes.py: what a router's table follows).
+        # What the last update that changed `members` changed (registry/view_changes.py:
+        # what a router's table follows): the ids it added, removed or gave a new
+        # record, and apart, per model name a member serves (its base model and
+        # adapters), those whose load alone changed (a router reads them per model).
         self.last_changed: tuple[str, ...] = ()
+        self.last_loaded: dict[str, list[str]] = {}
 
     # --- liveness ----------------------------------------------------------------------
 
@@ -127,6 +131,8 @@ class Merge:
 
     def _apply(self, ids: Iterable[str], live: list[bool]) -> bool:
         updates: dict[str, LiveMember | None] = {}
+        moved: list[str] = []
+        loaded: dict[str, list[str]] = {}
         members = self.members
         for member_id in ids:
             best = self._choose(member_id, live)
@@ -134,6 +140,10 @@ class Merge:
             if best is current:
                 continue
             updates[member_id] = best
+            if current is not None and best is not None and current.record is best.record:
+                _note_load(loaded, member_id, best.record.spec)
+            else:
+                moved.append(member_id)
             if (current is None or best is None or current.registry != best.registry
                     or current.record.spec.model != best.record.spec.model):
                 self._count(current, -1)
@@ -143,7 +153,8 @@ class Merge:
         if not updates:
             return False
         self.members = members.updated(updates)
-        self.last_changed = tuple(updates)
+        self.last_changed = tuple(moved)
+        self.last_loaded = loaded
         return True
 
     def _left_for_good(self, member_id: str, incarnation: int, now: float) -> None:
@@ -191,6 +202,16 @@ class Merge:
                 sources.pop(model, None)
         self._moved.clear()
         self.sources = sources
+
+
+def _note_load(loaded: dict[str, list[str]], member_id: str, spec: MemberSpec) -> None:
+    """`member_id`'s load alone changed: listed under each model name it serves."""
+    ids = loaded.get(spec.model)
+    if ids is None:
+        ids = loaded[spec.model] = []
+    ids.append(member_id)
+    for adapter in spec.adapters:  # a request may name an adapter (vLLM's LoRA API)
+        loaded.setdefault(adapter, []).append(member_id)
 
 
 def _better(candidate: LiveMember, held: LiveMember) -> bool:

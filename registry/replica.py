@@ -93,6 +93,14 @@ class Applied(enum.Enum):
     GAP = "gap"  # a change was missed or the epoch moved: take a new snapshot
 
 
+def same_membership(held: MemberRecord, fresh: MemberRecord) -> bool:
+    """Whether `fresh` says what `held` says of a member but its load and heartbeat time
+    (which a `LiveMember` carries apart): the same spec, state, suspicion and cordon."""
+    return (held.spec == fresh.spec and held.state is fresh.state
+            and held.suspect == fresh.suspect and held.cordoned == fresh.cordoned
+            and held.registered_at == fresh.registered_at)
+
+
 class Replica:
     def __init__(self, source: str, *, per_model: bool = False) -> None:
         """`per_model`: the view follows some models only (their topics and the empty
@@ -146,8 +154,17 @@ class Replica:
     def apply_snapshot(self, snapshot: Snapshot, now: float, wall_now: float) -> None:
         """Replace what we hold with `snapshot` (keeping old-epoch members a while)."""
         self.interval_s = snapshot.heartbeat_interval_s
-        fresh = {r.spec.id: LiveMember(r, r.load, now - max(0.0, wall_now - r.heartbeat_at),
-                                       self.source) for r in snapshot.members}
+        held = self.members
+        fresh: dict[str, LiveMember] = {}
+        for r in snapshot.members:
+            old = held.get(r.spec.id)
+            # A member the resync did not change keeps its record object: the merge and a
+            # router's table see a new load, not a new member (at 100k members a resync
+            # otherwise made every router remake its whole table, pausing it for seconds).
+            record = old.record if old is not None and same_membership(old.record, r) else r
+            fresh[r.spec.id] = LiveMember(record, r.load,
+                                          now - max(0.0, wall_now - r.heartbeat_at),
+                                          self.source)
         if self.epoch and snapshot.epoch != self.epoch:
             drop_at = now + CARRY_OVER_INTERVALS * self.interval_s
             for member_id, old in self.members.items():

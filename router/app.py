@@ -200,7 +200,7 @@ class Router:
         when it appears, not at the next request or probe."""
         while True:
             try:
-                self.pairing.table()
+                self.pairing.follow()
                 self.readiness.warnings()
                 if self.admission is not None:  # engines may have come back: admit
                     self.admission.pump()
@@ -267,7 +267,7 @@ class Router:
         view, which is the point of keeping one. The answer lists the warnings that hold
         (router/readiness.py), with their detail for an authorized client; they never
         make it unready."""
-        self.pairing.table()  # follow membership first
+        self.pairing.follow()  # follow membership first
         full = self._authorized(request)
         warnings = [w.full() if full else w.text for w in self.readiness.warnings()]
         if self.draining:
@@ -282,7 +282,7 @@ class Router:
         """Per member: KV index state, blocks indexed, event lag (`--policy kv`)."""
         if not self._authorized(request):
             return self._refuse("unauthorized", unauthorized())
-        self.pairing.table()  # follow membership first
+        self.pairing.follow()  # follow membership first
         kv = self.kv.report(time.time()) if self.kv is not None else {"members": []}
         return Response(200, _encode({"policy": self.config.policy, **kv}))
 
@@ -299,7 +299,7 @@ class Router:
         """The request's input to pairing: the `kv` policy's exact prompt blocks
         (tokenized off the loop when long), else what the policy computes."""
         if self.kv is not None:
-            self.pairing.table()  # the model's tokenizer and block sizes follow membership
+            self.pairing.follow()  # the model's tokenizer and block sizes follow membership
             return await self.kv.affinity(body, model, request.client)
         return self.pairing.pairer.affinity(request.header(SESSION_HEADER), body)
 

@@ -46,6 +46,10 @@ class MembershipSource(Protocol):
         """The view's version and members, and the ids changed after version `since`
         (registry/view_changes.py)."""
 
+    def loads(self, model: str, after: int, upto: int) -> Collection[str] | None:
+        """The ids of `model` whose load alone changed in versions (after, upto] (None:
+        not known any more); those are not in `changes` (registry/view_changes.py)."""
+
     def loads_confirmed_at(self, model: str) -> float:
         """When a registry last confirmed `model`'s loads unchanged (monotonic)."""
 
@@ -93,20 +97,29 @@ class Pairing:
         self._budgets = budgets
         self._seen: Mapping[str, LiveMember] = {}
         self._version = -1  # of the view the table follows (-1: none read yet)
-        self._updater = TableUpdater(locality_label, protocols)
+        self._updater = TableUpdater(locality_label, protocols, view.loads)
         self._known_models: set[str] = set()
 
     def table(self) -> PairingTable:
-        """The pairing table for the current membership, brought up to date with what
-        changed since the version it was made from (free when nothing did)."""
+        """The pairing table for the current membership, every model's loads in (what
+        `PairingTable.build` makes of the view). A request reads its own model's pools
+        instead (`choose`, `candidates`): this costs the loads waiting in every model's."""
+        self.follow()
+        return self._updater.table
+
+    def follow(self) -> None:
+        """Bring the table up to date with what changed in the view since the version it
+        follows (free when nothing did): membership changes remake their models' pools
+        and reach `on_members`; loads wait until their model's pools are read."""
         changes = self.view.changes(self._version)
         if changes.version == self._version:
-            return self._updater.table
+            return
         members = changes.members
         if changes.changed is None:
-            update = self._updater.reset(members)
+            update = self._updater.reset(members, changes.version)
         else:
-            update = self._updater.apply(self._seen, members, changes.changed)
+            update = self._updater.apply(self._seen, members, changes.changed,
+                                         changes.version)
         self._seen = members
         self._version = changes.version
         moved = update.moved
@@ -115,12 +128,18 @@ class Pairing:
         else:
             self._latency.forget(update.gone)
             if not moved:
-                return self._updater.table  # loads alone
+                return  # loads alone
         self._learn_models(members.values() if moved is None
                            else (members[i] for i in moved if i in members))
         if self._on_members is not None:
             self._on_members(members, moved)
-        return self._updater.table
+
+    def _table_of(self, model: str) -> PairingTable:
+        """A table of `model` alone, its loads current: what a choice for `model` reads
+        (other models' loads are not swapped in for it)."""
+        self.follow()
+        pools = self._updater.pools_of(model)
+        return PairingTable({model: pools} if pools else {})
 
     def _learn_models(self, members: Iterable[LiveMember]) -> None:
         """Remember the models engines serve (for 404-vs-503), up to MAX_KNOWN_MODELS."""
@@ -131,20 +150,21 @@ class Pairing:
 
     def routable_urls(self) -> frozenset[str]:
         """The base URLs of the members pairing may choose (routable, ready)."""
-        self.table()
+        self.follow()
         return self._updater.routable_urls()
 
     def serves(self, model: str) -> bool:
         """A member serves `model` now (it has a pool in the table)."""
-        return model in self._updater.table.pools
+        return self._updater.serves(model)
 
     def knows(self, model: str) -> bool:
-        self.table()
+        self.follow()
         return model in self._known_models
 
     def models(self) -> list[str]:
         """Models with an eligible P and D right now (for /v1/models)."""
-        return self.table().models(self.quarantine.active(self._clock()))
+        self.follow()  # eligibility is membership's: no load needs swapping in
+        return self._updater.membership.models(self.quarantine.active(self._clock()))
 
     def choose(self, model: str, affinity: Affinity, tried: Collection[str], *,
                despite_quarantine: bool = False, ticket: Any = None) -> Pair | None:
@@ -157,7 +177,7 @@ class Pairing:
             full = self._budgets.full(model, ticket)
             if full:
                 exclude = {*tried, *full}
-        pair = self.pairer.choose(self.table(), model, now=now,
+        pair = self.pairer.choose(self._table_of(model), model, now=now,
                                   in_flight=self.in_flight.counts, quarantined=quarantined,
                                   exclude=exclude, affinity=affinity,
                                   loads_confirmed_at=self.view.loads_confirmed_at(model))
@@ -168,7 +188,8 @@ class Pairing:
     def candidates(self, model: str) -> tuple[Sequence[Candidate], Sequence[Candidate]]:
         """The eligible prefills and decodes of `model` (routable, else suspect; not
         quarantined), over every protocol pool."""
-        pools = self.table().pools.get(model, ())
+        self.follow()
+        pools = self._updater.pools_of(model)
         quarantined = self.quarantine.active(self._clock())
         prefills: list[Candidate] = []
         decodes: list[Candidate] = []

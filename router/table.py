@@ -11,10 +11,12 @@ change makes the pools of that member's model again.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Final
+
+import msgspec
 
 from registry.client import LiveMember
 from wire.protocol import MemberSpec, MemberState, Role
@@ -29,9 +31,13 @@ def served(spec: MemberSpec) -> tuple[str, ...]:
     return (spec.model, *spec.adapters) if spec.adapters else (spec.model,)
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A member as the pairing math sees it. `member` carries endpoints for the handshakes."""
+class Candidate(msgspec.Struct, frozen=True, gc=False):
+    """A member as the pairing math sees it. `member` carries endpoints for the handshakes.
+
+    A Struct without the collector (`gc=False`), as `LiveMember` is: a router of every
+    model at 100k members holds 100k of these, and as tracked objects they made each
+    collection that reached them walk them all (young collections up to 213 ms). It holds
+    only strings, numbers and `gc=False` Structs, so it cannot be part of a cycle."""
 
     id: str
     incarnation: int
@@ -43,7 +49,7 @@ class Candidate:
     kv_usage: float
     load_at: float  # monotonic time the load was measured
     http: str = ""  # base URL, no trailing slash
-    member: LiveMember | None = field(default=None, compare=False, repr=False)
+    member: LiveMember | None = None
 
     @classmethod
     def of(cls, member: LiveMember, locality_key: str = "") -> Candidate:
@@ -115,13 +121,17 @@ class PairingTable:
     def build(cls, members: Mapping[str, LiveMember], locality_key: str = "",
               protocols: Collection[str] | None = None) -> PairingTable:
         """`protocols`: the handshakes this router speaks; members of others are left out."""
-        by_model: dict[str, list[tuple[Candidate, bool]]] = {}
+        by_model: dict[str, list[Candidate]] = {}
+        suspect: set[str] = set()
         for member in members.values():
             if takes_requests(member, protocols):
-                entry = (Candidate.of(member, locality_key), member.record.suspect)
+                candidate = Candidate.of(member, locality_key)
+                if member.record.suspect:
+                    suspect.add(candidate.id)
                 for model in served(member.record.spec):  # its base model and adapters
-                    by_model.setdefault(model, []).append(entry)
-        return cls({model: model_pools(by_model[model]) for model in sorted(by_model)})
+                    by_model.setdefault(model, []).append(candidate)
+        return cls({model: model_pools(by_model[model], suspect)
+                    for model in sorted(by_model)})
 
     def models(self, quarantined: Mapping[str, int] | None = None) -> list[str]:
         """Models that have an eligible P and D right now (for /v1/models)."""
@@ -147,12 +157,14 @@ def takes_requests(member: LiveMember, protocols: Collection[str] | None) -> boo
                                                  or spec.protocol in protocols)
 
 
-def model_pools(candidates: Collection[tuple[Candidate, bool]]
+def model_pools(candidates: Iterable[Candidate], suspects: Container[str]
                 ) -> tuple[ProtocolPool, ...]:
-    """One model's pools, by protocol, from its (candidate, suspect) pairs."""
+    """One model's pools, by protocol, from its candidates (`suspects`: the ids of those
+    that are ready but suspect)."""
     by_protocol: dict[str, tuple[list[Candidate], ...]] = {}
-    for candidate, suspect in candidates:
+    for candidate in candidates:
         p, ps, d, ds = by_protocol.setdefault(candidate.protocol, ([], [], [], []))
+        suspect = candidate.id in suspects
         if candidate.role in _PREFILL_ROLES:
             (ps if suspect else p).append(candidate)
         if candidate.role in _DECODE_ROLES:

@@ -87,9 +87,15 @@ class StaticView:
 
     synced = True
 
-    def __init__(self, members: dict[str, LiveMember] | None = None) -> None:
+    def __init__(self, members: dict[str, LiveMember] | None = None, *,
+                 loads_apart: bool = False, max_steps: int = 1024) -> None:
+        """`loads_apart`: list load-only changes per model, apart from membership
+        changes, as the real view does (its merge tells them apart); else every change
+        is listed as one."""
         self._members: dict[str, LiveMember] = dict(members or {})
-        self._trail: ChangeTrail[LiveMember] = ChangeTrail(self._members)
+        self._loads_apart = loads_apart
+        self._trail: ChangeTrail[LiveMember] = ChangeTrail(self._members,
+                                                           max_steps=max_steps)
         self._trail.publish(self._members, self._members)
         self.reports: list[tuple[str, int, str]] = []
 
@@ -99,13 +105,25 @@ class StaticView:
     def changes(self, since: int) -> Changes[LiveMember]:
         return self._trail.since(since)
 
+    def loads(self, model: str, after: int, upto: int) -> frozenset[str] | None:
+        return self._trail.loads(model, after, upto)
+
     def set(self, members: dict[str, LiveMember]) -> None:
         """The new membership, swapped by reference, with the ids that changed, as the
         real view does (found here by comparing, which only a test can afford)."""
         old, self._members = self._members, dict(members)
         changed = {i for i in old.keys() | self._members.keys()
                    if old.get(i) is not self._members.get(i)}
-        self._trail.publish(self._members, changed)
+        loads: dict[str, list[str]] = {}
+        if self._loads_apart:
+            for i in sorted(changed):
+                was, now = old.get(i), self._members.get(i)
+                if was is not None and now is not None and was.record is now.record:
+                    changed.discard(i)
+                    spec = now.record.spec
+                    for model in (spec.model, *spec.adapters):
+                        loads.setdefault(model, []).append(i)
+        self._trail.publish(self._members, changed, loads)
 
     def loads_confirmed_at(self, model: str) -> float:
         return -math.inf  # each member's own load_at says how current it is

@@ -181,9 +181,17 @@ def test_the_merged_view_follows_the_live_registries(sequence):
     for op in sequence:
         step(w, op)
         w.deliver()
-        w.merge.update(w.now)
+        changed = w.merge.update(w.now)
         expected = w.expected()
         view = dict(w.merge.members.items())
+        if changed:  # what a router's table follows: every id that differs, and loads
+            # apart (the same record), under the member's model
+            differs = {i for i in before.keys() | view.keys() if before.get(i) is not view.get(i)}
+            loaded = {i for ids in w.merge.last_loaded.values() for i in ids}
+            assert set(w.merge.last_changed) | loaded == differs
+            assert not loaded & set(w.merge.last_changed)
+            assert all(before[i].record is view[i].record and view[i].model == model
+                       for model, ids in w.merge.last_loaded.items() for i in ids)
         if expected is None:
             assert view == before  # every registry away: the last view stands
             continue
@@ -307,6 +315,7 @@ def test_a_digest_for_a_member_moves_no_source():
     assert w.merge.update(1.0)
     assert w.merge.members["d0"].load.running == 3
     assert w.merge.sources is sources_before  # nothing to republish on a load change
+    assert w.merge.last_changed == () and w.merge.last_loaded == {"m": ["d0"]}
 
 
 def test_a_draining_member_shows_draining():

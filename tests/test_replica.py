@@ -160,3 +160,20 @@ def test_a_left_event_for_an_older_incarnation_keeps_the_newer():
     stale = MemberLeft(m.epoch, m.version + 1, "a", 0, "m", LeaveReason.BYE)
     assert replica.apply(stale, 0.0) is Applied.CHANGED  # the version moves on ...
     assert "a" in replica.members  # ... but the member held is not that one
+
+
+def test_a_resync_keeps_the_record_of_a_member_it_did_not_change():
+    """A resync within the epoch: a member whose spec and state are the same keeps its
+    record object (a new load is a load change, not a new member, to the merge and a
+    router's table); one whose state changed gets the snapshot's record."""
+    m = registered("a", "b")
+    replica = Replica(SOURCE)
+    replica.apply_snapshot(snapshot_of(m), 0.0, 0.0)
+    before = dict(replica.members)
+    m.beat("a", 1, READY, Load(running=5), 1.0)
+    m.beat("b", 1, MemberState.DRAINING, Load(), 1.0)
+    replica.apply_snapshot(snapshot_of(m), 1.0, 1.0)
+    a, b = replica.members["a"], replica.members["b"]
+    assert a.record is before["a"].record and a.load.running == 5 and a.load_at == 1.0
+    assert b.record is not before["b"].record and b.record.state is MemberState.DRAINING
+    assert held(replica) == truth(m)

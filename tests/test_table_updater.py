@@ -125,6 +125,81 @@ def test_the_table_kept_from_changes_is_the_one_built_from_scratch(history):
                 assert updater.table.pools.get(model) is pools
 
 
+@given(histories, st.lists(st.sets(st.sampled_from([*MODELS, "z"]), min_size=1),
+                           min_size=25, max_size=25))
+def test_a_model_read_alone_has_every_load_and_leaves_the_others_waiting(history, reads):
+    """Loads wait until their model's pools are read (a request for that model): a read
+    of some models between updates gives each the pools `build` makes of it, every
+    other model's pools stay the same objects, and the whole table matches at the end."""
+    members: dict[str, LiveMember] = {}
+    updater = TableUpdater("", SPOKEN)
+    updater.reset(members)
+    for now, update in enumerate(history):
+        previous = dict(members)
+        for op in update:
+            step(members, op, float(now))
+        changed = {i for i in IDS if previous.get(i) is not members.get(i)}
+        updater.apply(previous, dict(members), changed)
+        expected = PairingTable.build(members, "", SPOKEN)
+        assert updater.membership.pools.keys() == expected.pools.keys()
+        held = updater.membership.pools
+        read = reads[now]
+        for model in sorted(read):
+            assert updater.pools_of(model) == expected.pools.get(model, ())
+            assert updater.serves(model) == (model in expected.pools)
+        for model, pools in held.items():  # an unread model's pools are not copied
+            if model not in read:
+                assert updater.membership.pools[model] is pools
+    assert updater.table == PairingTable.build(members, "", SPOKEN)
+
+
+@given(histories, st.lists(st.sets(st.sampled_from([*MODELS, "z"])), min_size=25,
+                           max_size=25), st.sampled_from([2, 1024]))
+def test_loads_listed_apart_reach_a_model_when_it_is_read(history, reads, max_steps):
+    """A view that lists loads apart, per model (as the real one does): a router's
+    pairing follows membership from the changes and takes a model's loads when a
+    request reads that model, also when the trail no longer reaches back that far (a
+    model unread for long): each read gives what `build` makes of the members."""
+    view = StaticView(loads_apart=True, max_steps=max_steps)
+    metrics = RouterMetrics()
+    latency = LatencyTracker()
+    pairing = Pairing(view, make_pairer("least_loaded", latency=latency), locality_label="",
+                      protocols=SPOKEN, quarantine=Quarantine(5.0),
+                      in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
+                      latency=latency, clock=lambda: 0.0)
+    members: dict[str, LiveMember] = {}
+    for now, update in enumerate(history):
+        for op in update:
+            step(members, op, float(now))
+        view.set(members)
+        pairing.follow()
+        expected = PairingTable.build(members, "", SPOKEN)
+        for model in sorted(reads[now]):
+            pools = expected.pools.get(model, ())
+            assert pairing.candidates(model) == (
+                [c for pool in pools for c in (pool.prefills or pool.prefills_suspect)],
+                [c for pool in pools for c in (pool.decodes or pool.decodes_suspect)])
+    assert pairing.table() == PairingTable.build(members, "", SPOKEN)
+
+
+def test_a_load_reaches_only_the_model_read():
+    """A digest for two models: reading one swaps its loads in; the other's pools are
+    the objects they were until it is read."""
+    members = {"a-p": live_member("a-p", Role.PREFILL, "http://10.0.0.1:8000", model="a"),
+               "b-p": live_member("b-p", Role.PREFILL, "http://10.0.0.2:8000", model="b")}
+    updater = TableUpdater("", SPOKEN)
+    updater.reset(members)
+    b_before = updater.pools_of("b")
+    previous = dict(members)
+    for member_id in members:
+        members[member_id] = msgspec.structs.replace(members[member_id],
+                                                     load=Load(running=7), load_at=1.0)
+    updater.apply(previous, dict(members), set(members))
+    assert updater.pools_of("a")[0].prefills[0].queue == 7
+    assert updater.membership.pools["b"] is b_before  # b's loads still wait
+    assert updater.pools_of("b")[0].prefills[0].queue == 7
+
+
 @given(histories)
 def test_what_follows_membership_beside_the_table_matches_a_fresh_read(history):
     """The router's pairing, over a view that hands out its changes, and the `kv`

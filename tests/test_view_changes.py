@@ -24,16 +24,22 @@ from wire.protocol import Load, MemberState
 KEYS = list("abcdef")
 WAIT_S = 10.0  # generous: other test processes share two cores
 
-# An update: key -> a new value, or None to remove it.
-updates = st.dictionaries(st.sampled_from(KEYS), st.one_of(st.none(), st.integers(0, 3)),
-                          min_size=1, max_size=4)
+MODEL_OF = {key: "x" if key in "abc" else "y" for key in KEYS}
+# An update: key -> a new value, or None to remove it; and whether each key's change is
+# a load (listed apart, under its model, as a view lists a digest's).
+updates = st.tuples(st.dictionaries(st.sampled_from(KEYS),
+                                    st.one_of(st.none(), st.integers(0, 3)),
+                                    min_size=1, max_size=4),
+                    st.sets(st.sampled_from(KEYS)))
 
 
 @given(st.lists(updates, max_size=30), st.integers(1, 8))
 def test_a_reader_at_any_version_learns_every_key_that_differs(history, max_steps):
+    """Membership changes from `since`, loads per model from `loads`, between any two
+    versions a reader may have read: together they cover every key that differs."""
     versions: list[dict[str, int]] = [{}]
     trail: ChangeTrail[int] = ChangeTrail({}, max_steps=max_steps)
-    for update in history:
+    for update, as_loads in history:
         current = dict(versions[-1])
         for key, value in update.items():
             if value is None:
@@ -41,16 +47,27 @@ def test_a_reader_at_any_version_learns_every_key_that_differs(history, max_step
             else:
                 current[key] = value
         versions.append(current)
-        assert trail.publish(current, update) == len(versions) - 1
-    latest = versions[-1]
+        loads: dict[str, list[str]] = {}
+        for key in sorted(as_loads & update.keys()):
+            loads.setdefault(MODEL_OF[key], []).append(key)
+        assert trail.publish(current, update.keys() - as_loads, loads) == len(versions) - 1
+    latest = len(versions) - 1
     for version, seen in enumerate(versions):
         changes = trail.since(version)
-        assert changes.version == len(versions) - 1 and changes.members == latest
+        assert changes.version == latest and changes.members == versions[-1]
         if changes.changed is None:
-            assert len(versions) - 1 - version > max_steps  # only when too far behind
+            assert latest - version > max_steps  # only when too far behind
+            assert trail.loads("x", version, latest) is None or version == latest
             continue
-        differs = {k for k in KEYS if seen.get(k) != latest.get(k)}
-        assert differs <= changes.changed
+        for upto in range(version, latest + 1):  # a model read at any later version
+            differs = {k for k in KEYS if seen.get(k) != versions[upto].get(k)}
+            listed = set(trail.since(version).changed)
+            for model in ("x", "y"):
+                loads = trail.loads(model, version, upto)
+                assert loads is not None
+                assert {MODEL_OF[k] for k in loads} <= {model}
+                listed |= loads
+            assert differs <= listed
 
 
 @pytest.fixture
@@ -79,7 +96,8 @@ def test_a_reader_following_a_real_views_changes_holds_its_members(registry, vie
             held.clear()
             held.update(changes.members)
         else:
-            for member_id in changes.changed:
+            loaded = (view.loads(model, version, changes.version) for model in ("tiny",))
+            for member_id in changes.changed.union(*loaded):
                 if member_id in changes.members:
                     held[member_id] = changes.members[member_id]
                 else:
@@ -94,8 +112,12 @@ def test_a_reader_following_a_real_views_changes_holds_its_members(registry, vie
         b.register()
         follow()
         assert wait_until(lambda: follow() and len(held) == 2, WAIT_S)
+        before = version
         a.heartbeat(Load(running=7))
         assert wait_until(lambda: follow() and held["prefill-a"].load.running == 7, WAIT_S)
+        # A digest's load is listed apart, under the member's model, not as a change.
+        assert "prefill-a" not in view.changes(before).changed
+        assert view.loads("tiny", before, version) == {"prefill-a"}
         a.heartbeat(state=MemberState.DRAINING)
         assert wait_until(lambda: follow() and held["prefill-a"].record.state
                           is MemberState.DRAINING, WAIT_S)
