@@ -9,9 +9,9 @@ first one's wake-up, and with nobody reading the loop builds nothing. Builds are
 `min_gap_s` and `cost_factor` times their own duration apart, so a flood of readers costs
 the loop at most about 1/cost_factor of its time.
 
-The loop thread calls `due_at` (for its poll deadline), `wanted` and `built`; readers call
-`read`. No locks: the value and its time are swapped by reference; requests go through a
-thread-safe queue.
+The loop thread calls `due_at` (for its poll deadline), `wanted` and `built`, and
+whoever stops the loop `stop`; readers call `read`. No locks: the value and its time are
+swapped by reference; requests go through a thread-safe queue.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class OnDemand(Generic[T]):
         self.wait_s = wait_s
         self._gap_s = min_gap_s  # grows with what a build costs
         self._requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+        self._stopped = False
 
     # --- readers (any thread but the loop's) -------------------------------------------
 
@@ -49,6 +50,8 @@ class OnDemand(Generic[T]):
         built = threading.Event()
         first = self._requests.empty()  # later readers ride on the first's wake
         self._requests.put(built)
+        if self._stopped:  # after the put: `stop` answered the queue before it, or sees it
+            return self.value
         if first:
             wake()
         built.wait(self.wait_s)
@@ -71,8 +74,18 @@ class OnDemand(Generic[T]):
         self.built_at = done = time.monotonic()
         cost_s = done - started
         self._gap_s = max(self.min_gap_s, self.cost_factor * cost_s)
+        self._answer_waiting()
+        return cost_s
+
+    def stop(self) -> None:
+        """The loop builds no more: every reader waiting, and every later one, gets the
+        value as it is at once rather than at the end of its wait."""
+        self._stopped = True
+        self._answer_waiting()
+
+    def _answer_waiting(self) -> None:
         while True:
             try:
                 self._requests.get_nowait().set()
             except queue.Empty:
-                return cost_s
+                return

@@ -228,6 +228,8 @@ class RegistryServer:
         self._wake()
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=LOOP_STOP_TIMEOUT_S)
+        for held in (self._snapshot, self._figures):  # readers waiting for a build
+            held.stop()
         if self._http is not None:
             self._http.close()
         with self._wake_lock:

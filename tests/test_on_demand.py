@@ -51,3 +51,20 @@ def test_builds_are_spaced_by_their_cost():
     assert held.due_at() >= held.built_at + 5.0  # ten times its cost
     assert not held.wanted(held.built_at + 1.0)
     assert held.wanted(held.built_at + 5.1)
+
+
+def test_readers_waiting_when_the_loop_stops_get_the_value_at_once():
+    held = _held(1)
+    got: list[int] = []
+    waiting = threading.Thread(target=lambda: got.append(held.read(lambda v: v == 2,
+                                                                   lambda: None)))
+    waiting.start()
+    assert wait_until(lambda: held._requests.qsize() == 1, WAIT_S)
+    held.stop()  # no build will come: not a wait of WAIT_S
+    waiting.join(WAIT_S / 2)
+    assert got == [1]
+    late = threading.Thread(target=lambda: got.append(held.read(lambda v: v == 2,
+                                                                lambda: None)))
+    late.start()
+    late.join(WAIT_S / 2)
+    assert got == [1, 1]
