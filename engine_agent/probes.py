@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from wire.limits import MAX_ADAPTERS, MAX_NAME_CHARS
 from wire.protocol import Load
 
 __all__ = [
@@ -129,6 +130,7 @@ class EngineMetadata:
     dp_size: int = 1
     kv_block_size: int = 0  # tokens per block of its KV events, where it says (SGLang)
     max_model_len: int = 0  # its context length in tokens, where it says (vLLM)
+    adapters: tuple[str, ...] = ()  # LoRA adapters served besides `model` (vLLM)
 
 
 Sample = tuple[dict[str, str], float]  # (labels, value)
@@ -334,9 +336,15 @@ class EngineProbe:
         models = response.json()["data"]
         if not models:
             return EngineMetadata()
+        base = str(models[0]["id"])
         length = models[0].get("max_model_len")
-        return EngineMetadata(model=str(models[0]["id"]), max_model_len=length
-                              if type(length) is int and 0 < length < 2**31 else 0)
+        # vLLM lists its base model first, then a card per LoRA adapter (--lora-modules,
+        # or loaded later) whose "parent" is the base model.
+        adapters = [str(m["id"]) for m in models[1:] if m.get("parent") == base]
+        return EngineMetadata(model=base, max_model_len=length
+                              if type(length) is int and 0 < length < 2**31 else 0,
+                              adapters=tuple(a for a in adapters
+                                             if 0 < len(a) <= MAX_NAME_CHARS)[:MAX_ADAPTERS])
 
     def _sglang_metadata(self) -> EngineMetadata:
         response = self._client.get("/server_info")

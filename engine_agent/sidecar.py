@@ -298,6 +298,7 @@ class Sidecar:
                                              metadata.kv_block_size)
             if cfg.role in (Role.PREFILL, Role.MIXED) else None,
             max_model_len=metadata.max_model_len,
+            adapters=metadata.adapters,
         )
 
     # --- the child process -----------------------------------------------------------

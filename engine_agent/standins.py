@@ -4,8 +4,10 @@ They follow the engines' contracts as measured on the real servers (docs/engines
 §1, §3; vLLM 0.32, SGLang 0.5.23):
 - vLLM: GET /health -> 200 with an empty body, 503 when the engine is dead;
   GET /v1/models -> {"object": "list", "data": [{"id", "object": "model", "max_model_len",
-  ...}]}; GET /metrics -> Prometheus text with gauges `vllm:num_requests_running`,
-  `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` labelled `engine`, `model_name`.
+  ...}]}, then one card per LoRA adapter (`--lora-modules NAME=PATH`: "id" its name,
+  "root" its path, "parent" the base model, no max_model_len); GET /metrics ->
+  Prometheus text with gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+  `vllm:kv_cache_usage_perc` labelled `engine`, `model_name`.
 - SGLang: GET /ready -> 200, or 503 while warming up (and when unhealthy); GET /health
   likewise, but only after a one-second wait (the real one generates a token and sleeps
   a second before it looks); GET /server_info (and /get_server_info) -> server args incl.
@@ -70,6 +72,7 @@ class StandinServer:
         self.bootstrap_port = bootstrap_port
         self.disaggregation_mode = disaggregation_mode
         self.metrics = metrics  # SGLang serves /metrics only with --enable-metrics
+        self.lora_modules: dict[str, str] = {}  # vLLM's --lora-modules: name -> path
         self.kv_events: dict[str, Any] | None = None  # SGLang's, with --kv-events-config
         self.hits: Counter[str] = Counter()  # GET path -> requests served
         self.state = StandinState()
@@ -172,9 +175,14 @@ class StandinServer:
         model: dict[str, Any] = {
             "id": self.model, "object": "model", "created": int(time.time()),
             "owned_by": self.kind, "root": self.model, "parent": None, "max_model_len": 512}
+        cards = [model]
         if self.kind == "vllm":
             model["permission"] = []
-        return {"object": "list", "data": [model]}
+            cards += [{"id": name, "object": "model", "created": model["created"],
+                       "owned_by": "vllm", "root": path, "parent": self.model,
+                       "max_model_len": None, "permission": []}
+                      for name, path in self.lora_modules.items()]
+        return {"object": "list", "data": cards}
 
     def server_info_body(self) -> dict[str, Any]:
         # A few of the real server's ~550 fields: those a sidecar or a router reads.
@@ -274,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=("null", "prefill", "decode"))
     parser.add_argument("--no-metrics", action="store_true",
                         help="SGLang: no /metrics (as without --enable-metrics)")
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                        help="vLLM: LoRA adapters it lists in /v1/models")
     parser.add_argument("--startup-delay", type=float, default=0.0,
                         help="seconds before binding, like an engine loading weights")
     args = parser.parse_args(argv)
@@ -289,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                            disaggregation_mode=args.disaggregation_mode,
                            metrics=not args.no_metrics)
     server.state.healthy = not args.unhealthy
+    server.lora_modules = dict(module.split("=", 1) for module in args.lora_modules)
     server.start()
     logger.info("%s stand-in on %s (pid %d)", args.kind, server.url, os.getpid())
     while not stop.wait(0.05):

@@ -113,7 +113,8 @@ def test_vllm_ready_gating_load_health_and_sigterm_drain(
     sidecar = Sidecar(
         registry, "vllm", port, ["--role", "prefill", "--label", "zone=a",
                                  "--drain-timeout", "20"],
-        command=standin_command("vllm", port, "--unhealthy"),
+        command=standin_command("vllm", port, "--unhealthy",
+                                "--lora-modules", "sql=/loras/sql", "chat=/loras/chat"),
         env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
              "VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port)})
     sidecars.append(sidecar)
@@ -126,6 +127,7 @@ def test_vllm_ready_gating_load_health_and_sigterm_drain(
     assert record.state is MemberState.JOINING
     assert record.spec.model == "tiny" and record.spec.protocol == "vllm-nixl"
     assert record.spec.max_model_len == 512  # its context, as /v1/models says it
+    assert record.spec.adapters == ("sql", "chat")  # its LoRA cards in /v1/models
     assert record.spec.endpoints.http == f"http://127.0.0.1:{port}"
     assert (record.spec.endpoints.kv_host, record.spec.endpoints.kv_port) == (
         "127.0.0.1", nixl_port)
