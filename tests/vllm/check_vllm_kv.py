@@ -19,7 +19,11 @@ Asserts, in this order:
 5. a second request sharing that long prefix goes to the prefill holding it: vLLM's own
    `vllm:prefix_cache_hits_total` grows there by the shared blocks, not on the other, and
    the router's predicted-cached counter says the same;
-6. its output is token-identical to a single instance (the other prefill, asked directly).
+6. a request with `cache_salt` and the same prefix hits nothing in vLLM and is predicted
+   to hit nothing; a second one with that salt hits its salted blocks, exactly as many
+   tokens as the router predicts;
+7. the second request's output is token-identical to a single instance (the other
+   prefill, asked directly).
 Every process it starts is killed at the end, pass or fail; on failure it names the step
 and prints the logs' tails.
 """
@@ -152,9 +156,9 @@ def replayed_keys(replay_endpoint: str, capture: Path | None = None) -> list[int
     return order
 
 
-def completion(url: str, prompt: str) -> dict[str, Any]:
+def completion(url: str, prompt: str, **extra: str) -> dict[str, Any]:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
+            "ignore_eos": True, "return_token_ids": True, **extra}
     reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, f"{url}: {reply.status_code} {reply.text[:300]}"
     return reply.json()["choices"][0]
@@ -236,6 +240,34 @@ def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) ->
     assert cached == shared_blocks * CPU_BLOCK, f"router predicted {cached} cached tokens"
     say(f"ok: {holder.name} hit {gained[holder.name]:.0f} tokens (vLLM's counter); the "
         f"router predicted {cached:.0f}")
+
+    steps.begin("a salted request: the same tokens hit nothing, its own salt hits exactly")
+
+    def salted(question: str) -> tuple[dict[str, float], float]:
+        """(vLLM's hits gained per prefill, the router's predicted cached tokens) for one
+        request with SHARED under the salt."""
+        before = {e.name: vllm_hits(e) for e in cluster.prefills}
+        predicted_before = metric(router.metrics(), "pdreg_router_prompt_tokens_cached_total")
+        completion(router.url, SHARED + question, cache_salt="tenant-a")
+        return ({e.name: vllm_hits(e) - before[e.name] for e in cluster.prefills},
+                metric(router.metrics(), "pdreg_router_prompt_tokens_cached_total")
+                - predicted_before)
+
+    def indexed() -> int:
+        return sum(m["blocks"] for m in kv_status(router).values())
+
+    blocks_before = indexed()
+    gained, cached = salted("Third question: and the planner?")
+    assert not any(gained.values()) and cached == 0, (gained, cached)
+    say("ok: a salted request with the indexed prefix: vLLM hit nothing, the router "
+        "predicted nothing")
+    wait_logged("the salted blocks indexed", lambda: indexed() >= blocks_before
+                + shared_blocks, STEP_TIMEOUT_S, lambda: json.dumps(kv_status(router)))
+    gained, cached = salted("Fourth question: and the sidecar?")
+    assert sum(gained.values()) >= shared_blocks * CPU_BLOCK, gained
+    assert cached == sum(gained.values()), f"router predicted {cached}, vLLM hit {gained}"
+    say(f"ok: the same salt again: vLLM hit {sum(gained.values()):.0f} tokens, the router "
+        f"predicted {cached:.0f}")
 
     steps.begin("output token-identical to a single instance")
     single = completion(other.url, second_prompt)
