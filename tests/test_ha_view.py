@@ -169,4 +169,5 @@ def test_a_frozen_registry_does_not_keep_a_dead_decode_routable(processes: Proce
     processes.running.pop(victim).wait()
     gone_after_s = last_pick_at - killed_at
     assert gone_after_s <= GONE_WITHIN_S, f"still picked {gone_after_s:.1f}s after the kill"
-    assert not clients.failed, clients.failed[:5]
+    # The router's log says which legs failed and what it quarantined before a refusal.
+    assert not clients.failed, (clients.failed[:5], processes.log("router")[-4000:])
