@@ -350,7 +350,7 @@ class Router:
                 508, "request loop: this router was reached through a router",
                 INVALID_REQUEST, "loop_detected"))
         if self.kv is not None:  # surely over the context: refused before any decoding
-            self.pairing.table()  # the models' limits follow membership
+            self.pairing.follow()  # the models' limits follow membership, not loads
             too_long = self.kv.limits.refusal(request.body,
                                               chat=request.path == "/v1/chat/completions")
             if too_long is not None:
