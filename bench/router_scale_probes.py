@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 __all__ = ["heap", "table"]
 
@@ -62,12 +63,7 @@ def heap(members: int, trees: list[tuple[str, str]]) -> None:
           "| a digest round (a fifth of the loads) | collections in it, longest |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, src in trees:
-        done = subprocess.run([sys.executable, "-c", _HEAP_PROBE, str(members)], cwd=src,
-                              env={**os.environ, "PYTHONPATH": src},
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
-        r = json.loads(done.stdout.strip().splitlines()[-1])
+        r = _probe(name, src, _HEAP_PROBE, members)
         print(f"| {name} | {r['members']:,} | {r['tracked_after_sync']:,} | "
               f"{r['full_gc_ms']} ms | {r['digest_round_ms']} ms | {r['gcs_in_round']}, "
               f"{r['longest_gc_ms']} ms |", flush=True)
@@ -199,12 +195,18 @@ def table(members: int, trees: list[tuple[str, str]], rounds: int = 200,
           "collection | collections in the rounds (longest) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, src in trees:
-        done = subprocess.run([sys.executable, "-c", _TABLE_PROBE, str(members), str(rounds),
-                               str(flips)], cwd=src, env={**os.environ, "PYTHONPATH": src},
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
-        r = json.loads(done.stdout.strip().splitlines()[-1])
+        r = _probe(name, src, _TABLE_PROBE, members, rounds, flips)
         print(f"| {name} | {r['members']:,} | {r['first_ms']} ms | {r['digest_us']} µs | "
               f"{r['flip_ms']} ms | {r['request_after_digest_us']} µs | {r['tracked']:,} | "
               f"{r['full_gc_ms']} ms | {r['gcs']} ({r['longest_gc_ms']} ms) |", flush=True)
+
+
+def _probe(name: str, src: str, code: str, *args: int) -> dict[str, Any]:
+    """Run probe `code` with `args` against source tree `src` in its own process; the
+    JSON line it prints last."""
+    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=src,
+                          env={**os.environ, "PYTHONPATH": src}, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reference_helpers import EngineHandle, start_engines
-from test_kv_e2e import SYSTEM, ask, kv_members, ready, router_metric
+from reference_helpers import EngineHandle
+from test_kv_e2e import SYSTEM, ask, kv_members, ready_pair, router_metric
 from test_kv_tokenizer import make_byte_level_tokenizer, make_hf_tokenizer
 
 from pdreg.testing import wait_until
@@ -67,12 +67,7 @@ class Attacker(threading.Thread):
 def test_long_prompts_do_not_starve_small_requests(
         registry: RegistryServer, view: MembershipView, router: RouterServer,
         handles: list[EngineHandle]) -> None:
-    control = registry.control_address
-    p, d = start_engines([{"role": "prefill", "registry": control,
-                           "extra_args": ["--kv-events"]},
-                          {"role": "decode", "registry": control}])
-    handles += [p, d]
-    assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
+    p, _ = ready_pair(registry, view, handles, ["--kv-events"])
     assert wait_until(lambda: kv_members(router).get(p.id, {}).get("state") == "live",
                       WAIT_S)
     attackers = [Attacker(router.url, {"prompt": HUGE}), Attacker(router.url, {"prompt": LONG}),
@@ -127,12 +122,7 @@ def test_a_prompt_surely_over_the_context_is_refused_before_an_engine_sees_it(
                           kv=KvOptions(tokenizers=(("tiny", str(tmp_path)),)))
     router = RouterServer(config, view).start()
     try:
-        control = registry.control_address
-        p, d = start_engines([{"role": "prefill", "registry": control,
-                               "extra_args": ["--kv-events"]},
-                              {"role": "decode", "registry": control}])
-        handles += [p, d]
-        assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
+        ready_pair(registry, view, handles, ["--kv-events"])
         # Both register a 65,536-token context: more than 393,216 characters cannot fit.
         assert {m.record.spec.max_model_len for m in view.members().values()} == {65536}
         with httpx.Client(timeout=60) as http:

@@ -47,15 +47,15 @@ def lying_publisher() -> Iterator[KvEventPublisher]:
         publisher.close()
 
 
-def picks(kv_router: RouterServer, member_id: str) -> float:
-    text = httpx.get(kv_router.url + "/metrics", timeout=10).text
+def picks(router: RouterServer, member_id: str) -> float:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("pdreg_router_picks_total{")
                and f'member="{member_id}"' in line and 'role="prefill"' in line)
 
 
-def kv_member(kv_router: RouterServer, member_id: str) -> dict:
-    members = httpx.get(kv_router.url + "/v1/kv", timeout=10).json()["members"]
+def kv_member(router: RouterServer, member_id: str) -> dict:
+    members = httpx.get(router.url + "/v1/kv", timeout=10).json()["members"]
     return next((m for m in members if m["id"] == member_id), {})
 
 
@@ -76,8 +76,8 @@ def register_insider(registry: RegistryServer, engine: EngineHandle,
     return agent.start(), member_id
 
 
-def ask(http: httpx.Client, kv_router: RouterServer, prompt: str) -> None:
-    r = http.post(kv_router.url + "/v1/completions", json={
+def ask(http: httpx.Client, router: RouterServer, prompt: str) -> None:
+    r = http.post(router.url + "/v1/completions", json={
         "model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200, r.text
 

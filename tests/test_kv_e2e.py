@@ -27,8 +27,8 @@ SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite nothi
           "never apologise. ") * 8  # ~750 bytes: ~47 blocks of 16 tokens
 
 
-def kv_members(kv_router: RouterServer) -> dict[str, dict[str, Any]]:
-    body = httpx.get(kv_router.url + "/v1/kv", timeout=10).json()
+def kv_members(router: RouterServer) -> dict[str, dict[str, Any]]:
+    body = httpx.get(router.url + "/v1/kv", timeout=10).json()
     return {m["id"]: m for m in body["members"]}
 
 
@@ -37,16 +37,30 @@ def ready(view: MembershipView, *ids: str) -> bool:
     return all(i in members and members[i].record.state is MemberState.READY for i in ids)
 
 
-def router_metric(kv_router: RouterServer, name: str) -> float:
-    text = httpx.get(kv_router.url + "/metrics", timeout=10).text
+def ready_pair(registry: RegistryServer, view: MembershipView,
+               handles: list[EngineHandle], prefill_flags: list[str]
+               ) -> tuple[EngineHandle, EngineHandle]:
+    """A prefill (started with `prefill_flags`) and a decode on `registry`, both READY in
+    `view`; each stopped at the test's end."""
+    control = registry.control_address
+    p, d = start_engines([{"role": "prefill", "registry": control,
+                           "extra_args": prefill_flags},
+                          {"role": "decode", "registry": control}])
+    handles += [p, d]
+    assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
+    return p, d
+
+
+def router_metric(router: RouterServer, name: str) -> float:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def ask(http: httpx.Client, kv_router: RouterServer, prompt: str) -> list[int]:
+def ask(http: httpx.Client, router: RouterServer, prompt: str) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True,
             "return_token_ids": True}
-    r = http.post(kv_router.url + "/v1/completions", json=body)
+    r = http.post(router.url + "/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return collect(r, False)[0]
 
@@ -139,11 +153,7 @@ def test_a_fleet_that_publishes_nothing_is_paired_as_peak_ewma(
     log) and plain `pdreg status` says it too; then in /v1/kv and its metrics, logged
     once; it follows nobody (no feed thread)."""
     control = registry.control_address
-    p, d = start_engines([{"role": "prefill", "registry": control,
-                           "extra_args": ["--no-kv-events"]},
-                          {"role": "decode", "registry": control}])
-    handles += [p, d]
-    assert view.wait_for(lambda m: ready(view, p.id, d.id), WAIT_S)
+    ready_pair(registry, view, handles, ["--no-kv-events"])
     caplog.set_level(logging.INFO, logger="router")
     with httpx.Client(timeout=60) as http:
         assert wait_until(lambda: http.get(kv_router.url + "/v1/models").json()["data"], WAIT_S)

@@ -65,6 +65,16 @@ histories = st.lists(st.lists(st.one_of(joins, flips, loads, loads), min_size=1,
                               max_size=4), max_size=25)
 
 
+def advance(members: dict[str, LiveMember], update: list[Op], now: float
+            ) -> tuple[dict[str, LiveMember], set[str]]:
+    """Apply one update of the view to `members`: (the members before it, the ids whose
+    member changed)."""
+    previous = dict(members)
+    for op in update:
+        step(members, op, now)
+    return previous, {i for i in IDS if previous.get(i) is not members.get(i)}
+
+
 def step(members: dict[str, LiveMember], op: Op, now: float) -> None:
     held = members.get(op.member_id)
     if op.kind == "join":
@@ -104,11 +114,8 @@ def test_the_table_kept_from_changes_is_the_one_built_from_scratch(history):
     updater = TableUpdater("", SPOKEN)
     updater.reset(members)
     for now, update in enumerate(history):
-        previous = dict(members)
-        for op in update:
-            step(members, op, float(now))
+        previous, changed = advance(members, update, float(now))
         before = updater.table.pools
-        changed = {i for i in IDS if previous.get(i) is not members.get(i)}
         touched = {m.record.spec.model for i in changed
                    for m in (previous.get(i), members.get(i)) if m is not None}
         updater.apply(previous, dict(members), changed)
@@ -135,10 +142,7 @@ def test_a_model_read_alone_has_every_load_and_leaves_the_others_waiting(history
     updater = TableUpdater("", SPOKEN)
     updater.reset(members)
     for now, update in enumerate(history):
-        previous = dict(members)
-        for op in update:
-            step(members, op, float(now))
-        changed = {i for i in IDS if previous.get(i) is not members.get(i)}
+        previous, changed = advance(members, update, float(now))
         updater.apply(previous, dict(members), changed)
         expected = PairingTable.build(members, "", SPOKEN)
         assert updater.membership.pools.keys() == expected.pools.keys()
