@@ -93,7 +93,10 @@ class PlannerServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> PlannerServer:
-        """Bind, serve and start planning; returns once the socket accepts connections."""
+        """Bind, serve and start planning; returns once the socket accepts connections.
+        On a started planner it does nothing."""
+        if self._serving.started:
+            return self
         self._serving.start()
         logger.info("[planner] serving url=%s interval=%.1fs", self.url, self.config.interval_s)
         return self

@@ -152,6 +152,10 @@ class MembershipView:
     # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> MembershipView:
+        """Start following; on a started view it does nothing (one thread owns the
+        sockets)."""
+        if self._thread is not None:
+            return self
         self._running = True
         self._thread = threading.Thread(target=self._teardown.owning(self._run),
                                         name="pdreg-view", daemon=True)

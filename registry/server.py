@@ -165,6 +165,10 @@ class RegistryServer:
     # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> RegistryServer:
+        """Bind, serve HTTP and start the loop. On a started registry it does nothing: a
+        second loop thread on the same sockets would make libzmq abort the process."""
+        if self._loop_thread is not None:
+            return self
         host = self.config.host
         self.control_port = _bind(self._control, host, self.config.port)
         self.events_port = _bind(self._events, host, self.config.events_port)

@@ -65,7 +65,10 @@ class RouterServer:
         return f"http://{self.config.host}:{self.port}"
 
     def start(self) -> RouterServer:
-        """Bind and serve; returns once the socket accepts connections."""
+        """Bind and serve; returns once the socket accepts connections. On a started
+        router it does nothing."""
+        if self._serving.started:
+            return self
         self._serving.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self._serving.add_app(self.router.build_metrics_app(),

@@ -72,8 +72,15 @@ class ServingThread:
         assert self._loop is not None, f"{self.name} is not running"
         return self._loop
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> ServingThread:
-        """Bind and serve; returns once the socket accepts connections."""
+        """Bind and serve; returns once the socket accepts connections. On a started
+        server it does nothing."""
+        if self._thread is not None:
+            return self
         loop = self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=loop.run_forever, name=self.name, daemon=True)
         self._thread.start()

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from raw_member import RawMember
 
+from pdreg.testing import wait_until
+
 REPO = Path(__file__).resolve().parent.parent
 CYCLES = 200
 
@@ -105,3 +107,28 @@ def test_a_registry_closed_while_its_loop_is_busy_closes_its_sockets_later(monke
     assert done.result(10).status is ReplyStatus.OK
     registry._loop_thread.join(10)
     assert registry._ctx.closed and failures == []
+
+
+def test_a_started_registry_and_view_used_as_context_managers_run_one_thread_each() -> None:
+    """`with RegistryServer(...).start() as registry:` once started a second loop thread on
+    the same sockets; closing then left the first polling a destroyed context, and libzmq
+    aborted the test process. Starting again now does nothing."""
+    import threading
+
+    from registry.client import MembershipView
+    from registry.server import RegistryConfig, RegistryServer
+
+    def threads(name: str) -> int:
+        return sum(thread.name == name for thread in threading.enumerate())
+
+    before = threads("pdreg-registry"), threads("pdreg-view")
+    with RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0)).start() as registry:
+        control = registry.control_address
+        assert registry.start() is registry and registry.control_address == control
+        with MembershipView(control).start() as view:
+            assert view.start() is view
+            assert (threads("pdreg-registry"), threads("pdreg-view")) == \
+                (before[0] + 1, before[1] + 1)
+            assert wait_until(lambda: view.synced, 10)
+    assert (threads("pdreg-registry"), threads("pdreg-view")) == before
+    assert registry._ctx.closed

@@ -369,7 +369,7 @@ def exposed_metric_names() -> set[str]:
     """Sample names the code exposes: a live registry, the router's metrics, and the
     reference engine's /metrics (vLLM's and SGLang's load gauge names)."""
     config = RegistryConfig(port=0, events_port=0, http_port=0)
-    with RegistryServer(config).start() as registry:
+    with RegistryServer(config) as registry:
         text = httpx.get(f"{registry.http_url}/metrics", timeout=WAIT_S).text
     names = _sample_names(text_string_to_metric_families(text))
     names |= _sample_names(RouterMetrics().registry.collect())
