@@ -152,20 +152,16 @@ class MembershipView:
     # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> MembershipView:
-        """Start following; on a started view it does nothing (one thread owns the
-        sockets)."""
-        if self._thread is not None:
-            return self
-        self._running = True
-        self._thread = threading.Thread(target=self._teardown.owning(self._run),
-                                        name="pdreg-view", daemon=True)
-        self._thread.start()
+        if self._thread is None:  # once: one thread owns the sockets
+            self._running = True
+            self._thread = threading.Thread(target=self._teardown.owning(self._run),
+                                            name="pdreg-view", daemon=True)
+            self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stop the thread and close every socket, never under the running thread
-        (registry/teardown.py; closed from a listener, the thread does on its way out).
-        Safe twice, from any thread."""
+        """Stop the thread and close every socket, never under the running thread (closed
+        from a listener, the thread does on its way out). Safe twice, from any thread."""
         with self._wake_lock:
             if self._closed:
                 return

@@ -45,6 +45,10 @@ def member_json(record: MemberRecord, now_wall: float) -> dict[str, Any]:
         "uptime_s": round(max(0.0, now_wall - started), 1),
         # Where it publishes KV cache events (None: it does not); routers subscribe.
         "kv_events": msgspec.structs.asdict(spec.kv_events) if spec.kv_events else None,
+        # The LoRA adapters a request may name besides `model`, and the context length in
+        # tokens (0: not said): what a router serves and refuses by.
+        "adapters": list(spec.adapters),
+        "max_model_len": spec.max_model_len,
     }
 
 

@@ -256,9 +256,11 @@ def test_a_registry_on_the_external_components_flags_reaches_etcd_over_tls(
         def in_replica_set() -> bool:
             processes.check_alive()
             try:
-                entries = httpx.get(f"http://127.0.0.1:{http}/v1/registries", timeout=2).json()
+                response = httpx.get(f"http://127.0.0.1:{http}/v1/registries", timeout=2)
             except httpx.HTTPError:
                 return False
+            # Anything but the list (a store not reached yet answers 503) is not there yet.
+            entries = response.json() if response.status_code == 200 else []
             return [e["id"] for e in entries] == ["pdreg-registry-0"]
         assert wait_until(in_replica_set, 60.0), processes.log("registry")
     finally:

@@ -376,3 +376,14 @@ def test_a_view_merges_several_registries_and_survives_losing_one():
             m.close()
         first.close()
         second.close()
+
+
+def test_members_json_lists_the_adapters_and_context_length_a_router_serves_by() -> None:
+    from registry.views import member_json
+    from wire.protocol import Endpoints, MemberRecord, MemberSpec, MemberState, Role
+
+    spec = MemberSpec(id="decode-a", incarnation=1, role=Role.DECODE, model="tiny",
+                      protocol="vllm-nixl", endpoints=Endpoints(http="http://10.0.0.1:8000"),
+                      adapters=("sql", "chat"), max_model_len=2048)
+    shown = member_json(MemberRecord(spec=spec, state=MemberState.READY), 0.0)
+    assert shown["adapters"] == ["sql", "chat"] and shown["max_model_len"] == 2048
