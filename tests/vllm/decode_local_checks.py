@@ -13,7 +13,9 @@ computed. A second router, with conditional disaggregation on (the default
 3. the second turn (the conversation so far, the first answer, a new question) is
    answered; the decode's own `vllm:prefix_cache_hits_total` grows by exactly what the
    router predicted, at least the conversation's full blocks; the prefills see no
-   prompt token of it (no prefill leg).
+   prompt token of it (no prefill leg); the answer is token-identical to one instance's.
+Then a figure, not a check: the time to first token of next turns, always disaggregated
+(the first router, conditional disaggregation off) against decode-local, alternated.
 
 The chat template is vLLM's `--chat-template` file, which a router cannot read from the
 engine: the router is given a tokenizer folder whose tokenizer_config.json carries the
