@@ -37,10 +37,12 @@ clean:
 # through `pdreg router` (compared token by token with one instance), kills a decode
 # with kill -9 mid-stream (every stream must still match one instance), and drains the
 # other decode, with CURVE keys, tokens and an API key on. Then check_vllm_kv.py: two
-# prefills with prefix caching and KV events behind `pdreg router --policy kv` (the index
-# holds what vLLM stored; a shared prefix goes to its holder; vLLM counts the hit). About
-# 3.5 + 2 minutes after the first install; on failure it names the step and prints the
-# logs' tails.
+# prefills and a decode with prefix caching, KV events and a LoRA adapter made offline,
+# behind `pdreg router --policy kv` (the index holds what vLLM stored; a shared prefix
+# goes to its holder and vLLM counts the hit; cache_salt and the adapter key blocks apart
+# as vLLM does; a chat's next turn is served by the decode alone, from the KV it pulled).
+# About 3.5 + 2-3 minutes after the first install; on failure it names the step and
+# prints the logs' tails.
 VLLM_VENV ?= .venv-vllm
 VLLM_MODEL_DIR ?= .cache/vllm-tiny-model
 

@@ -294,9 +294,9 @@ class Sidecar:
             capacity=cfg.capacity,
             labels=dict(cfg.labels),
             started_at=self._started_at,
+            # A decode's events too: conditional disaggregation follows what it holds.
             kv_events=kv_events_from_command(cfg.command, advertise_host, cfg.engine.value,
-                                             metadata.kv_block_size)
-            if cfg.role in (Role.PREFILL, Role.MIXED) else None,
+                                             metadata.kv_block_size),
             max_model_len=metadata.max_model_len,
             adapters=metadata.adapters,
         )

@@ -256,3 +256,25 @@ def test_bad_flags_exit_2_with_a_clear_message() -> None:
         capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "--protocol is required" in result.stderr
+
+
+def test_a_vllm_decode_registers_its_kv_events(
+        registry: RegistryServer, sidecars: list[Sidecar]) -> None:
+    """A decode's KV events are registered like a prefill's: conditional disaggregation
+    follows what the decode holds (docs/kv-routing.md)."""
+    port = free_low_port()
+    config = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+              '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}')
+    # The stand-in takes no --kv-events-config; the sidecar reads it from the command
+    # line, so it rides there as the shell's unused positional arguments.
+    engine = " ".join(shlex.quote(part) for part in standin_command("vllm", port))
+    sidecar = Sidecar(registry, "vllm", port, ["--role", "decode"],
+                      command=["bash", "-c", f"exec {engine}", "vllm",
+                               "--kv-events-config", config])
+    sidecars.append(sidecar)
+    member_id = f"decode-127.0.0.1-{port}"
+    assert wait_until(lambda: member(registry, member_id) is not None, TIMEOUT_S)
+    record = member(registry, member_id)
+    assert record is not None and record.spec.kv_events is not None
+    assert record.spec.kv_events.endpoint == "tcp://127.0.0.1:5557"
+    assert record.spec.kv_events.replay_endpoint == "tcp://127.0.0.1:5558"

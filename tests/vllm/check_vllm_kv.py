@@ -1,6 +1,6 @@
-"""Real-engine check of KV-aware pairing: two vLLM prefills with prefix caching and KV
-events on, one decode, each under `pdreg agent`, behind `pdreg router --policy kv`. Run
-by `make test-vllm` after check_vllm_sidecar.py (setup.sh first).
+"""Real-engine check of KV-aware pairing: two vLLM prefills and one decode, each with
+prefix caching, KV events and a LoRA adapter, under `pdreg agent`, behind `pdreg router
+--policy kv`. Run by `make test-vllm` after check_vllm_sidecar.py (setup.sh first).
 
     .venv/bin/python tests/vllm/check_vllm_kv.py [--vllm-venv V] [--model-dir M]
 
@@ -9,9 +9,9 @@ FILE.ids.json, the prompt's token ids): tests/data/ keeps one such capture, whic
 tests/test_kv_events.py decodes.
 
 Asserts, in this order:
-1. every member READY; the prefills' registration carries the KV events endpoints the
-   sidecar read from vLLM's own --kv-events-config (advertised, not `*`);
-2. the router subscribes to both prefills (index live);
+1. every member READY; each one's registration (the decode's too) carries the KV events
+   endpoints the sidecar read from vLLM's own --kv-events-config (advertised, not `*`);
+2. the router (conditional disaggregation off) subscribes to both prefills (index live);
 3. the router tokenizes a completion exactly as vLLM does (vLLM's prompt_token_ids);
 4. after one request, the router's index holds the blocks vLLM stored: replayed from
    the holder's own replay socket, their content keys equal the router's keys of the
@@ -23,7 +23,13 @@ Asserts, in this order:
    to hit nothing; a second one with that salt hits its salted blocks, exactly as many
    tokens as the router predicts;
 7. the second request's output is token-identical to a single instance (the other
-   prefill, asked directly).
+   prefill, asked directly);
+8. a LoRA adapter's requests are keyed as vLLM keys them (lora_checks.py): over a prefix
+   cached for the base model they hit nothing and are predicted to hit nothing, then hit
+   exactly what the router predicts;
+9. with conditional disaggregation on (a second router), a chat's second turn is served
+   by the decode alone, which hits the conversation it pulled for the first turn,
+   exactly as the router predicts (decode_local_checks.py).
 Every process it starts is killed at the end, pass or fail; on failure it names the step
 and prints the logs' tails.
 """
@@ -32,15 +38,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
-import httpx
+import decode_local_checks  # tests/vllm/, beside this script
+import lora_checks
 import msgspec
 import zmq
 from cluster import (
+    HERE,
     MODEL_NAME,
     SIDECAR_EXIT_TIMEOUT_S,
     Engine,
@@ -52,6 +60,13 @@ from cluster import (
     say,
     wait_logged,
 )
+from kv_probes import (
+    CPU_BLOCK,
+    completion,
+    indexed_blocks,
+    kv_status,
+    routed_hits,
+)
 
 from engine_agent.reference.kv_blocks import ROOT_KEY, block_keys, chain_key
 from pdreg.testing import free_low_port
@@ -62,7 +77,6 @@ STARTUP_TIMEOUT_S = 360.0
 STEP_TIMEOUT_S = 60.0
 HEARTBEAT_INTERVAL_S = 0.5
 LEASE_S = 5.0
-CPU_BLOCK = 128  # vLLM's CPU backend caches 128-token blocks
 TOPIC = "kv"
 SHARED = ("The registry keeps every member of the fleet in one table, and each router "
           "keeps a view of it that follows the events. ") * 5  # 2 blocks of 128 (512 max)
@@ -80,7 +94,11 @@ class KvCluster:
         self.decode = Engine("decode", "decode", free_low_port(), free_low_port(), "nobind",
                              proc("decode"))
         self.router = Router(free_low_port(), proc("router"))
-        self.kv_ports = {e.name: (free_low_port(), free_low_port()) for e in self.prefills}
+        # Conditional disaggregation's router (decode_local_checks.py), started last.
+        self.chat_router = Router(free_low_port(), proc("router-chat"))
+        self.kv_ports = {e.name: (free_low_port(), free_low_port()) for e in self.engines}
+        self.workdir = workdir
+        self.tokenizer_dir = workdir / "chat-tokenizer"
         self._stopped = False
 
     @property
@@ -92,6 +110,7 @@ class KvCluster:
             return
         self._stopped = True
         self.router.proc.stop()
+        self.chat_router.proc.stop()
         for engine in self.engines:
             engine.proc.stop(SIDECAR_EXIT_TIMEOUT_S)
         self.registry.proc.stop()
@@ -101,24 +120,6 @@ def kv_config(pub: int, replay: int) -> str:
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                        "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
                        "topic": TOPIC})
-
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
-def vllm_hits(engine: Engine) -> float:
-    return metric(httpx.get(engine.url + "/metrics", timeout=10).text,
-                  "vllm:prefix_cache_hits_total")
-
-
-def kv_status(router: Router) -> dict[str, dict[str, Any]]:
-    try:
-        body = httpx.get(router.url + "/v1/kv", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
-        return {}
-    return {m["id"]: m for m in body["members"]}
 
 
 def replayed_keys(replay_endpoint: str, capture: Path | None = None) -> list[int]:
@@ -156,24 +157,24 @@ def replayed_keys(replay_endpoint: str, capture: Path | None = None) -> list[int
     return order
 
 
-def completion(url: str, prompt: str, **extra: str) -> dict[str, Any]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, **extra}
-    reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert reply.status_code == 200, f"{url}: {reply.status_code} {reply.text[:300]}"
-    return reply.json()["choices"][0]
-
-
-def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) -> None:
-    steps.begin("start registry, two prefills with prefix caching and KV events, a decode")
+def start_cluster(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) -> None:
+    """Registry; three engines with prefix caching, KV events and the LoRA adapter; the
+    router. The router runs without conditional disaggregation: its checks are the
+    prefills' choice, and the decode, which keeps what it pulls, would otherwise serve a
+    request sharing SHARED alone (decode_local_checks.py runs a router with it on)."""
+    steps.begin("start registry, two prefills and a decode, each with prefix caching, KV "
+                "events and a LoRA adapter")
     registry = cluster.registry
     registry.start(HEARTBEAT_INTERVAL_S, LEASE_S, [])
     wait_logged("registry answers", registry.answers, STEP_TIMEOUT_S)
-    for engine in cluster.prefills:
+    adapter_dir = cluster.workdir / "lora"
+    subprocess.run([str(vllm_venv / "bin" / "python"), str(HERE / "make_tiny_lora.py"),
+                    str(model_dir), str(adapter_dir)], check=True, timeout=STEP_TIMEOUT_S)
+    for engine in cluster.engines:
         pub, replay = cluster.kv_ports[engine.name]
         engine.start(registry.address, vllm_venv, model_dir, [],
-                     ("--enable-prefix-caching", "--kv-events-config", kv_config(pub, replay)))
-    cluster.decode.start(registry.address, vllm_venv, model_dir, [])
+                     ("--enable-prefix-caching", "--kv-events-config", kv_config(pub, replay),
+                      *lora_checks.lora_flags(adapter_dir)))
 
     def all_ready() -> bool:
         for engine in cluster.engines:
@@ -185,7 +186,7 @@ def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) ->
 
     steps.begin("registration carries the KV events endpoints from vLLM's command line")
     view = registry.members()
-    for engine in cluster.prefills:
+    for engine in cluster.engines:
         pub, replay = cluster.kv_ports[engine.name]
         kv = view[engine.member_id]["kv_events"]
         assert kv and kv["endpoint"] == f"tcp://127.0.0.1:{pub}", view[engine.member_id]
@@ -195,12 +196,21 @@ def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) ->
 
     steps.begin("pdreg router --policy kv subscribes to both prefills")
     router = cluster.router
-    router.start(registry.address, 3, ["--policy", "kv", "--no-register"])
+    # vLLM renders chats with --chat-template, which a router cannot read from it: the
+    # same template goes to the routers in a tokenizer folder (decode_local_checks.py).
+    tokenizer_dir = decode_local_checks.chat_tokenizer_dir(model_dir, cluster.tokenizer_dir)
+    router.start(registry.address, 3, ["--policy", "kv", "--no-register",
+                                       "--disagg-min-uncached-tokens", "0",
+                                       "--tokenizer", f"{MODEL_NAME}={tokenizer_dir}"])
     wait_logged("router lists the model", lambda: router.lists(MODEL_NAME), STEP_TIMEOUT_S)
     wait_logged("both prefills indexed and live", lambda: [
         m["state"] for m in kv_status(router).values()] == ["live", "live"], STEP_TIMEOUT_S,
         lambda: json.dumps(kv_status(router)))
 
+
+def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) -> None:
+    start_cluster(steps, cluster, vllm_venv, model_dir)
+    router = cluster.router
     steps.begin("the router tokenizes as vLLM does; its index holds the blocks vLLM stored")
     tokenizer = load_tokenizer(str(model_dir))
     assert tokenizer is not None
@@ -227,43 +237,29 @@ def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) ->
     say(f"ok: {holder.name} stored exactly the {len(predicted)} blocks the router predicts")
 
     steps.begin("a second request sharing the prefix goes to its holder; vLLM counts the hit")
-    hits_before = {e.name: vllm_hits(e) for e in cluster.prefills}
-    cached_before = metric(router.metrics(), "pdreg_router_prompt_tokens_cached_total")
     second_prompt = SHARED + "Second question: and the routers?"
-    second = completion(router.url, second_prompt)
+    gained, cached, second = routed_hits(router, cluster.prefills, second_prompt)
     shared_blocks = len(block_keys(tokenizer.completion_ids(SHARED), CPU_BLOCK))
-    gained = {e.name: vllm_hits(e) - hits_before[e.name] for e in cluster.prefills}
     assert gained[holder.name] >= shared_blocks * CPU_BLOCK and gained[other.name] == 0, (
         f"vLLM prefix-cache hits gained: {gained}; expected {shared_blocks * CPU_BLOCK}+ on "
         f"{holder.name}")
-    cached = metric(router.metrics(), "pdreg_router_prompt_tokens_cached_total") - cached_before
     assert cached == shared_blocks * CPU_BLOCK, f"router predicted {cached} cached tokens"
     say(f"ok: {holder.name} hit {gained[holder.name]:.0f} tokens (vLLM's counter); the "
         f"router predicted {cached:.0f}")
 
     steps.begin("a salted request: the same tokens hit nothing, its own salt hits exactly")
-
-    def salted(question: str) -> tuple[dict[str, float], float]:
-        """(vLLM's hits gained per prefill, the router's predicted cached tokens) for one
-        request with SHARED under the salt."""
-        before = {e.name: vllm_hits(e) for e in cluster.prefills}
-        predicted_before = metric(router.metrics(), "pdreg_router_prompt_tokens_cached_total")
-        completion(router.url, SHARED + question, cache_salt="tenant-a")
-        return ({e.name: vllm_hits(e) - before[e.name] for e in cluster.prefills},
-                metric(router.metrics(), "pdreg_router_prompt_tokens_cached_total")
-                - predicted_before)
-
-    def indexed() -> int:
-        return sum(m["blocks"] for m in kv_status(router).values())
-
-    blocks_before = indexed()
-    gained, cached = salted("Third question: and the planner?")
+    blocks_before = indexed_blocks(router)
+    gained, cached, _ = routed_hits(router, cluster.prefills,
+                                    SHARED + "Third question: and the planner?",
+                                    cache_salt="tenant-a")
     assert not any(gained.values()) and cached == 0, (gained, cached)
     say("ok: a salted request with the indexed prefix: vLLM hit nothing, the router "
         "predicted nothing")
-    wait_logged("the salted blocks indexed", lambda: indexed() >= blocks_before
+    wait_logged("the salted blocks indexed", lambda: indexed_blocks(router) >= blocks_before
                 + shared_blocks, STEP_TIMEOUT_S, lambda: json.dumps(kv_status(router)))
-    gained, cached = salted("Fourth question: and the sidecar?")
+    gained, cached, _ = routed_hits(router, cluster.prefills,
+                                    SHARED + "Fourth question: and the sidecar?",
+                                    cache_salt="tenant-a")
     assert sum(gained.values()) >= shared_blocks * CPU_BLOCK, gained
     assert cached == sum(gained.values()), f"router predicted {cached}, vLLM hit {gained}"
     say(f"ok: the same salt again: vLLM hit {sum(gained.values()):.0f} tokens, the router "
@@ -273,6 +269,14 @@ def check(steps: Steps, cluster: KvCluster, vllm_venv: Path, model_dir: Path) ->
     single = completion(other.url, second_prompt)
     assert second["token_ids"] == single["token_ids"], (second, single)
     say(f"ok: {len(single['token_ids'])} tokens identical")
+
+    # Both prefills now hold SHARED for the base model (the holder since the first
+    # request, the other since the single-instance one).
+    lora_checks.check_lora(steps, router, cluster.prefills, SHARED, shared_blocks)
+    decode_local_checks.check_decode_local(steps, cluster.registry.address,
+                                           cluster.prefills, cluster.decode,
+                                           (router, cluster.chat_router),
+                                           cluster.tokenizer_dir)
 
 
 def main() -> int:
