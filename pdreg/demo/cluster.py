@@ -230,6 +230,10 @@ class ClusterConfig:
     # A prefill holds KV until a decode pulls it; KV meant for a killed decode is never
     # pulled, and a draining prefill waits for it. Short here: demo requests take ms.
     kv_lease_s: float = 5.0
+    # The router's TTFT SLO: a request that would wait past it gets a 503. The reference
+    # engine computes on a CPU, seconds a prompt on a busy laptop; the demo shows members
+    # coming and going without a failed request, not overload shedding (1 s by default).
+    ttft_slo_ms: float = 30_000.0
     log_level: str = "INFO"
     secure: bool = True  # CURVE, a fleet token and an admin token (DemoSecurity)
 
@@ -317,7 +321,8 @@ class Cluster:
     def start_router(self) -> ManagedProcess:
         self.router = self._spawn("router", [
             "router", "--registry", self.registry_address, "--host", "127.0.0.1",
-            "--port", str(self.ports.take()), "--allow-upstream", LOOPBACK_ALLOW],
+            "--port", str(self.ports.take()), "--allow-upstream", LOOPBACK_ALLOW,
+            "--ttft-slo-ms", str(self.config.ttft_slo_ms)],
             json_ready_line, self._client_env())
         self.router.wait_ready()
         return self.router
