@@ -415,10 +415,11 @@ class Processes:
     argvs: dict[str, list[str]] = field(default_factory=dict)
     envs: dict[str, Mapping[str, str]] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str], env: Mapping[str, str]) -> None:
+    def start(self, name: str, argv: list[str], env: Mapping[str, str],
+              log_level: str = "WARNING") -> None:
         with (self.logs / f"{name}.log").open("ab") as log:
             self.running[name] = subprocess.Popen(
-                [sys.executable, "-m", "pdreg", "--log-level", "WARNING", *argv],
+                [sys.executable, "-m", "pdreg", "--log-level", log_level, *argv],
                 env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent)
         self.argvs[name], self.envs[name] = argv, env

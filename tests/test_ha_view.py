@@ -115,7 +115,8 @@ def test_a_frozen_registry_does_not_keep_a_dead_decode_routable(processes: Proce
         processes.start(name, ["registry", "--host", "127.0.0.1", "--port", str(control),
                                "--events-port", str(events), "--http-port", str(http),
                                "--heartbeat-interval", str(HEARTBEAT_S),
-                               "--lease", str(LEASE_S)], {})
+                               "--lease", str(LEASE_S)], {},
+                        log_level="INFO")  # joins, suspicions, expiries: when each was
     both = ",".join(registries.values())
     engines = {}
     for role in ("prefill", "prefill", "decode", "decode"):
