@@ -129,8 +129,8 @@ class EngineMetadata:
     tp_size: int = 1
     dp_size: int = 1
     kv_block_size: int = 0  # tokens per block of its KV events, where it says (SGLang)
-    max_model_len: int = 0  # its context length in tokens, where it says (vLLM)
-    adapters: tuple[str, ...] = ()  # LoRA adapters served besides `model` (vLLM)
+    max_model_len: int = 0  # its context length in tokens, where it says (/v1/models)
+    adapters: tuple[str, ...] = ()  # LoRA adapters served besides `model` (/v1/models)
 
 
 Sample = tuple[dict[str, str], float]  # (labels, value)
@@ -331,20 +331,24 @@ class EngineProbe:
             return None
 
     def _vllm_metadata(self) -> EngineMetadata:
+        base, max_model_len, adapters = self._model_cards()
+        return EngineMetadata(model=base, max_model_len=max_model_len, adapters=adapters)
+
+    def _model_cards(self) -> tuple[str, int, tuple[str, ...]]:
+        """/v1/models as vLLM and SGLang both list it: the base model first, with its
+        context length (`max_model_len`), then a card per LoRA adapter (vLLM's
+        --lora-modules, SGLang's --lora-paths, or loaded later) whose "parent" is the
+        base model. ("", 0, ()) when it lists nothing."""
         response = self._client.get("/v1/models")
         response.raise_for_status()
         models = response.json()["data"]
         if not models:
-            return EngineMetadata()
+            return "", 0, ()
         base = str(models[0]["id"])
         length = models[0].get("max_model_len")
-        # vLLM lists its base model first, then a card per LoRA adapter (--lora-modules,
-        # or loaded later) whose "parent" is the base model.
         adapters = [str(m["id"]) for m in models[1:] if m.get("parent") == base]
-        return EngineMetadata(model=base, max_model_len=length
-                              if type(length) is int and 0 < length < 2**31 else 0,
-                              adapters=tuple(a for a in adapters
-                                             if 0 < len(a) <= MAX_NAME_CHARS)[:MAX_ADAPTERS])
+        return (base, length if type(length) is int and 0 < length < 2**31 else 0,
+                tuple(a for a in adapters if 0 < len(a) <= MAX_NAME_CHARS)[:MAX_ADAPTERS])
 
     def _sglang_metadata(self) -> EngineMetadata:
         response = self._client.get("/server_info")
@@ -354,8 +358,11 @@ class EngineProbe:
         model = info.get("served_model_name") or info.get("model_path") or ""
         kv_events = info.get("kv_events")
         block = kv_events.get("block_size") if isinstance(kv_events, dict) else None
+        base, max_model_len, adapters = self._model_cards()
         return EngineMetadata(
             model=str(model),
+            max_model_len=max_model_len if base == model else 0,
+            adapters=adapters if base == model else (),
             bootstrap_port=int(info.get("disaggregation_bootstrap_port") or 0),
             tp_size=max(1, int(info.get("tp_size") or 1)),
             dp_size=max(1, int(info.get("dp_size") or 1)),

@@ -12,7 +12,9 @@ They follow the engines' contracts as measured on the real servers (docs/engines
   likewise, but only after a one-second wait (the real one generates a token and sleeps
   a second before it looks); GET /server_info (and /get_server_info) -> server args incl.
   `model_path`, `served_model_name`, `disaggregation_mode`,
-  `disaggregation_bootstrap_port`, `tp_size`, `dp_size`, `version`; GET /v1/models;
+  `disaggregation_bootstrap_port`, `tp_size`, `dp_size`, `version`;
+  GET /v1/models as vLLM's (the base card's "max_model_len" its context length, a card
+  per LoRA adapter of --lora-paths with "parent"; no "permission");
   GET /v1/loads -> live counts per DP rank; GET /metrics -> 404 unless started with
   metrics (`--enable-metrics` on the real server), else gauges `sglang:num_running_reqs`,
   `sglang:num_queue_reqs`, `sglang:token_usage`, the P/D hand-off queues, labelled
@@ -178,10 +180,12 @@ class StandinServer:
         cards = [model]
         if self.kind == "vllm":
             model["permission"] = []
-            cards += [{"id": name, "object": "model", "created": model["created"],
-                       "owned_by": "vllm", "root": path, "parent": self.model,
-                       "max_model_len": None, "permission": []}
-                      for name, path in self.lora_modules.items()]
+        # Both list a card per LoRA adapter, its "parent" the base model (SGLang's have
+        # no "permission").
+        cards += [{"id": name, "object": "model", "created": model["created"],
+                   "owned_by": self.kind, "root": path, "parent": self.model,
+                   "max_model_len": None, **({"permission": []} if self.kind == "vllm" else {})}
+                  for name, path in self.lora_modules.items()]
         return {"object": "list", "data": cards}
 
     def server_info_body(self) -> dict[str, Any]:
@@ -283,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-metrics", action="store_true",
                         help="SGLang: no /metrics (as without --enable-metrics)")
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
-                        help="vLLM: LoRA adapters it lists in /v1/models")
+                        help="LoRA adapters it lists in /v1/models (vLLM's --lora-modules, "
+                        "SGLang's --lora-paths)")
     parser.add_argument("--startup-delay", type=float, default=0.0,
                         help="seconds before binding, like an engine loading weights")
     args = parser.parse_args(argv)

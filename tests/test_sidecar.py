@@ -221,6 +221,7 @@ def test_attach_to_running_sglang_prefill_reads_server_info(
                        bootstrap_port=free_low_port(),
                        disaggregation_mode="prefill") as engine:
         engine.state.running = 4
+        engine.lora_modules = {"sql": "/loras/sql"}  # --lora-paths sql=/loras/sql
         sidecar = Sidecar(registry, "sglang", engine.port,
                           ["--role", "prefill", "--advertise-host", "localhost"])
         sidecars.append(sidecar)
@@ -231,6 +232,8 @@ def test_attach_to_running_sglang_prefill_reads_server_info(
         record = member(registry, member_id)
         assert record is not None
         assert record.spec.model == "tiny"
+        # Its context and adapters, from /v1/models as SGLang lists them.
+        assert record.spec.max_model_len == 512 and record.spec.adapters == ("sql",)
         assert record.spec.endpoints.http == f"http://localhost:{engine.port}"
         assert record.spec.endpoints.bootstrap_port == engine.bootstrap_port
         assert record.spec.endpoints.kv_host == "localhost"
