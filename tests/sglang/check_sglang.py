@@ -135,12 +135,15 @@ def check_registration(c: Cluster) -> None:
         spec = record.spec
         say(f"{engine.name}: model={spec.model} protocol={spec.protocol} "
             f"http={spec.endpoints.http} bootstrap={spec.endpoints.kv_host}:"
-            f"{spec.endpoints.bootstrap_port} tp={spec.parallel.tp_size} labels={spec.labels}")
+            f"{spec.endpoints.bootstrap_port} tp={spec.parallel.tp_size} labels={spec.labels} "
+            f"max_model_len={spec.max_model_len}")
         assert spec.role.name.lower() == engine.role, spec
         assert spec.model == harness.MODEL_NAME, f"model {spec.model!r} (served_model_name)"
         assert spec.protocol == "sglang", spec
         assert spec.endpoints.http == engine.url, spec
         assert spec.labels == {"test": "sglang"}, spec
+        # Its context length, from /v1/models (the router refuses what surely exceeds it).
+        assert spec.max_model_len > 0, f"{engine.name}: no max_model_len registered"
         if engine.role == "prefill":
             assert spec.endpoints.bootstrap_port == engine.bootstrap_port, (
                 f"{engine.name} registered bootstrap port {spec.endpoints.bootstrap_port}, "
