@@ -71,6 +71,7 @@ INTERVAL_S = 5.0
 # The generator registers 100k members in a few minutes on a quiet machine; at a load
 # average of 25 on 2 cores it took more than 15.
 REGISTER_TIMEOUT_S = 2400.0
+GC_DETAIL_MS = 0.0  # --gc-detail: collections longer than this (thread CPU) say what they walked
 
 # Bench-only: the router imports this first (a sitecustomize on its path) and logs every
 # garbage collection: unix time, generation, milliseconds of wall time and of the
@@ -79,15 +80,54 @@ REGISTER_TIMEOUT_S = 2400.0
 # in one C call): the CPU figure is the collector's own pause.
 _GC_SHIM = """
 import gc, os, time
+from collections import Counter
 _log = open(os.environ["PDREG_BENCH_ROUTER_GC_LOG"], "a", buffering=1)
+# --gc-detail MS: a collection taking more of its thread's CPU than this also logs what it
+# walked (taken at its start: the objects of the generations it collects, by type, and
+# the biggest containers among them with who holds them), and what it freed.
+_detail_ms = float(os.environ.get("PDREG_BENCH_ROUTER_GC_DETAIL_MS") or 0)
 _start = [0.0, 0.0]
+_walked = [None]
+_SIZED = (dict, list, set, frozenset, tuple)
+def _survey(generation):
+    kinds, big, refs = Counter(), [], 0
+    for g in range(generation + 1):
+        for o in gc.get_objects(g):
+            kinds[type(o).__name__] += 1
+            if type(o) in _SIZED:
+                refs += len(o)
+                if len(o) >= 1000:
+                    big.append(o)
+    big.sort(key=len, reverse=True)
+    return kinds, refs, big[:4]
+def _holder(o, survey):
+    names = []
+    for r in gc.get_referrers(o):
+        if r is survey or r is survey[2]:
+            continue
+        if type(r) is dict:
+            key = next((k for k, v in r.items() if v is o), "?")
+            names.append(f"dict[{key!r}]")
+        else:
+            names.append(type(r).__name__)
+    return ",".join(names[:3])
 def _timed(phase, info):
     if phase == "start":
+        if _detail_ms:
+            _walked[0] = _survey(info["generation"])
         _start[:] = time.perf_counter(), time.thread_time()
-    else:
-        _log.write(f"{time.time():.4f} {info['generation']} "
-                   f"{1e3 * (time.perf_counter() - _start[0]):.3f} "
-                   f"{1e3 * (time.thread_time() - _start[1]):.3f}\\n")
+        return
+    wall = 1e3 * (time.perf_counter() - _start[0])
+    cpu = 1e3 * (time.thread_time() - _start[1])
+    _log.write(f"{time.time():.4f} {info['generation']} {wall:.3f} {cpu:.3f}\\n")
+    walked, _walked[0] = _walked[0], None
+    if walked is not None and cpu > _detail_ms:
+        kinds, refs, big = walked
+        sizes = "; ".join(f"{type(o).__name__}[{len(o)}] in {_holder(o, walked)}"
+                          for o in big)
+        _log.write(f"# gen{info['generation']} cpu={cpu:.1f}ms walked="
+                   f"{sum(kinds.values())} refs={refs} collected={info['collected']} "
+                   f"{kinds.most_common(6)} big: {sizes}\\n")
 gc.callbacks.append(_timed)
 """
 
@@ -115,6 +155,8 @@ def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float,
     longest = total = longest_cpu = 0.0
     with contextlib.suppress(FileNotFoundError), open(path) as log:
         for line in log:
+            if line.startswith("#"):  # --gc-detail's account of a slow one
+                continue
             at, generation, ms, *cpu = line.split()
             if t0 <= float(at) <= t1:
                 count += 1
@@ -126,15 +168,26 @@ def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float,
             round(longest_cpu, 1))
 
 
+def serving_since(target: bench_router.Target) -> float:
+    """Wait until `target` serves a request; then (unix time). The collections counted
+    are those from then on: its start-up (the first snapshot, the first table) apart."""
+    send = bench_router.completion(target.url, bench_router.BODY)
+    bench_router.wait_until(lambda: bench_router.serves(send), bench_router.READY_TIMEOUT_S,
+                            poll_s=0.2)
+    return time.time()
+
+
 @contextlib.contextmanager
 def gc_logged_router(registry: str, policy: str, label: str, src: Path | None,
                      flags: list[str], log_path: str) -> Iterator[bench_router.Target]:
     """bench_router's `pdreg router`, with the GC shim on its path (for it alone)."""
     shim = tempfile.mkdtemp(prefix="pdreg-router-gc-")
     Path(shim, "sitecustomize.py").write_text(_GC_SHIM)
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PDREG_BENCH_ROUTER_GC_LOG")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PDREG_BENCH_ROUTER_GC_LOG",
+                                            "PDREG_BENCH_ROUTER_GC_DETAIL_MS")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (shim, saved["PYTHONPATH"]) if p)
     os.environ["PDREG_BENCH_ROUTER_GC_LOG"] = log_path
+    os.environ["PDREG_BENCH_ROUTER_GC_DETAIL_MS"] = str(GC_DETAIL_MS)
     bench_router.ROUTER_ARGS[:] = flags
     try:
         with bench_router.pdreg_router(registry, policy, label, src) as target:
@@ -211,7 +264,13 @@ def main() -> int:
     parser.add_argument("--table", type=int, default=0, metavar="N",
                         help="instead: what view updates cost the pairing table at N "
                              "members, per tree (no fleet)")
+    parser.add_argument("--gc-detail", type=float, default=0.0, metavar="MS",
+                        help="log what each collection over MS of CPU walked and freed")
+    parser.add_argument("--gc-logs", default="", metavar="DIR",
+                        help="keep the routers' collection logs in DIR")
     args = parser.parse_args()
+    global GC_DETAIL_MS
+    GC_DETAIL_MS = args.gc_detail
     variants: list[tuple[str, Path | None, list[str]]] = [
         (v.strip(), None, v.split()[1:]) for v in args.variants.split(";") if v.strip()]
     trees = [(commit, source_tree(commit))
@@ -225,7 +284,8 @@ def main() -> int:
         for _, tmp in trees:
             shutil.rmtree(tmp, ignore_errors=True)
         return 0
-    logs = tempfile.mkdtemp(prefix="pdreg-router-gc-logs-")
+    logs = args.gc_logs or tempfile.mkdtemp(prefix="pdreg-router-gc-logs-")
+    os.makedirs(logs, exist_ok=True)
     rows: list[Row] = []
     try:
         for members in (int(m) for m in args.members.split(",")):
@@ -236,18 +296,22 @@ def main() -> int:
                         with gc_logged_router(registry, args.policy, name, src,
                                               flags,
                                               log_path) as target:
-                            t0 = time.time()
+                            t0 = serving_since(target)
                             try:
                                 row = bench_router.measure(target, HANDSHAKE, args.requests)
                             except RuntimeError as exc:  # never became ready: say so, go on
                                 print(f"  {name}: {exc}", flush=True)
                                 row = bench_router.Row(name, HANDSHAKE, failed=-1)
                             gc = gc_figures(log_path, t0, time.time())
+                            start_up = gc_figures(log_path, 0.0, t0)
+                            print(f"  start-up: {start_up[0]} collections, the longest "
+                                  f"{start_up[2]} ms ({start_up[4]} ms of CPU)", flush=True)
                         rows.append(Row(name, members, row.cpu_us_per_req, row.p50_ms_c32,
                                         row.p99_ms_c32, row.req_per_s_c32, row.failed, *gc))
                         print(json.dumps(asdict(rows[-1])), flush=True)
     finally:
-        shutil.rmtree(logs, ignore_errors=True)
+        if not args.gc_logs:
+            shutil.rmtree(logs, ignore_errors=True)
         for _, tmp in trees:
             shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows, args.requests, args.policy)
