@@ -23,7 +23,6 @@ the router's loop is its only user.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -78,15 +77,18 @@ class TableUpdater:
         self._waiting: dict[str, dict[str, Candidate]] = {}
         self._table: PairingTable | None = PairingTable({})  # None: to be made again
         self._stale: set[str] = set()  # models whose pools are made again when read
-        # model -> id -> candidate: every member pairing may choose. No tuple per member
-        # (the collector tracks new tuples: a first read of 100k members made 200k of
-        # them, walked by the young collections that followed): suspicion is a set, the
-        # model names a member serves one shared tuple per distinct set of names.
+        # model -> id -> candidate: every member pairing may choose. Nothing here per
+        # member that the collector tracks (a first read of 100k members made 200k new
+        # tuples, walked by the young collections that followed; a dict is tracked once
+        # it holds one): suspicion is a set, the model names a member serves an index
+        # into one shared list of the distinct sets of names, the URLs a plain dict.
         self._by_model: dict[str, dict[str, Candidate]] = {}
         self._suspect: set[str] = set()  # ids of the candidates that are suspect
-        self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
-        self._models_of: dict[str, tuple[str, ...]] = {}  # id -> the models it serves
-        self._urls: Counter[str] = Counter()  # base URL -> routable members with it
+        self._names: dict[tuple[str, ...], int] = {}  # a set of names -> its index
+        self._name_sets: list[tuple[str, ...]] = []  # index -> the set of names
+        # id -> the models it serves: an index into `_name_sets`
+        self._models_of: dict[str, int | tuple[str, ...]] = {}
+        self._urls: dict[str, int] = {}  # base URL -> routable members with it
         self._url_set: frozenset[str] | None = frozenset()  # None: to be made again
 
     def reset(self, members: Mapping[str, LiveMember], version: int = 0) -> TableUpdate:
@@ -139,7 +141,7 @@ class TableUpdater:
     def _loaded(self, member_id: str, member: LiveMember) -> None:
         """`member_id`'s load alone changed: its new candidate waits for its models' next
         read."""
-        models = self._models_of.get(member_id, ())
+        models = self._models(member_id)
         if not models:
             return  # not a candidate
         fresh = self._by_model[models[0]][member_id].with_load(member)
@@ -194,23 +196,27 @@ class TableUpdater:
         if not takes_requests(member, self.protocols):
             return
         models = served(member.record.spec)
-        models = self._names.setdefault(models, models) \
-            if len(self._names) < MAX_NAME_SETS else models
+        index: int | tuple[str, ...] | None = self._names.get(models)
+        if index is None and len(self._name_sets) < MAX_NAME_SETS:
+            index = self._names[models] = len(self._name_sets)
+            self._name_sets.append(models)
         candidate = Candidate.of(member, self.locality_key)
         suspect = member.record.suspect
         if suspect:
             self._suspect.add(member_id)
         for model in models:
             self._by_model.setdefault(model, {})[member_id] = candidate
-        self._models_of[member_id] = models
+        # (past MAX_NAME_SETS, the names themselves: the dict is tracked from then on)
+        self._models_of[member_id] = models if index is None else index
         dirty.update(models)
         if not suspect:
-            self._urls[candidate.http] += 1
-            if self._urls[candidate.http] == 1:
+            held = self._urls.get(candidate.http, 0)
+            self._urls[candidate.http] = held + 1
+            if not held:
                 self._url_set = None
 
     def _remove(self, member_id: str, dirty: set[str]) -> None:
-        models = self._models_of.pop(member_id, ())
+        models = self._names_at(self._models_of.pop(member_id, None))
         if not models:
             return
         for model in models:
@@ -222,10 +228,22 @@ class TableUpdater:
         if member_id in self._suspect:
             self._suspect.discard(member_id)
         else:
-            self._urls[candidate.http] -= 1
-            if not self._urls[candidate.http]:
+            held = self._urls[candidate.http] - 1
+            if held:
+                self._urls[candidate.http] = held
+            else:
                 del self._urls[candidate.http]
                 self._url_set = None
+
+    def _models(self, member_id: str) -> tuple[str, ...]:
+        """The model names `member_id` serves (none: not a candidate)."""
+        return self._names_at(self._models_of.get(member_id))
+
+    def _names_at(self, held: int | tuple[str, ...] | None) -> tuple[str, ...]:
+        """What `_models_of` holds for a member, as the names it serves."""
+        if held is None:
+            return ()
+        return self._name_sets[held] if isinstance(held, int) else held
 
     def _rebuild(self, dirty: set[str]) -> None:
         """The `dirty` models' pools are made again when next read: a model nobody asks
