@@ -30,6 +30,15 @@ With --table, per tree likewise: the CPU a router's pairing table takes per view
 at N members (a load digest of 50 members; a member's state flip; both reading the whole
 table), what a request for another model (`tiny`) pays right after a digest, and the
 objects the collector tracks after the first table, --repeat times.
+
+    .venv/bin/python bench/bench_router_scale.py --gc 100000 --baseline main
+
+Instead, per tree likewise, --repeat times: a router's view and table (the real Replica,
+Merge, ChangeTrail and Pairing, no sockets) following N members, the collector set as
+`settle_heap` sets it: the collections during each step (the first sync, 400 digests of
+250 loads with a state flip every 10, a resync) and the young collection right after
+each (what the step left for the collector), by the CPU they took. With a fleet,
+--gc-detail MS logs what each router collection over MS walked and freed.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from bench_registry import registry_process  # noqa: E402
 from reference_helpers import start_engines, stop_all  # noqa: E402
 
 from bench.procs import source_tree  # noqa: E402
-from bench.router_scale_probes import heap, table  # noqa: E402
+from bench.router_scale_probes import collections, heap, table  # noqa: E402
 from bench.scale.generator import generator  # noqa: E402
 
 HANDSHAKE = "vllm-nixl"
@@ -71,6 +80,7 @@ INTERVAL_S = 5.0
 # The generator registers 100k members in a few minutes on a quiet machine; at a load
 # average of 25 on 2 cores it took more than 15.
 REGISTER_TIMEOUT_S = 2400.0
+IDLE_S = 5.0  # the router's CPU measured this long with no request, once it serves
 GC_DETAIL_MS = 0.0  # --gc-detail: collections longer than this (thread CPU) say what they walked
 
 # Bench-only: the router imports this first (a sitecustomize on its path) and logs every
@@ -146,6 +156,7 @@ class Row:
     gc_max_ms: float
     gc_ms_per_s: float
     gc_max_cpu_ms: float = 0.0  # the longest by the collecting thread's CPU time
+    idle_cpu_ms_per_s: float | None = None  # serving nothing: what following the fleet costs
 
 
 def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float, float]:
@@ -175,6 +186,16 @@ def serving_since(target: bench_router.Target) -> float:
     bench_router.wait_until(lambda: bench_router.serves(send), bench_router.READY_TIMEOUT_S,
                             poll_s=0.2)
     return time.time()
+
+
+def idle_cpu_ms_per_s(target: bench_router.Target) -> float | None:
+    """The router's CPU per second over IDLE_S with no request: its view following the
+    fleet, which a request's CPU figure carries too (spread over the requests)."""
+    if target.cpu_s is None:
+        return None
+    before = target.cpu_s()
+    time.sleep(IDLE_S)
+    return round((target.cpu_s() - before) / IDLE_S * 1e3, 1)
 
 
 @contextlib.contextmanager
@@ -238,13 +259,14 @@ def print_table(rows: list[Row], requests: int, policy: str) -> None:
     print(f"\n{requests} requests at c={bench_router.CONCURRENCY} per run, policy "
           f"{policy}; GC over the whole measurement\n")
     print("| router | members | CPU per request | p50 / p99 at c=32 | req/s | GCs "
-          "(full) | longest GC (wall / the thread's CPU) | GC ms per s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "(full) | longest GC (wall / the thread's CPU) | GC ms per s | idle CPU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cpu = f"{r.cpu_us_per_req:.0f} µs" if r.cpu_us_per_req is not None else "-"
         print(f"| {r.variant} | {r.members:,} | {cpu} | {r.p50_ms_c32:.1f} / "
               f"{r.p99_ms_c32:.1f} ms | {r.req_per_s_c32:,.0f} | {r.gc_count} ({r.gc_full}) "
-              f"| {r.gc_max_ms} / {r.gc_max_cpu_ms} ms | {r.gc_ms_per_s} |")
+              f"| {r.gc_max_ms} / {r.gc_max_cpu_ms} ms | {r.gc_ms_per_s} | "
+              f"{r.idle_cpu_ms_per_s} ms/s |")
 
 
 def main() -> int:
@@ -264,6 +286,9 @@ def main() -> int:
     parser.add_argument("--table", type=int, default=0, metavar="N",
                         help="instead: what view updates cost the pairing table at N "
                              "members, per tree (no fleet)")
+    parser.add_argument("--gc", type=int, default=0, metavar="N",
+                        help="instead: a router's collections per step of following N "
+                             "members (first sync, digests and flips, a resync), per tree")
     parser.add_argument("--gc-detail", type=float, default=0.0, metavar="MS",
                         help="log what each collection over MS of CPU walked and freed")
     parser.add_argument("--gc-logs", default="", metavar="DIR",
@@ -276,11 +301,13 @@ def main() -> int:
     trees = [(commit, source_tree(commit))
              for commit in args.baseline.split(",") if commit]
     variants[:0] = [(commit, Path(tmp), []) for commit, tmp in trees]
-    if args.table or args.heap:
+    if args.table or args.heap or args.gc:
         for _ in range(args.repeat if args.table else 0):
             table(args.table, [*trees, ("this", str(BENCH.parent))])
         if args.heap:
             heap(args.heap, [*trees, ("this", str(BENCH.parent))])
+        for _ in range(args.repeat if args.gc else 0):
+            collections(args.gc, [*trees, ("this", str(BENCH.parent))])
         for _, tmp in trees:
             shutil.rmtree(tmp, ignore_errors=True)
         return 0
@@ -297,6 +324,7 @@ def main() -> int:
                                               flags,
                                               log_path) as target:
                             t0 = serving_since(target)
+                            idle = idle_cpu_ms_per_s(target)
                             try:
                                 row = bench_router.measure(target, HANDSHAKE, args.requests)
                             except RuntimeError as exc:  # never became ready: say so, go on
@@ -307,7 +335,8 @@ def main() -> int:
                             print(f"  start-up: {start_up[0]} collections, the longest "
                                   f"{start_up[2]} ms ({start_up[4]} ms of CPU)", flush=True)
                         rows.append(Row(name, members, row.cpu_us_per_req, row.p50_ms_c32,
-                                        row.p99_ms_c32, row.req_per_s_c32, row.failed, *gc))
+                                        row.p99_ms_c32, row.req_per_s_c32, row.failed, *gc,
+                                        idle))
                         print(json.dumps(asdict(rows[-1])), flush=True)
     finally:
         if not args.gc_logs:

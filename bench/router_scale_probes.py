@@ -269,15 +269,18 @@ pairing = Pairing(view, make_pairer("peak_ewma", latency=latency), locality_labe
                   in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
                   latency=latency, clock=time.monotonic, on_members=lambda *a: None)
 pairing.choose("tiny", NO_AFFINITY, ())  # a router reads its empty view before the sync
-first, again = snapshot(1, 0), snapshot(1, 3)
+first = snapshot(1, 0)
 gc.collect(); gc.freeze(); gc.set_threshold(20_000, 10, 10)  # as settle_heap
 def sync(payload):
     view.replica.apply_snapshot(decode_reply.decode(payload), time.monotonic(), time.time())
     view.publish()
     pairing.choose("tiny", NO_AFFINITY, ())
+spent = {}
 def step(name, work):
     phase[0] = name
+    t0 = time.process_time()
     work()
+    spent[name] = time.process_time() - t0
     phase[0] = "after " + name
     gc.collect(1)  # the young collection that comes next: what the step left behind
 step("first sync", lambda: sync(first))
@@ -298,8 +301,11 @@ def steady():
         pairing.choose("tiny", NO_AFFINITY, ())
 again_version = [1]
 step("digests and flips", steady)
-step("resync", lambda: sync(snapshot(again_version[0], 5)))
-print(json.dumps({"members": n, **{k: [v[0], round(v[1], 2)] for k, v in figures.items()}}))
+payload = snapshot(again_version[0], 5)  # (made before the step: not the router's work)
+step("resync", lambda: sync(payload))
+print(json.dumps({"members": n, **{k: [v[0], round(v[1], 2)] for k, v in figures.items()},
+                  "per_load_us": round(1e6 * spent["digests and flips"] / (rounds * 250), 2),
+                  "resync_ms": round(1e3 * spent["resync"], 1)}))
 """
 
 PHASES = ("first sync", "after first sync", "digests and flips", "after digests and flips",
@@ -310,13 +316,16 @@ def collections(members: int, trees: list[tuple[str, str]], rounds: int = 400) -
     """Per source tree, in its own process: the collections (count, the longest by CPU)
     that a router's view and table cause while following `members` members: the first
     sync, `rounds` digests of 250 loads with a state flip every 10, a resync; and the
-    young collection right after each (what it left for the collector)."""
-    print("| tree | members | " + " | ".join(PHASES) + " |")
-    print("|---|---:|" + "---:|" * len(PHASES))
+    young collection right after each (what it left for the collector). Also the CPU
+    per load change of the digests (view and table together) and of the resync."""
+    print("| tree | members | " + " | ".join(PHASES) + " | CPU per load change | a "
+          "resync |")
+    print("|---|---:|" + "---:|" * (len(PHASES) + 2))
     for name, src in trees:
         r = _probe(name, src, _GC_PROBE, members, rounds)
         cells = [f"{r[p][0]}, {r[p][1]} ms" if p in r else "0" for p in PHASES]
-        print(f"| {name} | {r['members']:,} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {name} | {r['members']:,} | " + " | ".join(cells) + f" | "
+              f"{r['per_load_us']} µs | {r['resync_ms']} ms |", flush=True)
 
 
 def _probe(name: str, src: str, code: str, *args: int) -> dict[str, Any]:
