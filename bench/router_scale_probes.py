@@ -301,6 +301,7 @@ def steady():
         pairing.choose("tiny", NO_AFFINITY, ())
 again_version = [1]
 step("digests and flips", steady)
+phase[0] = "start-up"
 payload = snapshot(again_version[0], 5)  # (made before the step: not the router's work)
 step("resync", lambda: sync(payload))
 print(json.dumps({"members": n, **{k: [v[0], round(v[1], 2)] for k, v in figures.items()},
