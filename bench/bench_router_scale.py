@@ -16,8 +16,12 @@ bench_router's steady scenario measures one (`measure`: a cold burst, a warm-up,
 then --requests at c=32): router CPU per request (utime+stime) and p50/p99 at c=32.
 
 The router's garbage collections are logged by a sitecustomize on its path (a bench
-shim, never in the product): over the measurement, how many, how many full (generation
-2), the longest, and collection time per second.
+shim, never in the product): over the measurement (from the moment it serves: its
+start-up is printed apart), how many, how many full (generation 2), the longest, and
+collection time per second; then its CPU over IDLE_S with no request (what following
+the fleet costs it). `--beside`: each router is also measured against a second registry
+that the 4 engines alone register with, while the fleet runs: a view of 4 members and
+one of the whole fleet, under the same load on the machine's cores.
 
     .venv/bin/python bench/bench_router_scale.py --heap 100000 --baseline main
     .venv/bin/python bench/bench_router_scale.py --table 100000 --baseline main
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -188,6 +193,26 @@ def serving_since(target: bench_router.Target) -> float:
     return time.time()
 
 
+def measure_router(registry: str, args: argparse.Namespace, name: str, src: Path | None,
+                   flags: list[str], members: int, log_path: str) -> Row:
+    """One variant's router against `registry` (`members` in its view), measured as
+    bench_router's steady scenario measures one, then IDLE_S with no request."""
+    with gc_logged_router(registry, args.policy, name, src, flags, log_path) as target:
+        t0 = serving_since(target)
+        try:
+            row = bench_router.measure(target, HANDSHAKE, args.requests)
+        except RuntimeError as exc:  # never became ready: say so, go on
+            print(f"  {name}: {exc}", flush=True)
+            row = bench_router.Row(name, HANDSHAKE, failed=-1)
+        gc = gc_figures(log_path, t0, time.time())
+        idle = idle_cpu_ms_per_s(target)  # after the measurement: past its start-up
+        start_up = gc_figures(log_path, 0.0, t0)
+        print(f"  start-up: {start_up[0]} collections, the longest {start_up[2]} ms "
+              f"({start_up[4]} ms of CPU)", flush=True)
+    return Row(name, members, row.cpu_us_per_req, row.p50_ms_c32, row.p99_ms_c32,
+               row.req_per_s_c32, row.failed, *gc, idle)
+
+
 def idle_cpu_ms_per_s(target: bench_router.Target) -> float | None:
     """The router's CPU per second over IDLE_S with no request: its view following the
     fleet, which a request's CPU figure carries too (spread over the requests)."""
@@ -228,12 +253,21 @@ def gc_logged_router(registry: str, policy: str, label: str, src: Path | None,
 
 
 @contextlib.contextmanager
-def fleet(members: int, interval_s: float) -> Iterator[str]:
-    """A registry, the 4 sim engines of `tiny`, and the generator's other members."""
-    with registry_process(interval_s, 3 * interval_s,
-                          extra=("--max-members", str(members + 1000))) as (address, _):
+def fleet(members: int, interval_s: float, beside: bool = False
+          ) -> Iterator[list[tuple[int, str]]]:
+    """A registry, the 4 sim engines of `tiny`, and the generator's other members; yields
+    [(members, its control address)]. `beside`: and a second registry that the engines
+    alone register with: a router of it has 4 members in its view while the machine
+    carries the whole fleet (the same load on its cores for both)."""
+    with contextlib.ExitStack() as stack:
+        address, _ = stack.enter_context(registry_process(
+            interval_s, 3 * interval_s, extra=("--max-members", str(members + 1000))))
+        registries = [(members, address)]
+        if beside:
+            small, _ = stack.enter_context(registry_process(interval_s, 3 * interval_s))
+            registries.append((ENGINES, small))
         engines = start_engines([{"role": role, "backend": "sim", "protocol": HANDSHAKE,
-                                  "registry": address}
+                                  "registry": ",".join(a for _, a in registries)}
                                  for role in ("prefill", "prefill", "decode", "decode")])
         ctl, out = mp.Queue(), mp.Queue()
         others = max(0, members - ENGINES - 1)  # the generator adds its probe member
@@ -245,7 +279,7 @@ def fleet(members: int, interval_s: float) -> Iterator[str]:
                   f"{register_s:.0f}s ({missing} missing), interval {interval:g}s",
                   flush=True)
             time.sleep(max(2.0, 1.5 * interval))  # every member heartbeats once
-            yield address
+            yield registries
         finally:
             ctl.put("end")
             with contextlib.suppress(Exception):
@@ -286,6 +320,9 @@ def main() -> int:
     parser.add_argument("--table", type=int, default=0, metavar="N",
                         help="instead: what view updates cost the pairing table at N "
                              "members, per tree (no fleet)")
+    parser.add_argument("--beside", action="store_true",
+                        help="also measure each router against a registry of the 4 "
+                             "engines alone, while the fleet runs (the same machine load)")
     parser.add_argument("--gc", type=int, default=0, metavar="N",
                         help="instead: a router's collections per step of following N "
                              "members (first sync, digests and flips, a resync), per tree")
@@ -316,27 +353,13 @@ def main() -> int:
     rows: list[Row] = []
     try:
         for members in (int(m) for m in args.members.split(",")):
-            with fleet(members, args.interval) as registry:
+            with fleet(members, args.interval, args.beside) as registries:
                 for turn in range(args.repeat):
-                    for name, src, flags in variants:
-                        log_path = os.path.join(logs, f"{members}-{turn}-{len(rows)}.log")
-                        with gc_logged_router(registry, args.policy, name, src,
-                                              flags,
-                                              log_path) as target:
-                            t0 = serving_since(target)
-                            idle = idle_cpu_ms_per_s(target)
-                            try:
-                                row = bench_router.measure(target, HANDSHAKE, args.requests)
-                            except RuntimeError as exc:  # never became ready: say so, go on
-                                print(f"  {name}: {exc}", flush=True)
-                                row = bench_router.Row(name, HANDSHAKE, failed=-1)
-                            gc = gc_figures(log_path, t0, time.time())
-                            start_up = gc_figures(log_path, 0.0, t0)
-                            print(f"  start-up: {start_up[0]} collections, the longest "
-                                  f"{start_up[2]} ms ({start_up[4]} ms of CPU)", flush=True)
-                        rows.append(Row(name, members, row.cpu_us_per_req, row.p50_ms_c32,
-                                        row.p99_ms_c32, row.req_per_s_c32, row.failed, *gc,
-                                        idle))
+                    for (name, src, flags), (size, registry) in itertools.product(
+                            variants, registries):
+                        log_path = os.path.join(logs, f"{size}-{turn}-{len(rows)}.log")
+                        rows.append(measure_router(registry, args, name, src, flags, size,
+                                                   log_path))
                         print(json.dumps(asdict(rows[-1])), flush=True)
     finally:
         if not args.gc_logs:
