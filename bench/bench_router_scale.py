@@ -303,7 +303,7 @@ def print_table(rows: list[Row], requests: int, policy: str) -> None:
               f"{r.idle_cpu_ms_per_s} ms/s |")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--members", default="10,100000")
     parser.add_argument("--requests", type=int, default=2000)
@@ -330,7 +330,11 @@ def main() -> int:
                         help="log what each collection over MS of CPU walked and freed")
     parser.add_argument("--gc-logs", default="", metavar="DIR",
                         help="keep the routers' collection logs in DIR")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     global GC_DETAIL_MS
     GC_DETAIL_MS = args.gc_detail
     variants: list[tuple[str, Path | None, list[str]]] = [
