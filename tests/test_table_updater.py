@@ -229,6 +229,7 @@ def test_what_follows_membership_beside_the_table_matches_a_fresh_read(history):
     def on_members(members, moved):
         kv.on_members(members, moved)
         unroutable.on_members(members, moved)
+        unroutable.warnings()  # (kept until the refused members change)
 
     pairing = Pairing(view, make_pairer("least_loaded", latency=latency), locality_label="",
                       protocols=SPOKEN, quarantine=Quarantine(5.0),
@@ -268,6 +269,7 @@ def test_what_follows_membership_beside_the_table_matches_a_fresh_read(history):
     whole = Unroutable(UpstreamPolicy.build("10.0.0.0/30"), "10.0.0.0/30")
     whole.on_members(members)
     assert unroutable.members == whole.members
+    assert unroutable.warnings() == whole.warnings()
     assert {i for _, i in latency.estimates()} <= set(members)  # the gone are forgotten
 
 
