@@ -85,6 +85,10 @@ INTERVAL_S = 5.0
 # The generator registers 100k members in a few minutes on a quiet machine; at a load
 # average of 25 on 2 cores it took more than 15.
 REGISTER_TIMEOUT_S = 2400.0
+# A view learns the registry's event port from its first snapshot and subscribes then:
+# at 100k members something always changed meanwhile, so it syncs again within a second
+# or two (~1 s of CPU each). Measured without this, that resync fell into some runs.
+SETTLE_S = 10.0
 IDLE_S = 5.0  # the router's CPU measured this long with no request, once it serves
 GC_DETAIL_MS = 0.0  # --gc-detail: collections longer than this (thread CPU) say what they walked
 
@@ -185,11 +189,13 @@ def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float,
 
 
 def serving_since(target: bench_router.Target) -> float:
-    """Wait until `target` serves a request; then (unix time). The collections counted
-    are those from then on: its start-up (the first snapshot, the first table) apart."""
+    """Wait until `target` serves a request, then SETTLE_S more; then (unix time). The
+    collections counted are those from then on: its start-up (the first snapshot, the
+    first table, and the resync that follows at 100k members) apart."""
     send = bench_router.completion(target.url, bench_router.BODY)
     bench_router.wait_until(lambda: bench_router.serves(send), bench_router.READY_TIMEOUT_S,
                             poll_s=0.2)
+    time.sleep(SETTLE_S)
     return time.time()
 
 
