@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["heap", "table"]
+__all__ = ["collections", "heap", "table"]
 
 
 # --- the view's heap alone (--heap N): what a view of N members gives the collector ------
@@ -199,6 +199,134 @@ def table(members: int, trees: list[tuple[str, str]], rounds: int = 200,
         print(f"| {name} | {r['members']:,} | {r['first_ms']} ms | {r['digest_us']} µs | "
               f"{r['flip_ms']} ms | {r['request_after_digest_us']} µs | {r['tracked']:,} | "
               f"{r['full_gc_ms']} ms | {r['gcs']} ({r['longest_gc_ms']} ms) |", flush=True)
+
+
+# --- a router's collections alone (--gc N): what each step of following N members costs --
+
+_GC_PROBE = """
+import gc, json, math, sys, time
+import msgspec
+from registry.merge import Merge
+from registry.replica import Replica
+from registry.view_changes import ChangeTrail
+from router.choice import NO_AFFINITY
+from router.inflight import InFlight
+from router.latency import LatencyTracker
+from router.metrics import RouterMetrics
+from router.pairing import Pairing
+from router.policies import make_pairer
+from router.quarantine import Quarantine
+from wire.protocol import (Endpoints, Load, LoadDigest, LoadEntry, MemberRecord, MemberSpec,
+                           MemberState, MemberUpdated, Role, Snapshot, event_decoder,
+                           make_encoder, reply_decoder)
+n, rounds = (int(a) for a in sys.argv[1:3])
+encode = make_encoder().encode
+def spec(i, model=None):  # as bench_scale's fleet registers them: labels, a capacity
+    host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
+    return MemberSpec(id=f"m-{i}", incarnation=1, role=(Role.PREFILL, Role.DECODE)[i % 2],
+                      model=model or f"m{i % 8}", protocol="vllm-nixl",
+                      endpoints=Endpoints(http=f"http://{host}:8000", kv_host=host,
+                                          kv_port=5600),
+                      labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
+def snapshot(version, load):
+    records = [MemberRecord(spec(i), MemberState.READY, load=Load(running=(i + load) % 7))
+               for i in range(n)]
+    records += [MemberRecord(spec(n + i, "tiny"), MemberState.READY) for i in range(4)]
+    return encode(Snapshot(1, version, records, 20.0))
+class View:  # MembershipView's view thread, without its sockets: the same steps
+    synced = True
+    def __init__(self):
+        self.replica = Replica("r")
+        self.merge = Merge([self.replica])
+        self.trail = ChangeTrail(self.merge.members)
+        self.merge.heard(0, time.monotonic())
+    def publish(self):
+        now = time.monotonic()
+        self.merge.heard(0, now)
+        if self.merge.update(now):
+            self.trail.publish(self.merge.members, self.merge.last_changed,
+                               self.merge.last_loaded)
+    def members(self): return self.merge.members
+    def changes(self, since): return self.trail.since(since)
+    def loads(self, model, after, upto): return self.trail.loads(model, after, upto)
+    def loads_confirmed_at(self, model): return -math.inf
+    def report(self, *a): pass
+phase = ["start-up"]
+figures = {}
+clock = [0.0]
+def timed(stage, info):
+    if stage == "start":
+        clock[0] = time.thread_time()
+        return
+    took = 1e3 * (time.thread_time() - clock[0])
+    count, longest = figures.get(phase[0], (0, 0.0))
+    figures[phase[0]] = (count + 1, max(longest, took))
+gc.callbacks.append(timed)
+view, decode_reply, decode_event = View(), reply_decoder(), event_decoder()
+metrics, latency = RouterMetrics(), LatencyTracker()
+pairing = Pairing(view, make_pairer("peak_ewma", latency=latency), locality_label="",
+                  protocols={"vllm-nixl"}, quarantine=Quarantine(5.0),
+                  in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
+                  latency=latency, clock=time.monotonic, on_members=lambda *a: None)
+pairing.choose("tiny", NO_AFFINITY, ())  # a router reads its empty view before the sync
+first = snapshot(1, 0)
+gc.collect(); gc.freeze(); gc.set_threshold(20_000, 10, 10)  # as settle_heap
+def sync(payload):
+    view.replica.apply_snapshot(decode_reply.decode(payload), time.monotonic(), time.time())
+    view.publish()
+    pairing.choose("tiny", NO_AFFINITY, ())
+spent = {}
+def step(name, work):
+    phase[0] = name
+    t0 = time.process_time()
+    work()
+    spent[name] = time.process_time() - t0
+    phase[0] = "after " + name
+    gc.collect(1)  # the young collection that comes next: what the step left behind
+step("first sync", lambda: sync(first))
+digests = [encode(LoadDigest(1, 1, f"m{r % 8}", [LoadEntry(f"m-{(r * 250 + j * 8 + r % 8) % n}",
+           1, Load(running=(r + j) % 9), 0.1) for j in range(250)], 20.0))
+           for r in range(rounds)]
+def steady():
+    for r, payload in enumerate(digests):
+        view.replica.apply(decode_event.decode(payload), time.monotonic())
+        if r % 10 == 0:  # a member flips its state (a new record, its model's pools remade)
+            held = view.replica.members["m-8"].record
+            state = MemberState.DRAINING if r % 20 == 0 else MemberState.READY
+            version = view.replica.version + 1
+            view.replica.apply(decode_event.decode(encode(MemberUpdated(
+                1, version, msgspec.structs.replace(held, state=state)))), time.monotonic())
+            again_version[0] = version
+        view.publish()
+        pairing.choose("tiny", NO_AFFINITY, ())
+again_version = [1]
+step("digests and flips", steady)
+phase[0] = "start-up"
+payload = snapshot(again_version[0], 5)  # (made before the step: not the router's work)
+step("resync", lambda: sync(payload))
+print(json.dumps({"members": n, **{k: [v[0], round(v[1], 2)] for k, v in figures.items()},
+                  "per_load_us": round(1e6 * spent["digests and flips"] / (rounds * 250), 2),
+                  "resync_ms": round(1e3 * spent["resync"], 1)}))
+"""
+
+PHASES = ("first sync", "after first sync", "digests and flips", "after digests and flips",
+          "resync", "after resync")
+
+
+def collections(members: int, trees: list[tuple[str, str]], rounds: int = 400) -> None:
+    """Per source tree, in its own process: the collections (count, the longest by CPU)
+    that a router's view and table cause while following `members` members: the first
+    sync, `rounds` digests of 250 loads with a state flip every 10, a resync; and the
+    young collection right after each (what it left for the collector). Also the CPU
+    per load change of the digests (view and table together) and of the resync."""
+    print("| tree | members | " + " | ".join(PHASES) + " | CPU per load change | a "
+          "resync |")
+    print("|---|---:|" + "---:|" * (len(PHASES) + 2))
+    for name, src in trees:
+        r = _probe(name, src, _GC_PROBE, members, rounds)
+        cells = [f"{r[p][0]}, {r[p][1]} ms" if p in r else "0" for p in PHASES]
+        print(f"| {name} | {r['members']:,} | " + " | ".join(cells) + f" | "
+              f"{r['per_load_us']} µs | {r['resync_ms']} ms |", flush=True)
 
 
 def _probe(name: str, src: str, code: str, *args: int) -> dict[str, Any]:

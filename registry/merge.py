@@ -68,8 +68,10 @@ class Merge:
         # what a router's table follows): the ids it added, removed or gave a new
         # record, and apart, per model name a member serves (its base model and
         # adapters), those whose load alone changed (a router reads them per model).
-        self.last_changed: tuple[str, ...] = ()
-        self.last_loaded: dict[str, list[str]] = {}
+        # Ids are the keys of dicts of None, which the collector never tracks (a resync
+        # at 100k lists 100k loads; lists of them were walked by the next collection).
+        self.last_changed: dict[str, None] = {}
+        self.last_loaded: dict[str, dict[str, None]] = {}
 
     # --- liveness ----------------------------------------------------------------------
 
@@ -131,8 +133,8 @@ class Merge:
 
     def _apply(self, ids: Iterable[str], live: list[bool]) -> bool:
         updates: dict[str, LiveMember | None] = {}
-        moved: list[str] = []
-        loaded: dict[str, list[str]] = {}
+        moved: dict[str, None] = {}
+        loaded: dict[str, dict[str, None]] = {}
         members = self.members
         for member_id in ids:
             best = self._choose(member_id, live)
@@ -143,7 +145,7 @@ class Merge:
             if current is not None and best is not None and current.record is best.record:
                 _note_load(loaded, member_id, best.record.spec)
             else:
-                moved.append(member_id)
+                moved[member_id] = None
             if (current is None or best is None or current.registry != best.registry
                     or current.record.spec.model != best.record.spec.model):
                 self._count(current, -1)
@@ -153,7 +155,7 @@ class Merge:
         if not updates:
             return False
         self.members = members.updated(updates)
-        self.last_changed = tuple(moved)
+        self.last_changed = moved
         self.last_loaded = loaded
         return True
 
@@ -204,14 +206,15 @@ class Merge:
         self.sources = sources
 
 
-def _note_load(loaded: dict[str, list[str]], member_id: str, spec: MemberSpec) -> None:
+def _note_load(loaded: dict[str, dict[str, None]], member_id: str,
+               spec: MemberSpec) -> None:
     """`member_id`'s load alone changed: listed under each model name it serves."""
     ids = loaded.get(spec.model)
     if ids is None:
-        ids = loaded[spec.model] = []
-    ids.append(member_id)
+        ids = loaded[spec.model] = {}
+    ids[member_id] = None
     for adapter in spec.adapters:  # a request may name an adapter (vLLM's LoRA API)
-        loaded.setdefault(adapter, []).append(member_id)
+        loaded.setdefault(adapter, {})[member_id] = None
 
 
 def _better(candidate: LiveMember, held: LiveMember) -> bool:

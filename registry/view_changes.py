@@ -17,9 +17,16 @@ for those ids alone.
   every model pays for the loads of the models it gets requests for, and a request
   costs its own model's loads, never the fleet's.
 
-Bounded: at most MAX_STEPS versions and MAX_HELD_IDS ids are held. Each step's ids are
-tuples of strings, which the collector stops tracking, so the trail adds nothing for it
-to walk.
+Bounded: at most MAX_STEPS versions and MAX_HELD_IDS ids are held. Each step holds its
+ids as the keys of a dict whose values are None: such a dict is never tracked by the
+collector (a set or a list always is, a new tuple until the first collection that walks
+it), so the trail gives it nothing to walk. At 100k members a resync lists 100k loads;
+held as tuples, the young collection after each resync walked them (5-10 ms).
+
+A step that changed more than half the members (a first sync, a registry that came
+back) is held as "read whole": a reader from before it is told to read the members
+whole, which costs it what following that many ids would, and neither the trail nor the
+reader holds a set of every id.
 """
 
 from __future__ import annotations
@@ -28,12 +35,18 @@ import threading
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Final, Generic, TypeVar
+from typing import Final, Generic, TypeVar, cast
 
-__all__ = ["MAX_HELD_IDS", "MAX_STEPS", "ChangeTrail", "Changes"]
+__all__ = ["MAX_HELD_IDS", "MAX_STEPS", "WHOLE_OVER", "ChangeTrail", "Changes"]
 
 MAX_STEPS: Final = 1024  # versions remembered (~100 s of updates at 10 a second)
-MAX_HELD_IDS: Final = 200_000  # ids remembered across them (two full syncs at 100k)
+MAX_HELD_IDS: Final = 200_000  # ids remembered across them (two resyncs' loads at 100k)
+# A step that changed more ids than this and than half the members is held as "read
+# whole" (below this many, listing them costs a reader less than reading whole would).
+WHOLE_OVER: Final = 1024
+
+# Ids as the keys of a dict of None: the collector never tracks it (see above).
+Ids = dict[str, None]
 
 V = TypeVar("V")
 
@@ -51,13 +64,14 @@ class Changes(Generic[V]):
 
 class ChangeTrail(Generic[V]):
     def __init__(self, members: Mapping[str, V], *, max_steps: int = MAX_STEPS,
-                 max_held_ids: int = MAX_HELD_IDS) -> None:
+                 max_held_ids: int = MAX_HELD_IDS, whole_over: int = WHOLE_OVER) -> None:
         self._max_steps = max_steps
         self._max_held = max_held_ids
+        self._whole_over = whole_over
         self._lock = threading.Lock()
-        # (version, ids changed, model -> ids whose load alone changed), in order
-        self._steps: deque[tuple[int, tuple[str, ...], Mapping[str, tuple[str, ...]]]] = \
-            deque()
+        # (version, ids changed (None: read whole), model -> ids whose load alone
+        # changed), in order
+        self._steps: deque[tuple[int, Ids | None, Mapping[str, Ids]]] = deque()
         self._held = 0
         # Swapped whole under the lock, read without it: the reader's fast path.
         self._latest: Changes[V] = Changes(0, members, frozenset())
@@ -71,18 +85,19 @@ class ChangeTrail(Generic[V]):
         """A new version: `members`, after changing `changed` (ids that joined, left or
         have a new record; any change, from a publisher that does not tell loads apart)
         and `loads` (model -> ids of that model, each name it serves, whose load alone
-        changed). Its version."""
-        ids = tuple(changed)
-        by_model = {model: tuple(held) for model, held in loads.items()} if loads else {}
-        size = len(ids) + sum(map(len, by_model.values()))
+        changed). Its version. A dict given (ids as its keys) is kept, not copied: the
+        publisher must not change it afterwards."""
+        whole = len(changed) > max(self._whole_over, len(members) // 2)
+        ids = None if whole else _ids(changed)
+        by_model = {model: _ids(held) for model, held in loads.items()} if loads else {}
         with self._lock:
             version = self._latest.version + 1
             self._steps.append((version, ids, by_model))
-            self._held += size
+            self._held += _size(ids, by_model)
             while self._steps and (len(self._steps) > self._max_steps
                                    or self._held > self._max_held):
                 _, gone, gone_loads = self._steps.popleft()
-                self._held -= len(gone) + sum(map(len, gone_loads.values()))
+                self._held -= _size(gone, gone_loads)
             self._latest = Changes(version, members, frozenset())
         return version
 
@@ -99,6 +114,8 @@ class ChangeTrail(Generic[V]):
             for step, ids, _ in reversed(self._steps):
                 if step <= version:
                     break
+                if ids is None:  # more than half the members: read them whole
+                    return Changes(latest.version, latest.members, None)
                 changed.update(ids)
         return Changes(latest.version, latest.members, frozenset(changed))
 
@@ -126,3 +143,13 @@ class ChangeTrail(Generic[V]):
         steps = self._steps
         return not (version < 0 or version > latest or not steps
                     or steps[0][0] > version + 1)
+
+
+def _ids(ids: Collection[str]) -> Ids:
+    """`ids` held as the collector never walks them (a dict of None is untracked); a
+    dict is kept as it is (its publisher hands it over: registry/merge.py)."""
+    return cast(Ids, ids) if type(ids) is dict else dict.fromkeys(ids)
+
+
+def _size(ids: Ids | None, by_model: Mapping[str, Ids]) -> int:
+    return (len(ids) if ids is not None else 0) + sum(map(len, by_model.values()))

@@ -153,6 +153,12 @@ class Pairing:
         self.follow()
         return self._updater.routable_urls()
 
+    def routable_urls_since(self, mark: int) -> tuple[int, list[str]]:
+        """The base URLs that became routable after `mark` (0: every routable one), and
+        the mark to pass next time (router/warmup.py): costs the URLs that arrived."""
+        self.follow()
+        return self._updater.urls_since(mark)
+
     def serves(self, model: str) -> bool:
         """A member serves `model` now (it has a pool in the table)."""
         return self._updater.serves(model)

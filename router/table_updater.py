@@ -23,7 +23,6 @@ the router's loop is its only user.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -78,16 +77,26 @@ class TableUpdater:
         self._waiting: dict[str, dict[str, Candidate]] = {}
         self._table: PairingTable | None = PairingTable({})  # None: to be made again
         self._stale: set[str] = set()  # models whose pools are made again when read
-        # model -> id -> candidate: every member pairing may choose. No tuple per member
-        # (the collector tracks new tuples: a first read of 100k members made 200k of
-        # them, walked by the young collections that followed): suspicion is a set, the
-        # model names a member serves one shared tuple per distinct set of names.
+        # model -> id -> candidate: every member pairing may choose. Nothing here per
+        # member that the collector tracks (a first read of 100k members made 200k new
+        # tuples, walked by the young collections that followed; a dict is tracked once
+        # it holds one): suspicion is a set, the model names a member serves an index
+        # into one shared list of the distinct sets of names, the URLs a plain dict.
         self._by_model: dict[str, dict[str, Candidate]] = {}
         self._suspect: set[str] = set()  # ids of the candidates that are suspect
-        self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
-        self._models_of: dict[str, tuple[str, ...]] = {}  # id -> the models it serves
-        self._urls: Counter[str] = Counter()  # base URL -> routable members with it
+        self._names: dict[tuple[str, ...], int] = {}  # a set of names -> its index
+        self._name_sets: list[tuple[str, ...]] = []  # index -> the set of names
+        # id -> the models it serves: an index into `_name_sets`
+        self._models_of: dict[str, int | tuple[str, ...]] = {}
+        self._urls: dict[str, int] = {}  # base URL -> routable members with it
         self._url_set: frozenset[str] | None = frozenset()  # None: to be made again
+        # The routable URLs, in the order they became routable, each with the number of
+        # its arrival (`_arrived` counts them): the warm-up asks for those after its last
+        # look (`urls_since`) instead of comparing every URL ten times a second (at
+        # 100k members that, and the URL set made again on each flip, cost a router
+        # ~50 ms of CPU a second).
+        self._arrivals: dict[str, int] = {}
+        self._arrived = 0
 
     def reset(self, members: Mapping[str, LiveMember], version: int = 0) -> TableUpdate:
         """Read `members` whole (the first view, or one whose changes are not known),
@@ -107,6 +116,9 @@ class TableUpdater:
         for member_id, member in members.items():
             self._add(member_id, member, dirty)
         self._rebuild(dirty)
+        # A URL routable before and after keeps its arrival (it is not warmed again).
+        for url in [url for url in self._arrivals if url not in self._urls]:
+            del self._arrivals[url]
         return TableUpdate(None, ())
 
     def apply(self, previous: Mapping[str, LiveMember], members: Mapping[str, LiveMember],
@@ -139,7 +151,7 @@ class TableUpdater:
     def _loaded(self, member_id: str, member: LiveMember) -> None:
         """`member_id`'s load alone changed: its new candidate waits for its models' next
         read."""
-        models = self._models_of.get(member_id, ())
+        models = self._models(member_id)
         if not models:
             return  # not a candidate
         fresh = self._by_model[models[0]][member_id].with_load(member)
@@ -190,27 +202,45 @@ class TableUpdater:
             self._url_set = frozenset(self._urls)
         return self._url_set
 
+    def urls_since(self, mark: int) -> tuple[int, list[str]]:
+        """The routable URLs that became routable after `mark` (0: every one), newest
+        first, and the mark to ask with next time: costs those URLs."""
+        arrivals = self._arrivals
+        fresh: list[str] = []
+        for url in reversed(arrivals):
+            if arrivals[url] <= mark:
+                break
+            fresh.append(url)
+        return self._arrived, fresh
+
     def _add(self, member_id: str, member: LiveMember, dirty: set[str]) -> None:
         if not takes_requests(member, self.protocols):
             return
         models = served(member.record.spec)
-        models = self._names.setdefault(models, models) \
-            if len(self._names) < MAX_NAME_SETS else models
+        index: int | tuple[str, ...] | None = self._names.get(models)
+        if index is None and len(self._name_sets) < MAX_NAME_SETS:
+            index = self._names[models] = len(self._name_sets)
+            self._name_sets.append(models)
         candidate = Candidate.of(member, self.locality_key)
         suspect = member.record.suspect
         if suspect:
             self._suspect.add(member_id)
         for model in models:
             self._by_model.setdefault(model, {})[member_id] = candidate
-        self._models_of[member_id] = models
+        # (past MAX_NAME_SETS, the names themselves: the dict is tracked from then on)
+        self._models_of[member_id] = models if index is None else index
         dirty.update(models)
         if not suspect:
-            self._urls[candidate.http] += 1
-            if self._urls[candidate.http] == 1:
+            held = self._urls.get(candidate.http, 0)
+            self._urls[candidate.http] = held + 1
+            if not held:
                 self._url_set = None
+                if candidate.http not in self._arrivals:
+                    self._arrived += 1
+                    self._arrivals[candidate.http] = self._arrived
 
     def _remove(self, member_id: str, dirty: set[str]) -> None:
-        models = self._models_of.pop(member_id, ())
+        models = self._names_at(self._models_of.pop(member_id, None))
         if not models:
             return
         for model in models:
@@ -222,10 +252,23 @@ class TableUpdater:
         if member_id in self._suspect:
             self._suspect.discard(member_id)
         else:
-            self._urls[candidate.http] -= 1
-            if not self._urls[candidate.http]:
+            held = self._urls[candidate.http] - 1
+            if held:
+                self._urls[candidate.http] = held
+            else:
                 del self._urls[candidate.http]
+                self._arrivals.pop(candidate.http, None)
                 self._url_set = None
+
+    def _models(self, member_id: str) -> tuple[str, ...]:
+        """The model names `member_id` serves (none: not a candidate)."""
+        return self._names_at(self._models_of.get(member_id))
+
+    def _names_at(self, held: int | tuple[str, ...] | None) -> tuple[str, ...]:
+        """What `_models_of` holds for a member, as the names it serves."""
+        if held is None:
+            return ()
+        return self._name_sets[held] if isinstance(held, int) else held
 
     def _rebuild(self, dirty: set[str]) -> None:
         """The `dirty` models' pools are made again when next read: a model nobody asks

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import typing
 from collections.abc import Callable, Iterator
@@ -292,6 +293,9 @@ def check_frozen_map(batches, base_size):
         assert sorted(version) == sorted(want)
         assert sorted(version.values()) == sorted(want.values())
         assert all(k in version for k in want)
+        assert all(version.get(f"k{i}") == want.get(f"k{i}") for i in range(12))
+        assert version.get("k99", -7) == -7
+        assert not gc.is_tracked(version._base)  # a fold leaves nothing to walk
         assert not any(f"k{i}" in version for i in range(12) if f"k{i}" not in want)
         assert version == want
 

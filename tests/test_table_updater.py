@@ -113,6 +113,7 @@ def test_the_table_kept_from_changes_is_the_one_built_from_scratch(history):
     members: dict[str, LiveMember] = {}
     updater = TableUpdater("", SPOKEN)
     updater.reset(members)
+    mark, looked = 0, frozenset[str]()  # the warm-up's last look (router/warmup.py)
     for now, update in enumerate(history):
         previous, changed = advance(members, update, float(now))
         before = updater.table.pools
@@ -122,6 +123,11 @@ def test_the_table_kept_from_changes_is_the_one_built_from_scratch(history):
         expected = PairingTable.build(members, "", SPOKEN)
         assert updater.table == expected
         assert updater.routable_urls() == routable_urls(expected)
+        # Every URL routable now and not at the last look is listed as arrived since,
+        # and nothing else but URLs that left and came back meanwhile.
+        mark, arrived = updater.urls_since(mark)
+        assert routable_urls(expected) - looked <= set(arrived) <= routable_urls(expected)
+        looked = routable_urls(expected)
         for pools in updater.table.pools.values():  # handshakes read the member's endpoints
             for pool in pools:
                 for c in (*pool.prefills, *pool.prefills_suspect, *pool.decodes,
@@ -130,6 +136,9 @@ def test_the_table_kept_from_changes_is_the_one_built_from_scratch(history):
         for model, pools in before.items():  # a change costs its own models' pools
             if model not in touched:
                 assert updater.table.pools.get(model) is pools
+    updater.reset(dict(members))  # read whole again: nothing became routable
+    assert updater.urls_since(mark) == (mark, [])
+    assert set(updater.urls_since(0)[1]) == updater.routable_urls()
 
 
 @given(histories, st.lists(st.sets(st.sampled_from([*MODELS, "z"]), min_size=1),
@@ -220,6 +229,7 @@ def test_what_follows_membership_beside_the_table_matches_a_fresh_read(history):
     def on_members(members, moved):
         kv.on_members(members, moved)
         unroutable.on_members(members, moved)
+        unroutable.warnings()  # (kept until the refused members change)
 
     pairing = Pairing(view, make_pairer("least_loaded", latency=latency), locality_label="",
                       protocols=SPOKEN, quarantine=Quarantine(5.0),
@@ -259,6 +269,7 @@ def test_what_follows_membership_beside_the_table_matches_a_fresh_read(history):
     whole = Unroutable(UpstreamPolicy.build("10.0.0.0/30"), "10.0.0.0/30")
     whole.on_members(members)
     assert unroutable.members == whole.members
+    assert unroutable.warnings() == whole.warnings()
     assert {i for _, i in latency.estimates()} <= set(members)  # the gone are forgotten
 
 

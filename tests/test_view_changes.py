@@ -18,7 +18,7 @@ from raw_member import RawMember
 from pdreg.testing import wait_until
 from registry.client import MembershipView
 from registry.server import RegistryServer
-from registry.view_changes import ChangeTrail
+from registry.view_changes import WHOLE_OVER, ChangeTrail
 from wire.protocol import Load, MemberState
 
 KEYS = list("abcdef")
@@ -33,12 +33,16 @@ updates = st.tuples(st.dictionaries(st.sampled_from(KEYS),
                     st.sets(st.sampled_from(KEYS)))
 
 
-@given(st.lists(updates, max_size=30), st.integers(1, 8))
-def test_a_reader_at_any_version_learns_every_key_that_differs(history, max_steps):
+@given(st.lists(updates, max_size=30), st.integers(1, 8), st.sampled_from([WHOLE_OVER, 1]))
+def test_a_reader_at_any_version_learns_every_key_that_differs(history, max_steps,
+                                                               whole_over):
     """Membership changes from `since`, loads per model from `loads`, between any two
-    versions a reader may have read: together they cover every key that differs."""
+    versions a reader may have read: together they cover every key that differs. A
+    reader is told to read whole only when it is too far behind, or when a step since
+    changed more than half the members (and more than `whole_over`)."""
     versions: list[dict[str, int]] = [{}]
-    trail: ChangeTrail[int] = ChangeTrail({}, max_steps=max_steps)
+    whole: set[int] = set()  # the versions whose step changed more than half
+    trail: ChangeTrail[int] = ChangeTrail({}, max_steps=max_steps, whole_over=whole_over)
     for update, as_loads in history:
         current = dict(versions[-1])
         for key, value in update.items():
@@ -47,6 +51,8 @@ def test_a_reader_at_any_version_learns_every_key_that_differs(history, max_step
             else:
                 current[key] = value
         versions.append(current)
+        if len(update.keys() - as_loads) > max(whole_over, len(current) // 2):
+            whole.add(len(versions) - 1)
         loads: dict[str, list[str]] = {}
         for key in sorted(as_loads & update.keys()):
             loads.setdefault(MODEL_OF[key], []).append(key)
@@ -55,9 +61,10 @@ def test_a_reader_at_any_version_learns_every_key_that_differs(history, max_step
     for version, seen in enumerate(versions):
         changes = trail.since(version)
         assert changes.version == latest and changes.members == versions[-1]
+        behind = latest - version > max_steps
+        assert (changes.changed is None) == (behind or any(v > version for v in whole))
         if changes.changed is None:
-            assert latest - version > max_steps  # only when too far behind
-            assert trail.loads("x", version, latest) is None or version == latest
+            assert not behind or trail.loads("x", version, latest) is None
             continue
         for upto in range(version, latest + 1):  # a model read at any later version
             differs = {k for k in KEYS if seen.get(k) != versions[upto].get(k)}
