@@ -57,6 +57,7 @@ from reference_helpers import EngineHandle, metrics, start_engine, start_engines
 from bench import peers  # noqa: E402
 from bench.kv_index_alone import index_alone  # noqa: E402
 from bench.kv_open_loop import OpenLoop  # noqa: E402
+from bench.kv_profile import RouterProbe  # noqa: E402
 from bench.kv_trace import (  # noqa: E402
     BLOCK,
     PREFILL_S_PER_TOKEN,
@@ -65,7 +66,7 @@ from bench.kv_trace import (  # noqa: E402
     make_trace,
     oracle,
 )
-from bench.procs import remove_tree, router_process, source_tree, tree_cpu_s  # noqa: E402
+from bench.procs import remove_tree, router_process, source_tree, tree_run_s  # noqa: E402
 from bench.tables import percentiles, write_json  # noqa: E402
 from pdreg.testing import free_low_port, wait_until  # noqa: E402
 from registry.client import MembershipView  # noqa: E402
@@ -111,9 +112,12 @@ class Row:
     # prefill comes at requests/3, the restart at 2 x requests/3.
     slowest: list[tuple[int, float]] = field(default_factory=list)
     ttft_p99_warm_ms: float = 0.0  # requests from the join on (caches warm, 4 prefills)
+    # The router's CPU per request by thread (the event loop, kv-feed, the view...)
+    threads_ms_per_request: dict[str, float] = field(default_factory=dict)
 
 
 KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet kv is blind to)
+PROFILE: list[Path | None] = [None]  # --profile DIR: py-spy every pdreg router over its load
 
 
 def engine_args(cache_blocks: int) -> list[str]:
@@ -253,29 +257,73 @@ def _router(policy: str, registry: RegistryServer, handles: list[EngineHandle],
     return pdreg_router(registry.control_address, policy, decisions, replicas)
 
 
-def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: int,
-               decisions: Path | None = None, replicas: int = 1,
-               max_tokens: list[int] | None = None) -> Row:
-    """`max_tokens`: each request's (the chat trace's answers), else MAX_TOKENS."""
-    with cluster(cache_blocks) as (registry, handles, specs):
-        _wait_ready(registry)
-        with _router(policy, registry, handles, decisions, replicas) as (urls, pids):
-            if ":" not in policy:  # a peer listens already (peers._start waited)
-                for url in urls:
-                    assert wait_until(lambda u=url: httpx.get(u + "/v1/models").json()["data"],
-                                      30)
-            mid = MidRun(registry.control_address, handles, specs, cache_blocks, len(trace))
-            load = OpenLoop(urls, max_tokens=MAX_TOKENS, workers=MAX_CONCURRENT)
-            cpu_before = sum(tree_cpu_s(pid) for pid in pids)
-            load.run(trace, times, mid, max_tokens)
-            cpu = sum(tree_cpu_s(pid) for pid in pids) - cpu_before
+@dataclass
+class _Run:
+    """One router under test, on its own fleet, through the windows of a run."""
+
+    name: str
+    handles: list[EngineHandle]
+    urls: list[str]
+    pids: list[int]
+    mid: MidRun
+    load: OpenLoop
+    probe: RouterProbe
+    cpu_s: float = 0.0
+
+
+def run_routers(policies: list[tuple[str, int]], trace: list[str], times: list[float],
+                cache_blocks: int, window: int = 0, decisions: bool = False,
+                max_tokens: list[int] | None = None) -> list[Row]:
+    """Each (policy, replicas) on a fleet of its own, all up at once. The trace goes in
+    windows of `window` requests (0: the whole trace), each window to every router in
+    turn, the order reversed every window (A B B A...): routers compared in one run
+    then share the machine's drifting load, and each is charged the CPU of its own
+    windows only. `max_tokens`: each request's (the chat trace's answers)."""
+    window = window or len(trace)
+    with ExitStack() as stack:
+        runs = [_start(stack, policy, replicas, cache_blocks, len(trace), decisions)
+                for policy, replicas in policies]
+        for w, first in enumerate(range(0, len(trace), window)):
+            for run in runs if w % 2 == 0 else runs[::-1]:
+                cpu_before = sum(tree_run_s(pid) for pid in run.pids)
+                with run.probe.window():
+                    run.load.run(trace, times, run.mid, max_tokens,
+                                 range(first, min(first + window, len(trace))))
+                run.cpu_s += sum(tree_run_s(pid) for pid in run.pids) - cpu_before
+        rows = []
+        for run in runs:
+            run.probe.close()
             # Summed over replicas: every counter the row reads is a sum.
-            router_metrics = "\n".join(httpx.get(url + "/metrics").text for url in urls)
-        decode = counters(handles[3:5])
-        prompt, hit = counters(handles)
-    served = (prompt + mid.retired[0], hit + mid.retired[1])
+            router_metrics = "\n".join(httpx.get(url + "/metrics").text for url in run.urls)
+            decode = counters(run.handles[3:5])
+            prompt, hit = counters(run.handles)
+            served = (prompt + run.mid.retired[0], hit + run.mid.retired[1])
+            row = _row(run.name, len(trace), run.load, run.cpu_s, router_metrics, served,
+                       decode)
+            row.threads_ms_per_request = {thread: round(1000 * s / len(trace), 3)
+                                          for thread, s in run.probe.threads().items()}
+            rows.append(row)
+        return rows
+
+
+def _start(stack: ExitStack, policy: str, replicas: int, cache_blocks: int, n: int,
+           decisions: bool) -> _Run:
+    """A fleet for `policy`'s router(s), ready, and the router(s) listening."""
+    registry, handles, specs = stack.enter_context(cluster(cache_blocks))
+    _wait_ready(registry)
+    log = None
+    if decisions and ":" not in policy:
+        log = OUT.parent / f"kv-decisions-{policy}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+    urls, pids = stack.enter_context(_router(policy, registry, handles, log, replicas))
+    if ":" not in policy:  # a peer listens already (peers._start waited)
+        for url in urls:
+            assert wait_until(lambda u=url: httpx.get(u + "/v1/models").json()["data"], 30)
     name = policy if replicas == 1 else f"{policy} x{replicas} replicas"
-    return _row(name, len(trace), load, cpu, router_metrics, served, decode)
+    probe = RouterProbe(pids, name, PROFILE[0] if ":" not in policy else None)
+    return _Run(name, handles, urls, pids,
+                MidRun(registry.control_address, handles, specs, cache_blocks, n),
+                OpenLoop(urls, max_tokens=MAX_TOKENS, workers=MAX_CONCURRENT), probe)
 
 
 def _row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
@@ -333,6 +381,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-kv-events", action="store_true",
                         help="engines publish no KV events (what `kv` does blind)")
     parser.add_argument("--out", type=Path, default=OUT, help="JSON results")
+    parser.add_argument("--interleave", type=int, default=0, metavar="N",
+                        help="every router up at once, each on its own fleet; the trace "
+                             "in windows of N requests, each to every router in turn "
+                             "(A B B A...), CPU charged per window: side by side")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="py-spy each pdreg router over its load: DIR/kv-profile-"
+                             "ROUTER-N.txt (raw stacks per thread; python -m "
+                             "bench.kv_profile FILE breaks them down)")
     parser.add_argument("--scale", action="store_true",
                         help="only the index at 1,000 members: events/s and memory")
     return parser
@@ -361,6 +417,7 @@ def main() -> int:
         index_alone()
         return 0
     KV_EVENTS[0] = not args.no_kv_events
+    PROFILE[0] = args.profile
     answers: list[int] | None = None
     if args.trace == "chat":
         chat = make_chat_trace(args.requests, args.seed)
@@ -377,20 +434,21 @@ def main() -> int:
           f"{greedy.prefill_ttft_p50_ms:.0f} ms; {rate:.2f} req/s; "
           f"{sum(map(len, trace)) / len(trace):.0f} characters (= tokens) per request",
           flush=True)
-    rows = []
     runs = [(policy, int(n)) for policy in args.routers.split(",")
             for n in (args.replicas.split(",") if ":" not in policy else ["1"])]
-    for policy, replicas in runs:
-        print(f"== {policy} x{replicas}", flush=True)
-        decisions = OUT.parent / f"kv-decisions-{policy}.log" \
-            if args.decisions and ":" not in policy else None
-        if decisions is not None:
-            decisions.parent.mkdir(parents=True, exist_ok=True)
-        row = run_router(policy, trace, times, args.cache_blocks, decisions, replicas,
-                         answers)
+    if args.interleave:
+        print(f"== {', '.join(p for p, _ in runs)} in windows of {args.interleave}", flush=True)
+        rows = run_routers(runs, trace, times, args.cache_blocks, args.interleave,
+                           args.decisions, answers)
+    else:
+        rows = []
+        for run in runs:
+            print(f"== {run[0]} x{run[1]}", flush=True)
+            rows += run_routers([run], trace, times, args.cache_blocks, 0, args.decisions,
+                                answers)
+    for row in rows:
         row.vs_oracle = row.hit_rate / fair.hit_rate if fair.hit_rate else 0.0
         row.vs_greedy_oracle = row.hit_rate / greedy.hit_rate if greedy.hit_rate else 0.0
-        rows.append(row)
         print(f"   {row}", flush=True)
     _print_rows(rows, fair.hit_rate, greedy.hit_rate, args, rate)
     write_json(args.out, {"oracle_hit_rate": fair.hit_rate,
