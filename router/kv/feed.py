@@ -68,6 +68,8 @@ SUB_HWM: Final = 128
 RESTART_BACKOFF_S: Final = 1.0  # before a failed feed loop starts again
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
 MAX_BYTES_PER_WAKE: Final = 4 * 1024 * 1024  # nor one sending large batches
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
 _STOP: Final = b"stop"
 _UPDATE: Final = b"update"
 
@@ -359,8 +361,8 @@ class KvFeed:
         read = 0
         for _ in range(MAX_BATCHES_PER_WAKE):
             # Asking the socket is cheaper than pyzmq's Again exception, and a wake
-            # usually finds one batch.
-            if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # usually finds one batch. Plain ints: pyzmq's enums cost a Python call each.
+            if not sub.getsockopt(_EVENTS) & _POLLIN:
                 return
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
