@@ -39,12 +39,11 @@ Writes bench/out/kv.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -58,6 +57,7 @@ from bench import peers  # noqa: E402
 from bench.kv_index_alone import index_alone  # noqa: E402
 from bench.kv_open_loop import OpenLoop  # noqa: E402
 from bench.kv_profile import RouterProbe  # noqa: E402
+from bench.kv_rows import Row, make_row, print_rows  # noqa: E402
 from bench.kv_trace import (  # noqa: E402
     BLOCK,
     PREFILL_S_PER_TOKEN,
@@ -67,7 +67,7 @@ from bench.kv_trace import (  # noqa: E402
     oracle,
 )
 from bench.procs import remove_tree, router_process, source_tree, tree_run_s  # noqa: E402
-from bench.tables import percentiles, write_json  # noqa: E402
+from bench.tables import write_json  # noqa: E402
 from pdreg.testing import free_low_port, wait_until  # noqa: E402
 from registry.client import MembershipView  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
@@ -89,31 +89,6 @@ ENGINE_STOP_S = 10.0
 
 
 # --- one run ---------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    router: str
-    requests: int
-    errors: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    prefill_tokens_per_request: float
-    hit_rate: float
-    vs_oracle: float = 0.0  # against the bounded-load oracle
-    vs_greedy_oracle: float = 0.0  # against the load-ignoring one
-    router_cpu_ms_per_request: float = 0.0
-    tokenize_ms_per_request: float = 0.0
-    predicted_hit_rate: float = 0.0  # the router's own prediction at its picks (kv only)
-    skipped_prefill: int = 0  # requests served by a decode alone (conditional disagg.)
-    decode_prefill_tokens_per_request: float = 0.0  # prompt tokens decodes computed
-    ttfts: list[float] = field(default_factory=list, repr=False)
-    # The tail's requests: (index in the trace, TTFT ms), slowest first; the joining
-    # prefill comes at requests/3, the restart at 2 x requests/3.
-    slowest: list[tuple[int, float]] = field(default_factory=list)
-    ttft_p99_warm_ms: float = 0.0  # requests from the join on (caches warm, 4 prefills)
-    # The router's CPU per request by thread (the event loop, kv-feed, the view...)
-    threads_ms_per_request: dict[str, float] = field(default_factory=dict)
 
 
 KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet kv is blind to)
@@ -298,10 +273,12 @@ def run_routers(policies: list[tuple[str, int]], trace: list[str], times: list[f
             decode = counters(run.handles[3:5])
             prompt, hit = counters(run.handles)
             served = (prompt + run.mid.retired[0], hit + run.mid.retired[1])
-            row = _row(run.name, len(trace), run.load, run.cpu_s, router_metrics, served,
+            row = make_row(run.name, len(trace), run.load, run.cpu_s, router_metrics, served,
                        decode)
             row.threads_ms_per_request = {thread: round(1000 * s / len(trace), 3)
                                           for thread, s in run.probe.threads().items()}
+            row.threads_wakes_per_request = {thread: round(n / len(trace), 2)
+                                             for thread, n in run.probe.wakes().items()}
             rows.append(row)
         return rows
 
@@ -324,37 +301,6 @@ def _start(stack: ExitStack, policy: str, replicas: int, cache_blocks: int, n: i
     return _Run(name, handles, urls, pids,
                 MidRun(registry.control_address, handles, specs, cache_blocks, n),
                 OpenLoop(urls, max_tokens=MAX_TOKENS, workers=MAX_CONCURRENT), probe)
-
-
-def _row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
-         served: tuple[float, float], decode: tuple[float, float]) -> Row:
-    """The figures of one router's run: the client's TTFTs, the engines' counters, the
-    router's own metrics (tokenization, its predicted hits, prefills it skipped)."""
-    def metric(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
-                   if line.startswith(name + "{"))
-
-    tok_sum = sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
-                  if line.startswith("pdreg_router_tokenize_seconds_sum"))
-    picks = [line for line in router_metrics.splitlines()
-             if line.startswith("pdreg_router_picks_total{")]
-    skipped = sum(float(line.rsplit(" ", 1)[1]) * (1 if 'role="decode"' in line else -1)
-                  for line in picks)
-    routed = metric("pdreg_router_prompt_tokens_total")
-    predicted = metric("pdreg_router_prompt_tokens_cached_total") / routed if routed else 0.0
-    prompt, hit = served
-    ttfts = load.ttfts
-    return Row(policy, n, load.errors, 1000 * statistics.median(ttfts),
-               1000 * percentiles(ttfts)[98], (prompt - hit) / n,
-               hit / prompt if prompt else 0.0,
-               router_cpu_ms_per_request=1000 * cpu / n,
-               tokenize_ms_per_request=1000 * tok_sum / n, predicted_hit_rate=predicted,
-               skipped_prefill=round(skipped),
-               decode_prefill_tokens_per_request=(decode[0] - decode[1]) / n, ttfts=ttfts,
-               slowest=[(i, round(1000 * t)) for i, t in sorted(
-                   load.by_request.items(), key=lambda item: -item[1])[:max(3, n // 50)]],
-               ttft_p99_warm_ms=1000 * percentiles(
-                   [t for i, t in load.by_request.items() if i >= n // 3] or [0.0])[98])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -392,23 +338,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", action="store_true",
                         help="only the index at 1,000 members: events/s and memory")
     return parser
-
-
-def _print_rows(rows: list[Row], fair: float, greedy: float, args: argparse.Namespace,
-                rate: float) -> None:
-    print(f"\noracle hit rate {fair:.1%} bounded load, {greedy:.1%} load "
-          f"ignored ({args.requests} requests, {rate:.2f} req/s = "
-          f"utilisation {args.utilisation}, {args.cache_blocks} blocks of {BLOCK} per "
-          "prefill)")
-    print(f"{'router':<28} {'TTFT p50':>9} {'p99':>8} {'prefill tok/req':>16} {'hit':>6} "
-          f"{'vs oracle':>9} {'vs greedy':>9} {'CPU ms/req':>10} {'tokenize':>9} "
-          f"{'errors':>6} {'predicted':>9} {'skipped P':>9} {'D tok/req':>9}")
-    for r in rows:
-        print(f"{r.router:<28} {r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>6.0f}ms "
-              f"{r.prefill_tokens_per_request:>16.0f} {r.hit_rate:>6.1%} {r.vs_oracle:>9.1%} "
-              f"{r.vs_greedy_oracle:>9.1%} {r.router_cpu_ms_per_request:>10.2f} "
-              f"{r.tokenize_ms_per_request:>7.3f}ms {r.errors:>6} {r.predicted_hit_rate:>9.1%} "
-              f"{r.skipped_prefill:>9} {r.decode_prefill_tokens_per_request:>9.0f}")
 
 
 def main() -> int:
@@ -450,7 +379,7 @@ def main() -> int:
         row.vs_oracle = row.hit_rate / fair.hit_rate if fair.hit_rate else 0.0
         row.vs_greedy_oracle = row.hit_rate / greedy.hit_rate if greedy.hit_rate else 0.0
         print(f"   {row}", flush=True)
-    _print_rows(rows, fair.hit_rate, greedy.hit_rate, args, rate)
+    print_rows(rows, fair.hit_rate, greedy.hit_rate, args, rate)
     write_json(args.out, {"oracle_hit_rate": fair.hit_rate,
                           "oracle_load_ignored_hit_rate": greedy.hit_rate,
                           "requests_per_s": rate,

@@ -32,6 +32,7 @@ BUCKETS: tuple[tuple[str, str], ...] = (
     ("kv: feed sockets", "router/kv/feed.py"),
     ("kv: reporter", "router/kv/reporter.py"),
     ("kv: choice", "router/kv/policy.py"),
+    ("kv: feed sockets", "router/kv/sockets.py"),
     ("kv: routing", "router/kv/"),
     ("choice (every policy)", "router/cho"),  # choice.py, choosers.py
     ("pairing (every policy)", "router/pairing.py"),
@@ -108,6 +109,7 @@ class RouterProbe:
         self.paths: list[Path] = []
         self._spies: list[subprocess.Popen] = []
         self.cpu: Counter[tuple[int, str]] = Counter()  # (pid, tid) -> seconds
+        self.slices: Counter[tuple[int, str]] = Counter()  # (pid, tid) -> times it ran
 
     @contextmanager
     def window(self) -> Iterator[None]:
@@ -116,8 +118,10 @@ class RouterProbe:
         before = [thread_run_s(pid) for pid in self.pids]
         yield
         for pid, b in zip(self.pids, before, strict=True):
-            for tid, seconds in thread_run_s(pid).items():
-                self.cpu[(pid, tid)] += seconds - b.get(tid, 0.0)
+            for tid, (seconds, slices) in thread_run_s(pid).items():
+                was = b.get(tid, (0.0, 0))
+                self.cpu[(pid, tid)] += seconds - was[0]
+                self.slices[(pid, tid)] += slices - was[1]
 
     def _start_spies(self, profile: Path) -> None:
         profile.mkdir(parents=True, exist_ok=True)
@@ -143,23 +147,33 @@ class RouterProbe:
     def threads(self) -> dict[str, float]:
         """CPU seconds per thread over the windows, summed over the processes, each named
         as py-spy saw it (else "tid N": ZeroMQ's I/O threads, which run no Python)."""
+        return self._by_name(self.cpu)
+
+    def wakes(self) -> dict[str, float]:
+        """Times each thread was put on a CPU over the windows (schedstat's timeslices:
+        its wakes, plus preemptions): a thread that wakes per KV batch shows it."""
+        return self._by_name(self.slices)
+
+    def _by_name(self, per_thread: Counter[tuple[int, str]]) -> dict[str, float]:
         names: dict[str, str] = {}
         for path in self.paths:
             if path.exists():
                 names.update(read_profile(path).tids)
         out: Counter[str] = Counter()
-        for (_, tid), seconds in self.cpu.items():
-            out[names.get(tid, f"tid {tid}")] += seconds
+        for (_, tid), value in per_thread.items():
+            out[names.get(tid, f"tid {tid}")] += value
         return dict(out)
 
 
-def thread_run_s(pid: int) -> dict[str, float]:
-    """Run time of each live thread of `pid` (tid -> seconds; schedstat nanoseconds)."""
+def thread_run_s(pid: int) -> dict[str, tuple[float, int]]:
+    """Each live thread of `pid`: tid -> (run time in seconds, timeslices), from
+    schedstat (nanoseconds; the times it was put on a CPU)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[0]) / 1e9
+                run_ns, _, slices = f.read().split()[:3]
+            out[tid] = (int(run_ns) / 1e9, int(slices))
         except (OSError, ValueError):
             continue  # exited meanwhile
     return out
