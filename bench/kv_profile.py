@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ BUCKETS: tuple[tuple[str, str], ...] = (
 SPY_FLAGS: tuple[str, ...] = ("--threads", "--gil", "--nonblocking")
 SPY_RATE = 500
 SPY_MAX_S = 3600  # stopped by close() long before
+_DUMP_THREAD = re.compile(r'^Thread (?:0x)?([0-9A-Fa-f]+) \([^)]*\): "([^"]*)"', re.M)
 _THREAD = re.compile(r"^thread \((?:0x)?([0-9A-Fa-f]+)\): ([^;]*);")
 
 
@@ -110,6 +112,7 @@ class RouterProbe:
         self._spies: list[subprocess.Popen] = []
         self.cpu: Counter[tuple[int, str]] = Counter()  # (pid, tid) -> seconds
         self.slices: Counter[tuple[int, str]] = Counter()  # (pid, tid) -> times it ran
+        self._names: dict[str, str] = {}  # tid -> thread name (a dump's, without py-spy's)
 
     @contextmanager
     def window(self) -> Iterator[None]:
@@ -133,7 +136,11 @@ class RouterProbe:
                 self.paths.append(path)
 
     def close(self) -> None:
-        """Stop py-spy (it writes its stacks on SIGINT)."""
+        """Stop py-spy (it writes its stacks on SIGINT); without it, name the threads
+        from one py-spy dump of each process (after the load: it pauses them)."""
+        if not self._spies:
+            for pid in self.pids:
+                self._names.update(thread_names(pid))
         for spy in self._spies:
             spy.send_signal(signal.SIGINT)
         for spy in self._spies:
@@ -155,7 +162,7 @@ class RouterProbe:
         return self._by_name(self.slices)
 
     def _by_name(self, per_thread: Counter[tuple[int, str]]) -> dict[str, float]:
-        names: dict[str, str] = {}
+        names = dict(self._names)
         for path in self.paths:
             if path.exists():
                 names.update(read_profile(path).tids)
@@ -163,6 +170,17 @@ class RouterProbe:
         for (_, tid), value in per_thread.items():
             out[names.get(tid, f"tid {tid}")] += value
         return dict(out)
+
+
+def thread_names(pid: int) -> dict[str, str]:
+    """tid -> Python thread name, from `py-spy dump` ({} without py-spy)."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    try:
+        out = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {m.group(1): m.group(2) for m in _DUMP_THREAD.finditer(out)}
 
 
 def thread_run_s(pid: int) -> dict[str, tuple[float, int]]:

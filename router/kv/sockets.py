@@ -1,15 +1,19 @@
 """The KV feed's socket plumbing: which of many ZeroMQ sockets to read now, at a cost in
-what is ready rather than in what is followed, and enough file descriptors for them."""
+what is ready rather than in what is followed, enough file descriptors for them, where
+a member's advertised endpoint may lead, and one message off a socket."""
 
 from __future__ import annotations
 
 import logging
 import resource
 import select
+import socket
+from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import zmq
 
-__all__ = ["Readiness", "raise_fd_limit"]
+__all__ = ["Readiness", "raise_fd_limit", "recv_frames", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,3 +74,32 @@ def raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             logger.warning("[kv-feed] open-files limit stays %d (hard %d)", soft, hard)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """One multipart message, without blocking (zmq.Again if none waits). Each frame
+    says itself whether more follow: pyzmq's `recv_multipart` asks the socket instead
+    (getsockopt RCVMORE, an enum lookup in Python per frame)."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+    return frames
+
+
+def resolve(address: str, allows: Callable[[str], bool]) -> str | None:
+    """tcp://host:port -> tcp://ip:port for the first address the policy `allows`."""
+    try:
+        parts = urlsplit(address)
+        host, port = parts.hostname, parts.port
+        if parts.scheme != "tcp" or not host or not port:
+            return None
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (ValueError, OSError):
+        return None
+    for info in infos:
+        ip = str(info[4][0])
+        if allows(ip):
+            return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+    return None
