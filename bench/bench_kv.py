@@ -39,12 +39,11 @@ Writes bench/out/kv.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -57,6 +56,8 @@ from reference_helpers import EngineHandle, metrics, start_engine, start_engines
 from bench import peers  # noqa: E402
 from bench.kv_index_alone import index_alone  # noqa: E402
 from bench.kv_open_loop import OpenLoop  # noqa: E402
+from bench.kv_profile import RouterProbe  # noqa: E402
+from bench.kv_rows import Row, make_row, print_rows  # noqa: E402
 from bench.kv_trace import (  # noqa: E402
     BLOCK,
     PREFILL_S_PER_TOKEN,
@@ -65,8 +66,8 @@ from bench.kv_trace import (  # noqa: E402
     make_trace,
     oracle,
 )
-from bench.procs import remove_tree, router_process, source_tree, tree_cpu_s  # noqa: E402
-from bench.tables import percentiles, write_json  # noqa: E402
+from bench.procs import remove_tree, router_process, source_tree, tree_run_s  # noqa: E402
+from bench.tables import write_json  # noqa: E402
 from pdreg.testing import free_low_port, wait_until  # noqa: E402
 from registry.client import MembershipView  # noqa: E402
 from registry.server import RegistryConfig, RegistryServer  # noqa: E402
@@ -90,30 +91,8 @@ ENGINE_STOP_S = 10.0
 # --- one run ---------------------------------------------------------------------------
 
 
-@dataclass
-class Row:
-    router: str
-    requests: int
-    errors: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    prefill_tokens_per_request: float
-    hit_rate: float
-    vs_oracle: float = 0.0  # against the bounded-load oracle
-    vs_greedy_oracle: float = 0.0  # against the load-ignoring one
-    router_cpu_ms_per_request: float = 0.0
-    tokenize_ms_per_request: float = 0.0
-    predicted_hit_rate: float = 0.0  # the router's own prediction at its picks (kv only)
-    skipped_prefill: int = 0  # requests served by a decode alone (conditional disagg.)
-    decode_prefill_tokens_per_request: float = 0.0  # prompt tokens decodes computed
-    ttfts: list[float] = field(default_factory=list, repr=False)
-    # The tail's requests: (index in the trace, TTFT ms), slowest first; the joining
-    # prefill comes at requests/3, the restart at 2 x requests/3.
-    slowest: list[tuple[int, float]] = field(default_factory=list)
-    ttft_p99_warm_ms: float = 0.0  # requests from the join on (caches warm, 4 prefills)
-
-
 KV_EVENTS = [True]  # --no-kv-events: engines cache but publish nothing (a fleet kv is blind to)
+PROFILE: list[Path | None] = [None]  # --profile DIR: py-spy every pdreg router over its load
 
 
 def engine_args(cache_blocks: int) -> list[str]:
@@ -253,60 +232,75 @@ def _router(policy: str, registry: RegistryServer, handles: list[EngineHandle],
     return pdreg_router(registry.control_address, policy, decisions, replicas)
 
 
-def run_router(policy: str, trace: list[str], times: list[float], cache_blocks: int,
-               decisions: Path | None = None, replicas: int = 1,
-               max_tokens: list[int] | None = None) -> Row:
-    """`max_tokens`: each request's (the chat trace's answers), else MAX_TOKENS."""
-    with cluster(cache_blocks) as (registry, handles, specs):
-        _wait_ready(registry)
-        with _router(policy, registry, handles, decisions, replicas) as (urls, pids):
-            if ":" not in policy:  # a peer listens already (peers._start waited)
-                for url in urls:
-                    assert wait_until(lambda u=url: httpx.get(u + "/v1/models").json()["data"],
-                                      30)
-            mid = MidRun(registry.control_address, handles, specs, cache_blocks, len(trace))
-            load = OpenLoop(urls, max_tokens=MAX_TOKENS, workers=MAX_CONCURRENT)
-            cpu_before = sum(tree_cpu_s(pid) for pid in pids)
-            load.run(trace, times, mid, max_tokens)
-            cpu = sum(tree_cpu_s(pid) for pid in pids) - cpu_before
+@dataclass
+class _Run:
+    """One router under test, on its own fleet, through the windows of a run."""
+
+    name: str
+    handles: list[EngineHandle]
+    urls: list[str]
+    pids: list[int]
+    mid: MidRun
+    load: OpenLoop
+    probe: RouterProbe
+    cpu_s: float = 0.0
+
+
+def run_routers(policies: list[tuple[str, int]], trace: list[str], times: list[float],
+                cache_blocks: int, window: int = 0, decisions: bool = False,
+                max_tokens: list[int] | None = None) -> list[Row]:
+    """Each (policy, replicas) on a fleet of its own, all up at once. The trace goes in
+    windows of `window` requests (0: the whole trace), each window to every router in
+    turn, the order reversed every window (A B B A...): routers compared in one run
+    then share the machine's drifting load, and each is charged the CPU of its own
+    windows only. `max_tokens`: each request's (the chat trace's answers)."""
+    window = window or len(trace)
+    with ExitStack() as stack:
+        runs = [_start(stack, policy, replicas, cache_blocks, len(trace), decisions)
+                for policy, replicas in policies]
+        for w, first in enumerate(range(0, len(trace), window)):
+            for run in runs if w % 2 == 0 else runs[::-1]:
+                cpu_before = sum(tree_run_s(pid) for pid in run.pids)
+                with run.probe.window():
+                    run.load.run(trace, times, run.mid, max_tokens,
+                                 range(first, min(first + window, len(trace))))
+                run.cpu_s += sum(tree_run_s(pid) for pid in run.pids) - cpu_before
+        rows = []
+        for run in runs:
+            run.probe.close()
             # Summed over replicas: every counter the row reads is a sum.
-            router_metrics = "\n".join(httpx.get(url + "/metrics").text for url in urls)
-        decode = counters(handles[3:5])
-        prompt, hit = counters(handles)
-    served = (prompt + mid.retired[0], hit + mid.retired[1])
+            router_metrics = "\n".join(httpx.get(url + "/metrics").text for url in run.urls)
+            decode = counters(run.handles[3:5])
+            prompt, hit = counters(run.handles)
+            served = (prompt + run.mid.retired[0], hit + run.mid.retired[1])
+            row = make_row(run.name, len(trace), run.load, run.cpu_s, router_metrics, served,
+                       decode)
+            row.threads_ms_per_request = {thread: round(1000 * s / len(trace), 3)
+                                          for thread, s in run.probe.threads().items()}
+            row.threads_wakes_per_request = {thread: round(n / len(trace), 2)
+                                             for thread, n in run.probe.wakes().items()}
+            rows.append(row)
+        return rows
+
+
+def _start(stack: ExitStack, policy: str, replicas: int, cache_blocks: int, n: int,
+           decisions: bool) -> _Run:
+    """A fleet for `policy`'s router(s), ready, and the router(s) listening."""
+    registry, handles, specs = stack.enter_context(cluster(cache_blocks))
+    _wait_ready(registry)
+    log = None
+    if decisions and ":" not in policy:
+        log = OUT.parent / f"kv-decisions-{policy}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+    urls, pids = stack.enter_context(_router(policy, registry, handles, log, replicas))
+    if ":" not in policy:  # a peer listens already (peers._start waited)
+        for url in urls:
+            assert wait_until(lambda u=url: httpx.get(u + "/v1/models").json()["data"], 30)
     name = policy if replicas == 1 else f"{policy} x{replicas} replicas"
-    return _row(name, len(trace), load, cpu, router_metrics, served, decode)
-
-
-def _row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
-         served: tuple[float, float], decode: tuple[float, float]) -> Row:
-    """The figures of one router's run: the client's TTFTs, the engines' counters, the
-    router's own metrics (tokenization, its predicted hits, prefills it skipped)."""
-    def metric(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
-                   if line.startswith(name + "{"))
-
-    tok_sum = sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
-                  if line.startswith("pdreg_router_tokenize_seconds_sum"))
-    picks = [line for line in router_metrics.splitlines()
-             if line.startswith("pdreg_router_picks_total{")]
-    skipped = sum(float(line.rsplit(" ", 1)[1]) * (1 if 'role="decode"' in line else -1)
-                  for line in picks)
-    routed = metric("pdreg_router_prompt_tokens_total")
-    predicted = metric("pdreg_router_prompt_tokens_cached_total") / routed if routed else 0.0
-    prompt, hit = served
-    ttfts = load.ttfts
-    return Row(policy, n, load.errors, 1000 * statistics.median(ttfts),
-               1000 * percentiles(ttfts)[98], (prompt - hit) / n,
-               hit / prompt if prompt else 0.0,
-               router_cpu_ms_per_request=1000 * cpu / n,
-               tokenize_ms_per_request=1000 * tok_sum / n, predicted_hit_rate=predicted,
-               skipped_prefill=round(skipped),
-               decode_prefill_tokens_per_request=(decode[0] - decode[1]) / n, ttfts=ttfts,
-               slowest=[(i, round(1000 * t)) for i, t in sorted(
-                   load.by_request.items(), key=lambda item: -item[1])[:max(3, n // 50)]],
-               ttft_p99_warm_ms=1000 * percentiles(
-                   [t for i, t in load.by_request.items() if i >= n // 3] or [0.0])[98])
+    probe = RouterProbe(pids, name, PROFILE[0] if ":" not in policy else None)
+    return _Run(name, handles, urls, pids,
+                MidRun(registry.control_address, handles, specs, cache_blocks, n),
+                OpenLoop(urls, max_tokens=MAX_TOKENS, workers=MAX_CONCURRENT), probe)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -333,26 +327,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-kv-events", action="store_true",
                         help="engines publish no KV events (what `kv` does blind)")
     parser.add_argument("--out", type=Path, default=OUT, help="JSON results")
+    parser.add_argument("--interleave", type=int, default=0, metavar="N",
+                        help="every router up at once, each on its own fleet; the trace "
+                             "in windows of N requests, each to every router in turn "
+                             "(A B B A...), CPU charged per window: side by side")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="py-spy each pdreg router over its load: DIR/kv-profile-"
+                             "ROUTER-N.txt (raw stacks per thread; python -m "
+                             "bench.kv_profile FILE breaks them down)")
     parser.add_argument("--scale", action="store_true",
                         help="only the index at 1,000 members: events/s and memory")
     return parser
-
-
-def _print_rows(rows: list[Row], fair: float, greedy: float, args: argparse.Namespace,
-                rate: float) -> None:
-    print(f"\noracle hit rate {fair:.1%} bounded load, {greedy:.1%} load "
-          f"ignored ({args.requests} requests, {rate:.2f} req/s = "
-          f"utilisation {args.utilisation}, {args.cache_blocks} blocks of {BLOCK} per "
-          "prefill)")
-    print(f"{'router':<28} {'TTFT p50':>9} {'p99':>8} {'prefill tok/req':>16} {'hit':>6} "
-          f"{'vs oracle':>9} {'vs greedy':>9} {'CPU ms/req':>10} {'tokenize':>9} "
-          f"{'errors':>6} {'predicted':>9} {'skipped P':>9} {'D tok/req':>9}")
-    for r in rows:
-        print(f"{r.router:<28} {r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>6.0f}ms "
-              f"{r.prefill_tokens_per_request:>16.0f} {r.hit_rate:>6.1%} {r.vs_oracle:>9.1%} "
-              f"{r.vs_greedy_oracle:>9.1%} {r.router_cpu_ms_per_request:>10.2f} "
-              f"{r.tokenize_ms_per_request:>7.3f}ms {r.errors:>6} {r.predicted_hit_rate:>9.1%} "
-              f"{r.skipped_prefill:>9} {r.decode_prefill_tokens_per_request:>9.0f}")
 
 
 def main() -> int:
@@ -361,6 +346,7 @@ def main() -> int:
         index_alone()
         return 0
     KV_EVENTS[0] = not args.no_kv_events
+    PROFILE[0] = args.profile
     answers: list[int] | None = None
     if args.trace == "chat":
         chat = make_chat_trace(args.requests, args.seed)
@@ -377,22 +363,23 @@ def main() -> int:
           f"{greedy.prefill_ttft_p50_ms:.0f} ms; {rate:.2f} req/s; "
           f"{sum(map(len, trace)) / len(trace):.0f} characters (= tokens) per request",
           flush=True)
-    rows = []
     runs = [(policy, int(n)) for policy in args.routers.split(",")
             for n in (args.replicas.split(",") if ":" not in policy else ["1"])]
-    for policy, replicas in runs:
-        print(f"== {policy} x{replicas}", flush=True)
-        decisions = OUT.parent / f"kv-decisions-{policy}.log" \
-            if args.decisions and ":" not in policy else None
-        if decisions is not None:
-            decisions.parent.mkdir(parents=True, exist_ok=True)
-        row = run_router(policy, trace, times, args.cache_blocks, decisions, replicas,
-                         answers)
+    if args.interleave:
+        print(f"== {', '.join(p for p, _ in runs)} in windows of {args.interleave}", flush=True)
+        rows = run_routers(runs, trace, times, args.cache_blocks, args.interleave,
+                           args.decisions, answers)
+    else:
+        rows = []
+        for run in runs:
+            print(f"== {run[0]} x{run[1]}", flush=True)
+            rows += run_routers([run], trace, times, args.cache_blocks, 0, args.decisions,
+                                answers)
+    for row in rows:
         row.vs_oracle = row.hit_rate / fair.hit_rate if fair.hit_rate else 0.0
         row.vs_greedy_oracle = row.hit_rate / greedy.hit_rate if greedy.hit_rate else 0.0
-        rows.append(row)
         print(f"   {row}", flush=True)
-    _print_rows(rows, fair.hit_rate, greedy.hit_rate, args, rate)
+    print_rows(rows, fair.hit_rate, greedy.hit_rate, args, rate)
     write_json(args.out, {"oracle_hit_rate": fair.hit_rate,
                           "oracle_load_ignored_hit_rate": greedy.hit_rate,
                           "requests_per_s": rate,

@@ -38,7 +38,12 @@ def child(trace_path: str, repeat: int) -> dict[str, float]:
     best_affinity = best_events = float("inf")
     for _ in range(repeat):
         routing = KvRouting(RouterMetrics(), allows=lambda a: True)
-        routing._models = {"tiny": _model_kv()}  # one publisher, blocks of 16, bytes
+        # One publisher, blocks of 16, bytes: where this tree keeps it (older: `_models`).
+        publishers = getattr(routing, "publishers", None)
+        if publishers is not None:
+            publishers.models["tiny"] = _model_kv()
+        else:
+            routing._models = {"tiny": _model_kv()}
         index = KvIndex()
         member = index.track("p", 1)
         assert member is not None

@@ -40,11 +40,15 @@ class OpenLoop:
         self._clients: list[httpx.Client] = []
 
     def run(self, trace: list[str], times: list[float], mid: Changes,
-            max_tokens: Sequence[int] | None = None) -> None:
-        """`max_tokens`: each request's own (a chat's answers), else `self.max_tokens`."""
+            max_tokens: Sequence[int] | None = None, window: range | None = None) -> None:
+        """`max_tokens`: each request's own (a chat's answers), else `self.max_tokens`.
+        `window`: only these requests of the trace, the first due at once (the others
+        at their arrival times after it), else all; returns once every one is answered."""
+        window = window if window is not None else range(len(times))
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            started = time.monotonic()
-            for i, at in enumerate(times):
+            started = time.monotonic() - (times[window[0]] if window else 0.0)
+            for i in window:
+                at = times[i]
                 mid.before(i)
                 delay = started + at - time.monotonic()
                 if delay > 0:

@@ -141,3 +141,25 @@ def test_garbage_is_counted_and_changes_nothing(engine, index, make_feed):
         return feed.counters.bad >= 2
     assert wait_until(garbage, WAIT_S)
     assert index.members["p"].state is IndexState.LIVE and not index.members["p"].blocks
+
+
+def test_the_snapshot_catches_up_with_a_burst_and_no_batch_after_it(engine, index, make_feed):
+    """What /v1/kv, /metrics and the reporter read (`published`) is swapped in at most
+    every PUBLISH_INTERVAL_S: a burst's last batch still shows there, with nothing after
+    it to carry it, within PUBLISH_MAX_DELAY_S."""
+    feed = make_feed(replay_timeout_s=5.0)
+    feed.update([FeedMember("p", 1, engine.spec())])
+    assert run_until(engine, lambda: state(index) is IndexState.LIVE)
+
+    def burst() -> bool:  # back to back, repeated until the SUB is connected
+        engine.publish(0, A)
+        engine.publish(1, B)
+        engine.publish(2, C)
+        return next_seq(index) == 3
+    assert run_until(engine, burst)
+
+    def shown() -> bool:
+        stats = index.published.members.get("p")
+        return stats is not None and stats.next_seq == 3 and stats.blocks == 3
+    assert wait_until(shown, WAIT_S)
+    assert feed.counters.batches >= 3

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 # Bench-only: the registry under --profile imports this first (a sitecustomize on its
 # path) and logs every garbage collection that pauses it over 1 ms.
@@ -57,12 +57,15 @@ def profiled(src: str, profile: str, label: str) -> Iterator[str]:
         shutil.rmtree(shim, ignore_errors=True)
 
 
-def py_spy(pid: int, seconds: float, out: str) -> subprocess.Popen | None:
+def py_spy(pid: int, seconds: float, out: str, extra: Sequence[str] = (), rate: int = 200
+           ) -> subprocess.Popen | None:
+    """`extra`: more py-spy flags (`--threads`: each stack under its thread's id and
+    name; `--nonblocking`: never pause the process sampled)."""
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(spy):
         print("py-spy not found (pip install py-spy): no profile", file=sys.stderr)
         return None
     return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration",
-                             str(max(1, int(seconds))), "--rate", "200", "--format", "raw",
-                             "--output", out], stdout=subprocess.DEVNULL,
+                             str(max(1, int(seconds))), "--rate", str(rate), "--format", "raw",
+                             *extra, "--output", out], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

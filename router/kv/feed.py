@@ -4,8 +4,11 @@ An IO thread owns every socket and is the KV index's only writer (router/kv/inde
 pure; this module is its I/O). The event loop only reads the index, and tells the
 thread the current membership with `update` (an inproc PUSH: the thread sleeps in
 `poll` until a batch, a replay answer, a membership change or a replay deadline).
-After each turn the thread publishes the index's snapshot for the members it touched
-(`KvIndex.publish`), which the reporter, /v1/kv and /metrics read.
+After a turn the thread publishes the index's snapshot for the members it touched
+(`KvIndex.publish`), which the reporter, /v1/kv and /metrics read: at most every
+PUBLISH_INTERVAL_S, within PUBLISH_MAX_DELAY_S of a change, so a burst of batches swaps
+it once. The policy reads the index itself (only a block size learnt from the events,
+for a spec that gives none, waits for the snapshot).
 
 - A ready member whose spec has `kv_events` is subscribed: SUB to its endpoint (its
   topic), DEALER to its replay endpoint, and a replay from seq 0 for its history.
@@ -35,19 +38,17 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import urlsplit
 
 import msgspec
 import zmq
 
 from router.kv.index import Applied, KvIndex, MemberIndex
-from router.kv.sockets import Readiness, raise_fd_limit
+from router.kv.sockets import Readiness, raise_fd_limit, recv_frames, resolve
 from wire.kv_events import REPLAY_END, decode_batch, decode_seq, encode_seq
 from wire.protocol import KvEventsSpec
 
@@ -68,6 +69,12 @@ SUB_HWM: Final = 128
 RESTART_BACKOFF_S: Final = 1.0  # before a failed feed loop starts again
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
 MAX_BYTES_PER_WAKE: Final = 4 * 1024 * 1024  # nor one sending large batches
+_POLLIN: Final = int(zmq.POLLIN)  # a plain int: pyzmq's Flag costs Python calls to `&`
+# The snapshot other threads read is swapped in by a turn at most this often (a swap per
+# batch was a seventh of a wake's work), and one left waiting by a wake of its own within
+# PUBLISH_MAX_DELAY_S (a timer wake per deferred swap would cost more than it saves).
+PUBLISH_INTERVAL_S: Final = 0.1
+PUBLISH_MAX_DELAY_S: Final = 0.5
 _STOP: Final = b"stop"
 _UPDATE: Final = b"update"
 
@@ -111,6 +118,7 @@ class KvFeed:
         self._subs: dict[str, _Subscription] = {}
         self._wanted: list[FeedMember] = []  # the last membership, for a restart
         self._awaiting: dict[str, _Subscription] = {}  # replay deadline set
+        self._published_at = 0.0  # monotonic time of the last snapshot swapped in
         self._by_socket: dict[zmq.Socket, _Subscription] = {}
         self._poller = Readiness()
         self._closed = False
@@ -216,7 +224,16 @@ class KvFeed:
                 except Exception as exc:  # one member's bad input costs that member only
                     self._distrust(sub, exc)
             self._check_replay_deadlines()
+            self._publish()
+
+    def _publish(self) -> None:
+        """Swap in the index's snapshot if PUBLISH_INTERVAL_S passed since the last swap;
+        else leave it to a later turn (`_poll_timeout_ms` wakes for it by
+        PUBLISH_MAX_DELAY_S)."""
+        now = time.monotonic()
+        if now >= self._published_at + PUBLISH_INTERVAL_S:
             self.index.publish()
+            self._published_at = now
 
     def _drop_all(self) -> None:
         for member_id in list(self._subs):
@@ -236,10 +253,15 @@ class KvFeed:
                 self._poller.later(sock)
 
     def _poll_timeout_ms(self) -> int | None:
-        if not self._awaiting:
-            return None
-        first = min(s.replay_deadline for s in self._awaiting.values())
-        return max(0, int(1000 * (first - self._clock())) + 1)
+        """Until the first replay deadline, or the snapshot's next swap if one waits."""
+        timeouts = []
+        if self.index.unpublished:
+            due = self._published_at + PUBLISH_MAX_DELAY_S - time.monotonic()
+            timeouts.append(max(0, int(1000 * due) + 1))
+        if self._awaiting:
+            first = min(s.replay_deadline for s in self._awaiting.values())
+            timeouts.append(max(0, int(1000 * (first - self._clock())) + 1))
+        return min(timeouts) if timeouts else None
 
     def _drain_wakes(self) -> bool:
         """Apply membership updates; False when told to stop."""
@@ -273,13 +295,13 @@ class KvFeed:
         self.index.retain(self._subs)
 
     def _subscribe(self, m: FeedMember) -> None:
-        endpoint = self._resolve(m.kv.endpoint)
+        endpoint = resolve(m.kv.endpoint, self._allows)
         if endpoint is None:
             self.counters.refused += 1
             logger.warning("[kv-feed] %s: KV events endpoint %r refused by the upstream "
                            "policy or unresolvable", m.id, m.kv.endpoint)
             return
-        replay = self._resolve(m.kv.replay_endpoint) if m.kv.replay_endpoint else None
+        replay = resolve(m.kv.replay_endpoint, self._allows) if m.kv.replay_endpoint else None
         index = self.index.track(m.id, m.incarnation)
         if index is None:  # tracked already (cannot happen after _drop); start afresh
             self.index.forget(m.id)
@@ -338,38 +360,22 @@ class KvFeed:
         logger.info("[kv-feed] dropped %s (incarnation %d)", member_id,
                     state.member.incarnation)
 
-    def _resolve(self, address: str) -> str | None:
-        """tcp://host:port -> tcp://ip:port for the first address the policy allows."""
-        try:
-            parts = urlsplit(address)
-            host, port = parts.hostname, parts.port
-            if parts.scheme != "tcp" or not host or not port:
-                return None
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (ValueError, OSError):
-            return None
-        for info in infos:
-            ip = str(info[4][0])
-            if self._allows(ip):
-                return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
-        return None
-
     def _read_sub(self, state: _Subscription) -> None:
         sub = state.sub
         read = 0
         for _ in range(MAX_BATCHES_PER_WAKE):
-            # Asking the socket is cheaper than pyzmq's Again exception, and a wake
-            # usually finds one batch.
-            if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
+            # A wake usually brings one batch: read it, then ask the socket whether another
+            # waits (cheaper than pyzmq's Again, which only a wake with none pays).
             try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(sub)
             except zmq.Again:
                 return
             self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)
             read += len(frames[-1])
             if read > MAX_BYTES_PER_WAKE:
                 break
+            if not sub.getsockopt(zmq.EVENTS) & _POLLIN:
+                return
         self._poller.later(sub)  # not drained: its edge will not fire again
 
     def _read_replay(self, state: _Subscription) -> None:
@@ -441,3 +447,4 @@ class KvFeed:
                 logger.warning("[kv-feed] %s: replay timed out", state.member.id)
                 self._reset_dealer(state)
                 self._ask_replay(state, state.index.replay_done(complete=False))
+

@@ -404,6 +404,11 @@ class KvIndex:
         """The writer changed `member_id`'s index (a batch, a replay, a deadline)."""
         self._touched.add(member_id)
 
+    @property
+    def unpublished(self) -> bool:
+        """Members changed since the last publish."""
+        return bool(self._touched)
+
     def publish(self) -> None:
         """Writer only: swap in a snapshot with the members touched since the last one."""
         if not self._touched:
