@@ -1,20 +1,19 @@
 """Registry clients: `MembershipView`, a local copy of membership (ZeroMQ's Clone pattern).
 
-Per registry the view keeps one link through these states:
-
-    SYNCING   Sync sent on the DEALER; events already arriving on the SUB are buffered
-    LIVE      snapshot applied; events applied in version order; digests refresh loads
-    AWAY      silent past its lease: out of the merge, Sync retried
-
+Per registry the view keeps one link (registry/view_links.py: SYNCING, LIVE, AWAY).
 Subscribe first, then ask for the snapshot (ZeroMQ Guide ch. 5). What a link holds and
 how snapshots and events apply to it is `registry.replica.Replica`, and how several
 registries make one view is `registry.merge.Merge`, both pure state; this module owns
 the sockets and the timers.
 
-A view syncs once on start: the first snapshot names the event port, so the view
-subscribes then and applies that same snapshot. A change published before the
-subscription took hold shows as a version gap in the next event or digest (a digest comes
-every interval at the latest), and only then does it sync again. The thread polls until
+A view learns the event port from a first Sync for the empty topic alone (the routers'
+records: a few), subscribes, and asks for the snapshot it follows once the subscription
+holds (its first message; SUBSCRIBE_SETTLE_S at most). Taught the port by that snapshot
+instead, a view missed every change published before its subscription took hold: at 100k
+members one always came, and the gap cost a second 40 MB snapshot. A change missed all
+the same (a registry restarted, a subscription dropped) shows as a version gap in the
+next event or digest (a digest comes every interval at the latest), and only then does
+it sync again. The thread polls until
 its next deadline (sync timeout, silence, a carried member's drop), never on a fixed tick.
 
 Readers get a `FrozenMap`: each update shares everything but what changed with the one
@@ -24,13 +23,11 @@ before, so an update costs the changed members, not a copy of the whole view.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -50,6 +47,7 @@ from registry.replica import Applied, LiveMember, Replica
 from registry.security import ClientCurve
 from registry.teardown import Teardown
 from registry.view_changes import Changes, ChangeTrail
+from registry.view_links import Link, LinkState, LinkStatus
 from wire.protocol import (
     Event,
     Reply,
@@ -70,40 +68,8 @@ logger = logging.getLogger(__name__)
 SYNC_TIMEOUT_S = 1.0  # no snapshot by then: new socket, try again
 THREAD_STOP_TIMEOUT_S = 10.0  # close() waits this long for the view thread
 SYNC_BACKOFF_MAX_S = 2.0
+SUBSCRIBE_SETTLE_S = 0.05  # a new subscription's first message, awaited this long at most
 EVENTS_RCVHWM = 100_000
-
-
-class LinkState(enum.Enum):
-    SYNCING = "syncing"
-    LIVE = "live"
-    AWAY = "away"
-
-
-@dataclass(frozen=True, slots=True)
-class LinkStatus:
-    address: str
-    state: LinkState
-    epoch: int
-    version: int
-    members: int
-    snapshots: int = 0  # taken since start: the first, then one per gap or restart
-
-
-@dataclass
-class _Link:
-    """One registry, as seen from the view thread (which alone touches it)."""
-
-    index: int  # in the merge
-    address: str
-    replica: Replica
-    dealer: zmq.Socket | None = None
-    sub: zmq.Socket | None = None
-    events_port: int = 0
-    state: LinkState = LinkState.SYNCING
-    buffered: list[Event] = field(default_factory=list)  # events seen while syncing
-    sync_sent_at: float = 0.0
-    next_sync_at: float = 0.0
-    backoff_s: float = 0.1
 
 
 class MembershipView:
@@ -128,7 +94,7 @@ class MembershipView:
         self.reporter = reporter
         self.token = token  # proves Syncs to a registry beyond loopback (sessions.prove_sync)
         self._ctx = zmq.Context()
-        self._links = [_Link(i, address, Replica(address, per_model=bool(self.models)))
+        self._links = [Link(i, address, Replica(address, per_model=bool(self.models)))
                        for i, address in enumerate(self.addresses)]
         self._merge = Merge([link.replica for link in self._links])
         self._members: FrozenMap[LiveMember] = FrozenMap()
@@ -259,7 +225,7 @@ class MembershipView:
                     changed |= self._read_events(link, decode_event, now)
             self._publish(now, changed)
 
-    def _check_timers(self, link: _Link, now: float) -> bool:
+    def _check_timers(self, link: Link, now: float) -> bool:
         changed = link.replica.drop_carried(now)
         if link.state is LinkState.LIVE and not self._merge.live(link.index, now):
             logger.warning("[view] registry %s silent past its lease (%.1fs): out of the "
@@ -302,28 +268,30 @@ class MembershipView:
                 deadline = min(deadline, drop_at)
         return max(deadline, now)
 
-    def _send_sync(self, link: _Link, now: float) -> None:
+    def _send_sync(self, link: Link, now: float) -> None:
         if link.dealer is None:
             link.dealer = self._socket(zmq.DEALER)
             link.dealer.connect(f"tcp://{link.address}")
             self._poller.register(link.dealer, zmq.POLLIN)
         encode = self._encoder.encode
-        # The models it follows and the empty topic's (routers, planners), as subscribed.
-        models = [*self.models, ""] if self.models else []
+        # Not subscribed yet: the empty topic alone, for the event port (see above). Else
+        # the models it follows and the empty topic's (routers, planners), as subscribed.
+        link.probing = link.sub is None
+        models = [""] if link.probing else [*self.models, ""] if self.models else []
         sync = sessions.prove_sync(Sync(models=models), self.token, encode)
         link.dealer.send(encode(sync), zmq.NOBLOCK)
         link.sync_sent_at = now
         link.next_sync_at = now + link.backoff_s
         link.buffered.clear()
 
-    def _reset_dealer(self, link: _Link) -> None:
+    def _reset_dealer(self, link: Link) -> None:
         if link.dealer is not None:
             self._poller.unregister(link.dealer)
             link.dealer.close(linger=0)
             link.dealer = None
         link.sync_sent_at = 0.0
 
-    def _subscribe(self, link: _Link, events_port: int) -> None:
+    def _subscribe(self, link: Link, events_port: int) -> None:
         if link.sub is not None and link.events_port == events_port:
             return
         if link.sub is not None:
@@ -341,7 +309,7 @@ class MembershipView:
         link.events_port = events_port
         self._poller.register(link.sub, zmq.POLLIN)
 
-    def _read_replies(self, link: _Link, decode: msgspec.msgpack.Decoder[Reply | Snapshot],
+    def _read_replies(self, link: Link, decode: msgspec.msgpack.Decoder[Reply | Snapshot],
                       now: float) -> bool:
         changed = False
         while link.dealer is not None:
@@ -355,7 +323,13 @@ class MembershipView:
                 logger.warning("[view] %s: undecodable reply: %s", link.address, exc)
                 continue
             self._merge.heard(link.index, now)
-            if isinstance(message, Snapshot):
+            if isinstance(message, Snapshot) and link.probing:
+                # Subscribed, the snapshot to follow is asked for once the subscription
+                # shows it holds (its first message), or after SUBSCRIBE_SETTLE_S from a
+                # registry so quiet that it would miss nothing.
+                self._subscribe(link, message.events_port)
+                link.sync_sent_at, link.next_sync_at = 0.0, now + SUBSCRIBE_SETTLE_S
+            elif isinstance(message, Snapshot):
                 changed |= self._apply_snapshot(link, message, now)
             else:  # a refused Sync: rate limited, or another protocol version
                 logger.warning("[view] %s refused the sync: %s", link.address, message.reason)
@@ -368,7 +342,7 @@ class MembershipView:
             self.curve.apply(sock)
         return sock
 
-    def _apply_snapshot(self, link: _Link, snapshot: Snapshot, now: float) -> bool:
+    def _apply_snapshot(self, link: Link, snapshot: Snapshot, now: float) -> bool:
         needs_subscription = link.sub is None or link.events_port != snapshot.events_port
         link.sync_sent_at = 0.0
         link.backoff_s = 0.1
@@ -389,7 +363,7 @@ class MembershipView:
                      snapshot.epoch, snapshot.version, len(snapshot.members))
         return True
 
-    def _read_events(self, link: _Link, decode: msgspec.msgpack.Decoder[Event],
+    def _read_events(self, link: Link, decode: msgspec.msgpack.Decoder[Event],
                      now: float) -> bool:
         changed = False
         while link.sub is not None:
@@ -407,17 +381,19 @@ class MembershipView:
             self._merge.heard(link.index, now)
             if link.state is not LinkState.LIVE:
                 link.buffered.append(event)
+                if link.probing and not link.sync_sent_at:
+                    link.next_sync_at = now  # the subscription holds: sync (see above)
                 continue
             changed |= self._apply_event(link, event, now)
         return changed
 
-    def _apply_event(self, link: _Link, event: Event, now: float) -> bool:
+    def _apply_event(self, link: Link, event: Event, now: float) -> bool:
         applied = link.replica.apply(event, now)
         if applied is Applied.GAP:
             self._resync(link, now)
         return applied is Applied.CHANGED
 
-    def _resync(self, link: _Link, now: float) -> None:
+    def _resync(self, link: Link, now: float) -> None:
         link.state = LinkState.SYNCING
         link.next_sync_at = now
         link.sync_sent_at = 0.0
