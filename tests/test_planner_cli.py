@@ -85,9 +85,12 @@ def test_planner_registers_plans_calls_its_hook_and_leaves(
         # Found through the registry: the operator names only the registry.
         def table() -> str:
             return pdreg(capsys, "plan", "--registry", registry.control_address)[1]
-        assert wait_until(lambda: "prefill" in table(), WAIT_S)
-        rows = {line.split()[1]: line.split() for line in table().splitlines()
-                if line.startswith("tiny")}
+        def tiny_rows() -> dict[str, list[str]]:
+            return {line.split()[1]: line.split() for line in table().splitlines()
+                    if line.startswith("tiny ")}
+        # (while its view syncs, the table says "no prefill or decode is registered")
+        assert wait_until(lambda: "prefill" in tiny_rows(), WAIT_S)
+        rows = tiny_rows()
         assert rows["prefill"][2:4] == ["1", "3"]  # (4 + 4) / 4 = 2.0 vs 0.7: ceil(2.86)
         assert rows["decode"][2:4] == ["1", "1"]
         plan = json.loads(pdreg(capsys, "plan", "--registry", registry.control_address,
