@@ -211,21 +211,6 @@ def test_the_load_bound_spills_a_hot_prefix():
 
 
 
-@given(n=st.integers(2, 8), holder=st.integers(0, 7), held=st.integers(6, 10))
-def test_a_hit_may_wait_behind_one_request_whatever_the_fleets_size(n, holder, held):
-    """A prefill with one of our requests in flight, holding most of the prompt, all the
-    others idle and holding nothing: its queue (half a request's work) costs less than
-    the tokens it saves, so it wins on any number of prefills. (With the bound at the
-    ceiling of the average alone, on four or more prefills it was over it: 1.)"""
-    ids = [f"p{i}" for i in range(n)]
-    holder_id = ids[holder % n]
-    members = [member(i) for i in ids] + [DECODE]
-    holdings = {i: held if i == holder_id else 0 for i in ids}
-    pair = choose(indexed(holdings), members, in_flight={holder_id: 1})
-    assert pair is not None and pair.prefill.id == holder_id
-    assert pair.cached_tokens == held * BLOCK
-
-
 def publishing(member_id: str, role: Role = Role.PREFILL):
     """A ready member whose spec says it publishes KV events (nobody listens there)."""
     m = member(member_id, role)

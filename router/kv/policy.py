@@ -22,11 +22,11 @@ trust (the usual score: saturated) rank last. A prompt cached nowhere is placed 
 `prefix` ring among the least loaded members, so requests sharing a new prefix meet on
 one prefill whenever it is as free as any, and a miss never waits behind a queue.
 On top, the bounded-load rule of `prefix` (router/choosers.py) with a looser factor: only
-members whose load is within KV_BOUND_FACTOR x the average (+1), and never under
-MIN_KV_BOUND, compete, so a hot prefix never piles onto one prefill. The decode is
-chosen as `peak_ewma` chooses it (power of two over load x observed service time):
-every decode pulls the whole prompt's KV from its prefill, so that part of the cost is
-the same for all; except under conditional disaggregation.
+members whose load is within KV_BOUND_FACTOR x the average (+1) compete, so a hot prefix
+never piles onto one prefill. The decode is chosen as `peak_ewma` chooses it (power of
+two over load x observed service time): every decode pulls the whole prompt's KV from its
+prefill, so that part of the cost is the same for all; except under conditional
+disaggregation.
 
 Conditional disaggregation (`disagg_min_uncached_tokens` > 0, by default
 DEFAULT_DISAGG_MIN_UNCACHED_TOKENS): a decode keeps the KV it pulls and its KV events say
@@ -104,12 +104,6 @@ KV_PRESSURE_REQS: Final = 4.0  # a full KV cache costs as much as this many queu
 # bench_kv.py at 70% utilisation: 1.25 spilt ~9% of the prompt tokens off the prefill
 # holding them (67% hits); 2.0 gave 72%, 3.0 75%, none 77%, each with a lower TTFT.
 KV_BOUND_FACTOR: Final = 2.0
-# The bound never goes below this: a prefill may always have one request in service and
-# one waiting, whatever the fleet's size. With the ceiling of a small average alone, one
-# request in flight on four prefills made a bound of 1 (on three, 2), so every hit on a
-# busy prefill was computed whole on an idle one (bench_kv.py --decisions after the join:
-# 1,825 tokens, 720 cached on a prefill busy with one, recomputed elsewhere).
-MIN_KV_BOUND: Final = 2
 # A prompt cached nowhere goes by the ring among the members this close to the least
 # loaded (in requests). bench_kv.py --decisions: with the ring's own bound, one miss in
 # ten waited behind a busy prefill while another was idle (the tail's slowest requests).
@@ -208,12 +202,10 @@ class KvChooser:
         return choice
 
     def _bound(self, loads: Sequence[float]) -> int:
-        """The hard load bound (`prefix`'s rule, KV_BOUND_FACTOR, at least MIN_KV_BOUND):
-        load + 1 may not pass it. Loads too old to trust (saturated) do not count in the
-        average."""
+        """The hard load bound (`prefix`'s rule, KV_BOUND_FACTOR): load + 1 may not pass
+        it. Loads too old to trust (saturated) do not count in the average."""
         fresh = [v for v in loads if v < SATURATED_SCORE]
-        return max(MIN_KV_BOUND,
-                   math.ceil(self.bound_factor * (sum(fresh) + 1) / max(1, len(fresh))))
+        return math.ceil(self.bound_factor * (sum(fresh) + 1) / max(1, len(fresh)))
 
     def _within(self, eligible: Sequence[Candidate], loads: Sequence[float], bound: int,
                 affinity: KvAffinity, now: float) -> Within:
