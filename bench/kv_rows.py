@@ -36,6 +36,9 @@ class Row:
     # The router's CPU per request by thread (the event loop, kv-feed, the view...)
     threads_ms_per_request: dict[str, float] = field(default_factory=dict)
     threads_wakes_per_request: dict[str, float] = field(default_factory=dict)  # timeslices
+    # pdreg's admission answers by outcome (admitted, admitted_queued, deadline: a 503
+    # queue_deadline...), from its own metrics: whose 503 an error was
+    admission: dict[str, int] = field(default_factory=dict)
 
 
 def make_row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: str,
@@ -56,6 +59,11 @@ def make_row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: st
     predicted = metric("pdreg_router_prompt_tokens_cached_total") / routed if routed else 0.0
     prompt, hit = served
     ttfts = load.ttfts
+    admission: dict[str, int] = {}
+    for line in router_metrics.splitlines():
+        if line.startswith("pdreg_router_admission_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            admission[outcome] = admission.get(outcome, 0) + round(float(line.rsplit(" ", 1)[1]))
     return Row(policy, n, load.errors, 1000 * statistics.median(ttfts),
                1000 * percentiles(ttfts)[98], (prompt - hit) / n,
                hit / prompt if prompt else 0.0,
@@ -66,7 +74,8 @@ def make_row(policy: str, n: int, load: OpenLoop, cpu: float, router_metrics: st
                slowest=[(i, round(1000 * t)) for i, t in sorted(
                    load.by_request.items(), key=lambda item: -item[1])[:max(3, n // 50)]],
                ttft_p99_warm_ms=1000 * percentiles(
-                   [t for i, t in load.by_request.items() if i >= n // 3] or [0.0])[98])
+                   [t for i, t in load.by_request.items() if i >= n // 3] or [0.0])[98],
+               admission=admission)
 
 
 def print_rows(rows: list[Row], fair: float, greedy: float, args: argparse.Namespace,
@@ -84,6 +93,9 @@ def print_rows(rows: list[Row], fair: float, greedy: float, args: argparse.Names
               f"{r.vs_greedy_oracle:>9.1%} {r.router_cpu_ms_per_request:>10.2f} "
               f"{r.tokenize_ms_per_request:>7.3f}ms {r.errors:>6} {r.predicted_hit_rate:>9.1%} "
               f"{r.skipped_prefill:>9} {r.decode_prefill_tokens_per_request:>9.0f}")
+    print("\nthe slowest 2% (request index, ms) and pdreg's admission answers:")
+    for r in rows:
+        print(f"{r.router:<28} {r.slowest} {r.admission or ''}")
     print("\nrouter CPU per request by thread (ms; wakes per request), threads over 0.01 ms:")
     for r in rows:
         busy = sorted(((t, ms) for t, ms in r.threads_ms_per_request.items() if ms > 0.01),

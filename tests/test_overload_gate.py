@@ -166,6 +166,21 @@ def test_a_request_that_waits_past_its_deadline_gets_503_with_retry_after() -> N
     asyncio.run(run())
 
 
+def test_a_prompt_over_its_slo_by_its_own_service_still_waits_for_a_free_prefill() -> None:
+    async def run() -> None:  # 10 ms a token: 600 tokens take 6 s, over the 5 s SLO
+        admission = gate(prefill_budget_tokens=600)
+        admission.predictor.observe("p1", 1.0, 100, 0.0)
+        held = await admission.admit("m", who(), Cost(600, 10), 100)
+        waiting = asyncio.create_task(admission.admit("m", who(), Cost(600, 10), 100))
+        await asyncio.sleep(0.05)  # before: no allowance (the SLO less 6 s), 503 at once
+        assert not waiting.done() and admission.queued() == 1 and isinstance(held, Ticket)
+        held.settle()
+        ticket = await asyncio.wait_for(waiting, 5)
+        assert isinstance(ticket, Ticket)
+        ticket.settle()
+    asyncio.run(run())
+
+
 def test_a_full_queue_answers_503_at_once() -> None:
     async def run() -> None:
         admission = gate(max_queue_requests=1)

@@ -52,6 +52,10 @@ __all__ = ["Admission", "Cost", "Ticket", "Who"]
 logger = logging.getLogger(__name__)
 
 MAX_RETRY_AFTER_S: Final = 60
+# The least wait in the queue, a share of the SLO: with only the SLO less its service, a
+# prompt whose service alone is over the SLO got 503 whenever every prefill was busy
+# (bench_kv.py, 8.5k tokens: 1.7 s a cold miss against 1 s; the cold start's 4th request).
+MIN_WAIT_SLO_SHARE: Final = 0.5
 PREFILL: Final = "prefill"
 DECODE: Final = "decode"
 
@@ -232,13 +236,13 @@ class Admission:
         """How long the request may wait: its class's `deadline_ms` when the file sets
         one; else its SLO less its own predicted service (its prefill alone, the first
         token), since a request admitted later would miss the SLO anyway: better a 503 the
-        client can retry elsewhere than a late answer."""
+        client can retry elsewhere than a late answer; at least MIN_WAIT_SLO_SHARE of it."""
         if klass.deadline_ms:
             return klass.deadline_s
         service = self.predictor.predict(ahead=0, own=cost.prompt_tokens,
                                          prefills=prefills[:1],
                                          decode_s=self._decode_latency.typical(DECODE))
-        return max(0.0, klass.ttft_slo_s - service)
+        return max(MIN_WAIT_SLO_SHARE * klass.ttft_slo_s, klass.ttft_slo_s - service)
 
     async def _wait(self, model: str, who: Who, waiter: Waiter, pending: _Pending,
                     predicted: float) -> Ticket | Response:
@@ -260,8 +264,8 @@ class Admission:
             return future.result()
         future.cancel()
         self._count(model, who, "deadline")
-        return _refusal(503, f"no capacity within the class deadline "
-                        f"({who.klass.deadline_s * 1000:.0f} ms)", "queue_deadline",
+        return _refusal(503, f"no capacity within the queue deadline "
+                        f"({(waiter.deadline - waiter.arrived) * 1000:.0f} ms)", "queue_deadline",
                         max(predicted - waited, 1.0))
 
     def _leave(self, model: str, waiter: Waiter) -> None:
