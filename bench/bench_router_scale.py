@@ -3,7 +3,7 @@ in its view against 100k, side by side in one run.
 
     .venv/bin/python bench/bench_router_scale.py [--members 10,100000] [--requests 2000]
         [--variants "this;this --models tiny"] [--baseline COMMIT[,COMMIT]] [--repeat 2]
-        [--policy peak_ewma]
+        [--policy peak_ewma] [--settle S]
 
 Per fleet size, one fleet serves every variant in turn (A B A B...: the machine's drift
 falls on all): a `pdreg registry` process, 2 prefill + 2 decode sim engines registered
@@ -85,9 +85,10 @@ INTERVAL_S = 5.0
 # The generator registers 100k members in a few minutes on a quiet machine; at a load
 # average of 25 on 2 cores it took more than 15.
 REGISTER_TIMEOUT_S = 2400.0
-# A view learns the registry's event port from its first snapshot and subscribes then:
-# at 100k members something always changed meanwhile, so it syncs again within a second
-# or two (~1 s of CPU each). Measured without this, that resync fell into some runs.
+# Before a view learned the event port from the empty topic's snapshot, it learned it from
+# its first (whole) snapshot and subscribed then: at 100k members something always changed
+# meanwhile, so it synced again within a second or two (~1 s of CPU each). Measured without
+# a settle, that resync fell into some runs. --settle S sets it (0: measure at once).
 SETTLE_S = 10.0
 IDLE_S = 5.0  # the router's CPU measured this long with no request, once it serves
 GC_DETAIL_MS = 0.0  # --gc-detail: collections longer than this (thread CPU) say what they walked
@@ -332,6 +333,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gc", type=int, default=0, metavar="N",
                         help="instead: a router's collections per step of following N "
                              "members (first sync, digests and flips, a resync), per tree")
+    parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="S",
+                        help="measure this long after the router serves (its start-up apart)")
     parser.add_argument("--gc-detail", type=float, default=0.0, metavar="MS",
                         help="log what each collection over MS of CPU walked and freed")
     parser.add_argument("--gc-logs", default="", metavar="DIR",
@@ -341,8 +344,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    global GC_DETAIL_MS
-    GC_DETAIL_MS = args.gc_detail
+    global GC_DETAIL_MS, SETTLE_S
+    GC_DETAIL_MS, SETTLE_S = args.gc_detail, args.settle
     variants: list[tuple[str, Path | None, list[str]]] = [
         (v.strip(), None, v.split()[1:]) for v in args.variants.split(";") if v.strip()]
     trees = [(commit, source_tree(commit))
