@@ -82,7 +82,9 @@ class World:
         for i, (fleet, replica) in enumerate(zip(self.fleets, self.replicas, strict=True)):
             if self.frozen[i] or self.cut[i]:
                 continue
-            events = [*fleet.take_events(), pulse_of(fleet)]
+            # the pulse lists the loads that changed, as the registry's digest does
+            loads = fleet.take_load_digests(self.now).get("m", [])
+            events = [*fleet.take_events(), pulse_of(fleet, loads)]
             if self.lose_next[i] and len(events) > 1:
                 events.pop(0)
             self.lose_next[i] = False
