@@ -36,13 +36,16 @@ table), what a request for another model (`tiny`) pays right after a digest, and
 objects the collector tracks after the first table, --repeat times.
 
     .venv/bin/python bench/bench_router_scale.py --gc 100000 --baseline main
+    .venv/bin/python bench/bench_router_scale.py --stages 100000 --baseline main
 
 Instead, per tree likewise, --repeat times: a router's view and table (the real Replica,
 Merge, ChangeTrail and Pairing, no sockets) following N members, the collector set as
 `settle_heap` sets it: the collections during each step (the first sync, 400 digests of
 250 loads with a state flip every 10, a resync) and the young collection right after
 each (what the step left for the collector), by the CPU they took. With a fleet,
---gc-detail MS logs what each router collection over MS walked and freed.
+--gc-detail MS logs what each router collection over MS walked and freed. With --stages,
+per tree likewise: the view's CPU per load change at N members, by step (decoding
+digests, the replica, the merge, the trail).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from bench_registry import registry_process  # noqa: E402
 from reference_helpers import start_engines, stop_all  # noqa: E402
 
 from bench.procs import source_tree  # noqa: E402
-from bench.router_scale_probes import collections, heap, table  # noqa: E402
+from bench.router_scale_probes import collections, heap, stages, table  # noqa: E402
 from bench.scale.generator import generator  # noqa: E402
 
 HANDSHAKE = "vllm-nixl"
@@ -335,6 +338,9 @@ def parse_args() -> argparse.Namespace:
                              "members (first sync, digests and flips, a resync), per tree")
     parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="S",
                         help="measure this long after the router serves (its start-up apart)")
+    parser.add_argument("--stages", type=int, default=0, metavar="N",
+                        help="instead: the view's CPU per load change at N members, by "
+                             "step (decode, replica, merge, trail), per tree")
     parser.add_argument("--gc-detail", type=float, default=0.0, metavar="MS",
                         help="log what each collection over MS of CPU walked and freed")
     parser.add_argument("--gc-logs", default="", metavar="DIR",
@@ -351,13 +357,15 @@ def main() -> int:
     trees = [(commit, source_tree(commit))
              for commit in args.baseline.split(",") if commit]
     variants[:0] = [(commit, Path(tmp), []) for commit, tmp in trees]
-    if args.table or args.heap or args.gc:
+    if args.table or args.heap or args.gc or args.stages:
         for _ in range(args.repeat if args.table else 0):
             table(args.table, [*trees, ("this", str(BENCH.parent))])
         if args.heap:
             heap(args.heap, [*trees, ("this", str(BENCH.parent))])
         for _ in range(args.repeat if args.gc else 0):
             collections(args.gc, [*trees, ("this", str(BENCH.parent))])
+        for _ in range(args.repeat if args.stages else 0):
+            stages(args.stages, [*trees, ("this", str(BENCH.parent))])
         for _, tmp in trees:
             shutil.rmtree(tmp, ignore_errors=True)
         return 0
