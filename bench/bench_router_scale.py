@@ -3,7 +3,7 @@ in its view against 100k, side by side in one run.
 
     .venv/bin/python bench/bench_router_scale.py [--members 10,100000] [--requests 2000]
         [--variants "this;this --models tiny"] [--baseline COMMIT[,COMMIT]] [--repeat 2]
-        [--policy peak_ewma] [--settle S]
+        [--policy peak_ewma] [--settle S] [--idle S]
 
 Per fleet size, one fleet serves every variant in turn (A B A B...: the machine's drift
 falls on all): a `pdreg registry` process, 2 prefill + 2 decode sim engines registered
@@ -338,6 +338,8 @@ def parse_args() -> argparse.Namespace:
                              "members (first sync, digests and flips, a resync), per tree")
     parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="S",
                         help="measure this long after the router serves (its start-up apart)")
+    parser.add_argument("--idle", type=float, default=IDLE_S, metavar="S",
+                        help="measure the router's CPU this long with no request")
     parser.add_argument("--stages", type=int, default=0, metavar="N",
                         help="instead: the view's CPU per load change at N members, by "
                              "step (decode, replica, merge, trail), per tree")
@@ -350,8 +352,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    global GC_DETAIL_MS, SETTLE_S
-    GC_DETAIL_MS, SETTLE_S = args.gc_detail, args.settle
+    global GC_DETAIL_MS, SETTLE_S, IDLE_S
+    GC_DETAIL_MS, SETTLE_S, IDLE_S = args.gc_detail, args.settle, args.idle
     variants: list[tuple[str, Path | None, list[str]]] = [
         (v.strip(), None, v.split()[1:]) for v in args.variants.split(";") if v.strip()]
     trees = [(commit, source_tree(commit))
