@@ -3,7 +3,7 @@ in its view against 100k, side by side in one run.
 
     .venv/bin/python bench/bench_router_scale.py [--members 10,100000] [--requests 2000]
         [--variants "this;this --models tiny"] [--baseline COMMIT[,COMMIT]] [--repeat 2]
-        [--policy peak_ewma]
+        [--policy peak_ewma] [--settle S] [--idle S]
 
 Per fleet size, one fleet serves every variant in turn (A B A B...: the machine's drift
 falls on all): a `pdreg registry` process, 2 prefill + 2 decode sim engines registered
@@ -36,13 +36,16 @@ table), what a request for another model (`tiny`) pays right after a digest, and
 objects the collector tracks after the first table, --repeat times.
 
     .venv/bin/python bench/bench_router_scale.py --gc 100000 --baseline main
+    .venv/bin/python bench/bench_router_scale.py --stages 100000 --baseline main
 
 Instead, per tree likewise, --repeat times: a router's view and table (the real Replica,
 Merge, ChangeTrail and Pairing, no sockets) following N members, the collector set as
 `settle_heap` sets it: the collections during each step (the first sync, 400 digests of
 250 loads with a state flip every 10, a resync) and the young collection right after
 each (what the step left for the collector), by the CPU they took. With a fleet,
---gc-detail MS logs what each router collection over MS walked and freed.
+--gc-detail MS logs what each router collection over MS walked and freed. With --stages,
+per tree likewise: the view's CPU per load change at N members, by step (decoding
+digests, the replica, the merge, the trail).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from bench_registry import registry_process  # noqa: E402
 from reference_helpers import start_engines, stop_all  # noqa: E402
 
 from bench.procs import source_tree  # noqa: E402
-from bench.router_scale_probes import collections, heap, table  # noqa: E402
+from bench.router_scale_probes import collections, heap, stages, table  # noqa: E402
 from bench.scale.generator import generator  # noqa: E402
 
 HANDSHAKE = "vllm-nixl"
@@ -85,9 +88,10 @@ INTERVAL_S = 5.0
 # The generator registers 100k members in a few minutes on a quiet machine; at a load
 # average of 25 on 2 cores it took more than 15.
 REGISTER_TIMEOUT_S = 2400.0
-# A view learns the registry's event port from its first snapshot and subscribes then:
-# at 100k members something always changed meanwhile, so it syncs again within a second
-# or two (~1 s of CPU each). Measured without this, that resync fell into some runs.
+# Before a view learned the event port from the empty topic's snapshot, it learned it from
+# its first (whole) snapshot and subscribed then: at 100k members something always changed
+# meanwhile, so it synced again within a second or two (~1 s of CPU each). Measured without
+# a settle, that resync fell into some runs. --settle S sets it (0: measure at once).
 SETTLE_S = 10.0
 IDLE_S = 5.0  # the router's CPU measured this long with no request, once it serves
 GC_DETAIL_MS = 0.0  # --gc-detail: collections longer than this (thread CPU) say what they walked
@@ -332,6 +336,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gc", type=int, default=0, metavar="N",
                         help="instead: a router's collections per step of following N "
                              "members (first sync, digests and flips, a resync), per tree")
+    parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="S",
+                        help="measure this long after the router serves (its start-up apart)")
+    parser.add_argument("--idle", type=float, default=IDLE_S, metavar="S",
+                        help="measure the router's CPU this long with no request")
+    parser.add_argument("--stages", type=int, default=0, metavar="N",
+                        help="instead: the view's CPU per load change at N members, by "
+                             "step (decode, replica, merge, trail), per tree")
     parser.add_argument("--gc-detail", type=float, default=0.0, metavar="MS",
                         help="log what each collection over MS of CPU walked and freed")
     parser.add_argument("--gc-logs", default="", metavar="DIR",
@@ -341,20 +352,22 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    global GC_DETAIL_MS
-    GC_DETAIL_MS = args.gc_detail
+    global GC_DETAIL_MS, SETTLE_S, IDLE_S
+    GC_DETAIL_MS, SETTLE_S, IDLE_S = args.gc_detail, args.settle, args.idle
     variants: list[tuple[str, Path | None, list[str]]] = [
         (v.strip(), None, v.split()[1:]) for v in args.variants.split(";") if v.strip()]
     trees = [(commit, source_tree(commit))
              for commit in args.baseline.split(",") if commit]
     variants[:0] = [(commit, Path(tmp), []) for commit, tmp in trees]
-    if args.table or args.heap or args.gc:
+    if args.table or args.heap or args.gc or args.stages:
         for _ in range(args.repeat if args.table else 0):
             table(args.table, [*trees, ("this", str(BENCH.parent))])
         if args.heap:
             heap(args.heap, [*trees, ("this", str(BENCH.parent))])
         for _ in range(args.repeat if args.gc else 0):
             collections(args.gc, [*trees, ("this", str(BENCH.parent))])
+        for _ in range(args.repeat if args.stages else 0):
+            stages(args.stages, [*trees, ("this", str(BENCH.parent))])
         for _, tmp in trees:
             shutil.rmtree(tmp, ignore_errors=True)
         return 0

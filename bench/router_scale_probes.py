@@ -1,6 +1,7 @@
 """bench_router_scale's probes without a fleet, each per source tree in its own process:
-`heap` (--heap N: what a view of N members gives the collector) and `table` (--table N:
-what view updates cost a router's pairing table, and a request for another model)."""
+`heap` (--heap N: what a view of N members gives the collector), `table` (--table N:
+what view updates cost a router's pairing table, and a request for another model),
+`collections` (--gc N) and `stages` (--stages N: a load change's CPU in the view, by step)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["collections", "heap", "table"]
+__all__ = ["collections", "heap", "stages", "table"]
 
 
 # --- the view's heap alone (--heap N): what a view of N members gives the collector ------
@@ -50,6 +51,7 @@ for start in range(0, len(loads), 256):
     replica.apply(LoadDigest(1, 1, f"m{start % 8}", loads[start:start + 256], 5.0),
                   time.monotonic())
 replica.take_changed()
+getattr(replica, "take_loaded", lambda: None)()  # (a tree that lists loads apart)
 digest_ms = 1e3 * (time.perf_counter() - t0)
 print(json.dumps({"members": n, "sync_ms": round(sync_ms, 1), "tracked_after_sync": tracked,
                   "full_gc_ms": round(full_ms, 1), "digest_round_ms": round(digest_ms, 1),
@@ -327,6 +329,57 @@ def collections(members: int, trees: list[tuple[str, str]], rounds: int = 400) -
         cells = [f"{r[p][0]}, {r[p][1]} ms" if p in r else "0" for p in PHASES]
         print(f"| {name} | {r['members']:,} | " + " | ".join(cells) + f" | "
               f"{r['per_load_us']} µs | {r['resync_ms']} ms |", flush=True)
+
+
+_STAGES_PROBE = """
+import gc, json, sys, time
+from registry.merge import Merge
+from registry.replica import Replica
+from registry.view_changes import ChangeTrail
+from wire.protocol import (Endpoints, Load, LoadDigest, LoadEntry, MemberRecord, MemberSpec,
+                           MemberState, Role, Snapshot, event_decoder, make_encoder)
+n, rounds = (int(a) for a in sys.argv[1:3])
+def spec(i):
+    host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
+    return MemberSpec(id=f"m-{i}", incarnation=1, role=(Role.PREFILL, Role.DECODE)[i % 2],
+                      model=f"m{i % 8}", protocol="vllm-nixl",
+                      endpoints=Endpoints(http=f"http://{host}:8000", kv_host=host,
+                                          kv_port=5600),
+                      labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
+replica = Replica("r"); merge = Merge([replica]); trail = ChangeTrail(merge.members)
+now = time.monotonic()
+replica.apply_snapshot(Snapshot(1, 1, [MemberRecord(spec(i), MemberState.READY)
+                                       for i in range(n)], 5.0), now, time.time())
+merge.heard(0, now); merge.update(now)
+trail.publish(merge.members, merge.last_changed, merge.last_loaded)
+gc.collect(); gc.freeze(); gc.set_threshold(20_000, 10, 10)  # as settle_heap
+encode = make_encoder().encode  # a digest per model, 250 of its members' loads each
+digests = [encode(LoadDigest(1, 1, f"m{r % 8}", [LoadEntry(
+    f"m-{((r * 250 + j) * 8 + r % 8) % n}", 1, Load(running=(r + j) % 9 + 1), 0.1)
+    for j in range(250)], 5.0)) for r in range(rounds)]
+decode, clock = event_decoder().decode, time.process_time
+spent = dict.fromkeys(("decode", "replica", "merge", "trail"), 0.0)
+for payload in digests:  # the view thread's steps for one digest, each timed
+    t0 = clock(); event = decode(payload); t1 = clock()
+    replica.apply(event, time.monotonic()); t2 = clock()
+    now = time.monotonic(); merge.heard(0, now); merge.update(now); t3 = clock()
+    trail.publish(merge.members, merge.last_changed, merge.last_loaded); t4 = clock()
+    for stage, took in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        spent[stage] += took
+print(json.dumps({k: round(1e6 * v / (rounds * 250), 2) for k, v in spent.items()}))
+"""
+
+
+def stages(members: int, trees: list[tuple[str, str]], rounds: int = 400) -> None:
+    """Per source tree, in its own process: the view's CPU per load change at `members`
+    members (a router of every model following 100k at a 5 s interval takes ~20,000 a
+    second), by step: decoding digests of 250 loads, the replica, the merge, the trail."""
+    print("| tree | members | decode | replica | merge | trail | a load change |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, src in trees:
+        r = _probe(name, src, _STAGES_PROBE, members, rounds)
+        print(f"| {name} | {members:,} | " + " | ".join(f"{v} µs" for v in r.values())
+              + f" | {round(sum(r.values()), 2)} µs |", flush=True)
 
 
 def _probe(name: str, src: str, code: str, *args: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 from registry.frozen_map import FrozenMap
@@ -61,7 +61,8 @@ class Merge:
         self._live = [False] * len(self.replicas)
         # id -> (the newest incarnation that left for good, when), oldest first
         self._final: OrderedDict[str, tuple[int, float]] = OrderedDict()
-        self._pending: set[str] = set()  # ids to look at again once a registry is live
+        # Ids to look at again once a registry is live (a dict of None, as the replicas')
+        self._pending: dict[str, None] = {}
         self._counts: dict[str, Counter[str]] = {}  # model -> source -> members from it
         self._moved: set[str] = set()  # models whose set of sources changed
         # What the last update that changed `members` changed (registry/view_changes.py:
@@ -109,33 +110,60 @@ class Merge:
         for replica in self.replicas:
             for member_id, incarnation in replica.take_left():
                 self._left_for_good(member_id, incarnation, now)
-                pending.add(member_id)
+                pending[member_id] = None
         live = [self.live(i, now) for i in range(len(self.replicas))]
         if not any(live):
             # Every registry away (or none synced yet): keep the last view. What changes
             # meanwhile stays in the replicas until one is back.
             self._live = live
             return False
+        loaded: dict[str, None] = {}
         for replica in self.replicas:
-            pending |= replica.take_changed()
+            changed = replica.take_changed()
+            if pending:
+                pending.update(changed)
+            else:  # (the common case, one registry: its ids as they are, not copied)
+                pending = changed
+            if loaded:
+                loaded.update(replica.take_loaded())
+            else:
+                loaded = replica.take_loaded()
         if not any(self._live):
             # The first registry back, or the first ever: look at everyone.
-            pending.update(self.members)
+            pending.update(dict.fromkeys(self.members))
             for replica in self.replicas:
-                pending.update(replica.members)
+                pending.update(dict.fromkeys(replica.members))
         else:
             for was, replica, is_live in zip(self._live, self.replicas, live, strict=True):
                 if was != is_live:  # a registry joined or left the merge: its members
-                    pending.update(replica.members)
+                    pending.update(dict.fromkeys(replica.members))
         self._live = live
-        self._pending = set()
-        return self._apply(pending, live)
+        self._pending = {}
+        return self._apply(pending, loaded, live)
 
-    def _apply(self, ids: Iterable[str], live: list[bool]) -> bool:
+    def _apply(self, ids: dict[str, None], loads: dict[str, None], live: list[bool]) -> bool:
+        """Take `ids` (anything may have changed) and `loads` (a load alone changed at
+        one registry) into `members`."""
         updates: dict[str, LiveMember | None] = {}
         moved: dict[str, None] = {}
         loaded: dict[str, dict[str, None]] = {}
         members = self.members
+        by_source = self._by_source
+        for member_id in loads:
+            # The shorter path: the copy shown comes from a registry whose copy has the
+            # same record with a new load. Nothing that ranks the copies changed (a new
+            # record, a leave, a registry joining or leaving the merge put the id in
+            # `ids`), so the new copy is the one shown; anything else takes the long path.
+            if member_id in ids:
+                continue
+            current = members.get(member_id)
+            fresh = None if current is None else \
+                by_source[current.registry].members.get(member_id)
+            if fresh is None or current is None or fresh.record is not current.record:
+                ids[member_id] = None
+            elif fresh is not current:
+                updates[member_id] = fresh
+                _note_load(loaded, member_id, fresh.record.spec)
         for member_id in ids:
             best = self._choose(member_id, live)
             current = members.get(member_id)

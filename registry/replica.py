@@ -119,8 +119,13 @@ class Replica:
         # is marked suspect by the registry instead).
         self.loads_confirmed_at: dict[str, float] = {}
         # Ids whose member changed or went since `take_changed()`: what a view merges,
-        # so an update costs what changed, not the whole membership.
-        self._changed: set[str] = set()
+        # so an update costs what changed, not the whole membership. The keys of a dict
+        # of None, which the collector never tracks (a set always is: at 100k members a
+        # resync's set of every id was alive when a young collection came).
+        self._changed: dict[str, None] = {}
+        # Apart, ids whose load alone changed (a digest: ~20,000 a second at 100k members
+        # heartbeating every 5 s): the merge takes those by a shorter path.
+        self._loaded: dict[str, None] = {}
         self._left: list[tuple[str, int]] = []  # final leaves since `take_left()`
         # Per topic (per_model only): the version of the last event applied on it, and
         # when the topic was last heard; the snapshot's version stands for the rest.
@@ -141,10 +146,18 @@ class Replica:
         """When `drop_carried` next has something to do (None: nothing carried)."""
         return min(self._carried.values()) if self._carried else None
 
-    def take_changed(self) -> set[str]:
-        """Ids whose member changed or left since the last call."""
-        changed, self._changed = self._changed, set()
+    def take_changed(self) -> dict[str, None]:
+        """Ids whose member joined, left or has a new record since the last call (the
+        keys; a resync lists every member); those whose load alone changed are in
+        `take_loaded()`."""
+        changed, self._changed = self._changed, {}
         return changed
+
+    def take_loaded(self) -> dict[str, None]:
+        """Ids whose load alone changed since the last call (the keys); an id may be
+        in `take_changed()` too."""
+        loaded, self._loaded = self._loaded, {}
+        return loaded
 
     def take_left(self) -> list[tuple[str, int]]:
         """(id, incarnation) of the final leaves applied since the last call."""
@@ -180,8 +193,8 @@ class Replica:
                     del self._carried[member_id]
                 else:
                     fresh[member_id] = self.members[member_id]
-        self._changed.update(self.members)
-        self._changed.update(fresh)
+        self._changed.update(dict.fromkeys(self.members))
+        self._changed.update(dict.fromkeys(fresh))
         self.members = fresh
         self.snapshots += 1
         self.epoch = snapshot.epoch
@@ -271,13 +284,13 @@ class Replica:
             self._per_model[record.spec.model] += 1
             self._heard[record.spec.model] = now
         self.members[member_id] = LiveMember(record, record.load, now, self.source)
-        self._changed.add(member_id)
+        self._changed[member_id] = None
         self._carried.pop(member_id, None)
         return Applied.CHANGED
 
     def _forget(self, member_id: str) -> None:
         old = self.members.pop(member_id)
-        self._changed.add(member_id)
+        self._changed[member_id] = None
         if self.per_model:
             self._per_model[old.record.spec.model] -= 1
 
@@ -287,13 +300,13 @@ class Replica:
         if self.per_model:
             self._heard[digest.model] = now
         applied = Applied.UNCHANGED
-        members = self.members
-        source = self.source
-        for entry in digest.loads:
-            current = members.get(entry.id)
+        members, loaded, source = self.members, self._loaded, self.source
+        for entry in digest.loads:  # (~5,000 a second at 100k members: names hoisted)
+            member_id = entry.id
+            current = members.get(member_id)
             if current is not None and current.record.spec.incarnation == entry.incarnation:
-                members[entry.id] = LiveMember(current.record, entry.load,
-                                               now - entry.heartbeat_age_s, source)
-                self._changed.add(entry.id)
+                members[member_id] = LiveMember(current.record, entry.load,
+                                                now - entry.heartbeat_age_s, source)
+                loaded[member_id] = None
                 applied = Applied.CHANGED
         return applied

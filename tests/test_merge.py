@@ -82,7 +82,9 @@ class World:
         for i, (fleet, replica) in enumerate(zip(self.fleets, self.replicas, strict=True)):
             if self.frozen[i] or self.cut[i]:
                 continue
-            events = [*fleet.take_events(), pulse_of(fleet)]
+            # the pulse lists the loads that changed, as the registry's digest does
+            loads = fleet.take_load_digests(self.now).get("m", [])
+            events = [*fleet.take_events(), pulse_of(fleet, loads)]
             if self.lose_next[i] and len(events) > 1:
                 events.pop(0)
             self.lose_next[i] = False
@@ -154,7 +156,9 @@ def step(w: World, op: Op) -> None:
             if held is None or held.spec.incarnation != incarnation:
                 fleet.join(spec(member, incarnation), READY, Load(), w.now)  # UNKNOWN
             else:
-                fleet.beat(member, incarnation, READY, Load(running=1), w.now)
+                # a load that changes beat by beat (each beat's digest lists it)
+                fleet.beat(member, incarnation, READY,
+                           Load(running=int(w.now * 20) % 7 + 1), w.now)
     elif op.kind in ("bye", "crash") and incarnation and member not in w.gone:
         reason = ByeReason.CRASHED if op.kind == "crash" else ByeReason.SHUTDOWN
         for fleet in w.reachable(op.mask):
@@ -204,6 +208,9 @@ def test_the_merged_view_follows_the_live_registries(sequence):
         # missing that a live registry holds; the newest incarnation, not suspect if a
         # live registry holds it unsuspected.
         assert shown == expected
+        # The copy shown is the one its registry holds now: its freshest load too.
+        held = {r.source: r.members for r in w.merge.replicas}
+        assert all(held[v.registry].get(m) is v for m, v in view.items())
         before = view
         # Loads are confirmed by the registries members come from, all of them live.
         sources = {v.registry for v in view.values()}

@@ -214,7 +214,8 @@ def test_a_view_syncs_once_when_nothing_changes_meanwhile(registry):
         with MembershipView(registry.control_address) as view:
             assert view.wait_for(lambda m: member.id in m, WAIT_S)
             # A digest (one per interval at least) came through the subscription, so the
-            # view is live on the stream and had no reason to ask again.
+            # view is live on the stream and had no reason to ask again: the empty
+            # topic's snapshot (for the event port) and the one it follows, no third.
             model = view.members()[member.id].record.spec.model
             assert wait_until(lambda: math.isfinite(view.loads_confirmed_at(model)), WAIT_S)
             # One snapshot to follow, after one of the empty topic for the event port.
