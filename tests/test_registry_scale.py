@@ -218,7 +218,6 @@ def test_a_view_syncs_once_when_nothing_changes_meanwhile(registry):
             # topic's snapshot (for the event port) and the one it follows, no third.
             model = view.members()[member.id].record.spec.model
             assert wait_until(lambda: math.isfinite(view.loads_confirmed_at(model)), WAIT_S)
-            # One snapshot to follow, after one of the empty topic for the event port.
             assert [link.snapshots for link in view.links()] == [1]
             assert registry.stats.syncs == 2
     finally:
