@@ -39,6 +39,19 @@ def free_low_port(avoid: Container[int] = frozenset()) -> int:
     raise RuntimeError(f"no free port in {LOW_PORT_RANGE} after 1000 tries")
 
 
+class LowPorts:
+    """Ports below 32768, each free when picked and never one this object gave before:
+    ports chosen before their processes bind them must not collide with each other."""
+
+    def __init__(self) -> None:
+        self.taken: set[int] = set()
+
+    def __call__(self) -> int:
+        port = free_low_port(avoid=self.taken)
+        self.taken.add(port)
+        return port
+
+
 def wait_until(predicate: Callable[[], object], timeout_s: float,
                poll_s: float = WAIT_POLL_S) -> bool:
     """Poll `predicate` until it is truthy or `timeout_s` passes; whether it became so."""

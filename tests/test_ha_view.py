@@ -27,7 +27,7 @@ import httpx
 import pytest
 from deploy_support import Processes
 
-from pdreg.testing import free_low_port, wait_until
+from pdreg.testing import LowPorts, wait_until
 
 HEARTBEAT_S = 0.25
 LEASE_S = 1.0
@@ -37,16 +37,6 @@ CLIENTS = 4
 BODY = {"model": "tiny", "prompt": "the merged view", "max_tokens": 4}
 QUARANTINE_S = 0.5
 WATCH_AFTER_S = 3.0  # picks watched this long past the deadline: none may come
-
-
-class Ports:
-    def __init__(self) -> None:
-        self.taken: set[int] = set()
-
-    def __call__(self) -> int:
-        port = free_low_port(avoid=self.taken)
-        self.taken.add(port)
-        return port
 
 
 @pytest.fixture
@@ -107,7 +97,7 @@ def picks(router: str, member_id: str) -> float:
 
 @pytest.mark.timeout(240)
 def test_a_frozen_registry_does_not_keep_a_dead_decode_routable(processes: Processes) -> None:
-    port = Ports()
+    port = LowPorts()
     registries = {}
     for name in ("A", "B"):
         control, events, http = port(), port(), port()

@@ -69,7 +69,7 @@ from kv_probes import (
 )
 
 from engine_agent.reference.kv_blocks import ROOT_KEY, block_keys, chain_key
-from pdreg.testing import free_low_port
+from pdreg.testing import LowPorts
 from router.kv.tokenizer import load_tokenizer
 from wire.kv_events import REPLAY_END, BlockStored, decode_batch
 
@@ -87,16 +87,17 @@ class KvCluster:
         def proc(name: str) -> Proc:
             return Proc(name, workdir / f"{name}.log", uuid.uuid4().hex)
 
-        self.registry = Registry(free_low_port(), free_low_port(), free_low_port(),
+        port = LowPorts()  # distinct: a KV replay port once equalled an engine's HTTP port
+        self.registry = Registry(port(), port(), port(),
                                  proc("registry"))
-        self.prefills = [Engine(n, "prefill", free_low_port(), free_low_port(), "nobind",
+        self.prefills = [Engine(n, "prefill", port(), port(), "nobind",
                                 proc(n)) for n in ("prefill-1", "prefill-2")]
-        self.decode = Engine("decode", "decode", free_low_port(), free_low_port(), "nobind",
+        self.decode = Engine("decode", "decode", port(), port(), "nobind",
                              proc("decode"))
-        self.router = Router(free_low_port(), proc("router"))
+        self.router = Router(port(), proc("router"))
         # Conditional disaggregation's router (decode_local_checks.py), started last.
-        self.chat_router = Router(free_low_port(), proc("router-chat"))
-        self.kv_ports = {e.name: (free_low_port(), free_low_port()) for e in self.engines}
+        self.chat_router = Router(port(), proc("router-chat"))
+        self.kv_ports = {e.name: (port(), port()) for e in self.engines}
         self.workdir = workdir
         self.tokenizer_dir = workdir / "chat-tokenizer"
         self._stopped = False

@@ -63,7 +63,7 @@ from cluster import (
     wait_logged,
 )
 
-from pdreg.testing import free_low_port
+from pdreg.testing import LowPorts
 
 STARTUP_TIMEOUT_S = 360.0  # vLLM takes ~50-85 s to become healthy here; three at once
 STEP_TIMEOUT_S = 60.0
@@ -95,16 +95,17 @@ class Cluster:
         def proc(name: str) -> Proc:
             return Proc(name, workdir / f"{name}.log", uuid.uuid4().hex)
 
-        self.registry = Registry(free_low_port(), free_low_port(), free_low_port(),
+        port = LowPorts()  # distinct: a KV replay port once equalled an engine's HTTP port
+        self.registry = Registry(port(), port(), port(),
                                  proc("registry"))
         # Three engines on two cores: not pinned, the OS places them (VLLM_OMP_BIND).
-        self.prefill = Engine("prefill", "prefill", free_low_port(), free_low_port(),
+        self.prefill = Engine("prefill", "prefill", port(), port(),
                               VLLM_OMP_BIND, proc("prefill"))
         self.decodes = [
-            Engine(name, "decode", free_low_port(), free_low_port(), VLLM_OMP_BIND, proc(name))
+            Engine(name, "decode", port(), port(), VLLM_OMP_BIND, proc(name))
             for name in ("decode-1", "decode-2")
         ]
-        self.router = Router(free_low_port(), proc("router"))
+        self.router = Router(port(), proc("router"))
         self.security = security.create(
             workdir / "secrets", [*(e.name for e in self.engines), "router", "status"],
             [STRANGER])
