@@ -11,12 +11,15 @@ from typing import Any
 import httpx
 from cluster import MODEL_NAME, Engine, Router
 
+from pdreg.testing import wait_until
+
 CPU_BLOCK = 128  # vLLM's CPU backend caches 128-token blocks
 MAX_TOKENS = 8
 REQUEST_TIMEOUT_S = 120.0
 VLLM_HITS = "vllm:prefix_cache_hits_total"  # prompt tokens found in the local prefix cache
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens_total"  # prompt tokens of every request served
 ROUTER_CACHED = "pdreg_router_prompt_tokens_cached_total"  # the router's predicted hits
+HITS_SETTLE_S = 5.0  # vLLM's counters catch up with an answer within this
 
 
 def metric(text: str, name: str) -> float:
@@ -75,8 +78,14 @@ def routed_hits(router: Router, prefills: list[Engine], prompt: str,
     before = {e.name: vllm_hits(e) for e in prefills}
     predicted_before = router_cached(router)
     choice = completion(router.url, prompt, **extra)
-    return ({e.name: vllm_hits(e) - before[e.name] for e in prefills},
-            router_cached(router) - predicted_before, choice)
+    predicted = router_cached(router) - predicted_before
+
+    def gained() -> dict[str, float]:
+        return {e.name: vllm_hits(e) - before[e.name] for e in prefills}
+    # vLLM counts a request's hits as its stats arrive, which may be after the answer:
+    # give its counters a moment to reach the prediction (a miss stays a miss).
+    wait_until(lambda: sum(gained().values()) >= predicted, HITS_SETTLE_S)
+    return gained(), predicted, choice
 
 
 def indexed_blocks(router: Router) -> int:
