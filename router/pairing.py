@@ -148,11 +148,6 @@ class Pairing:
                                       if m.record.spec.role is not Role.API_SERVER
                                       for name in served(m.record.spec))
 
-    def routable_urls(self) -> frozenset[str]:
-        """The base URLs of the members pairing may choose (routable, ready)."""
-        self.follow()
-        return self._updater.routable_urls()
-
     def routable_urls_since(self, mark: int) -> tuple[int, list[str]]:
         """The base URLs that became routable after `mark` (0: every routable one), and
         the mark to pass next time (router/warmup.py): costs the URLs that arrived."""
