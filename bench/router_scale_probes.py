@@ -125,6 +125,7 @@ class View:  # what MembershipView hands a router: the members, and what changed
                 moved.append(i)
         self._trail.publish(self._members, moved, loaded)
     def loads_confirmed_at(self, model): return -math.inf
+    def ask(self, model): pass
     def report(self, *a): pass
 def tiny(i):  # the model the router gets requests for: 2 prefills, 2 decodes
     spec = MemberSpec(id=f"tiny-{i}", incarnation=1, role=(Role.PREFILL, Role.DECODE)[i % 2],
@@ -252,6 +253,7 @@ class View:  # MembershipView's view thread, without its sockets: the same steps
     def changes(self, since): return self.trail.since(since)
     def loads(self, model, after, upto): return self.trail.loads(model, after, upto)
     def loads_confirmed_at(self, model): return -math.inf
+    def ask(self, model): pass
     def report(self, *a): pass
 phase = ["start-up"]
 figures = {}

@@ -241,7 +241,10 @@ def run(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
-    view = MembershipView(args.registry, models=args.models, curve=curve, token=token).start()
+    # Loads on demand: a router of every model applies the loads of the models it gets
+    # requests for (registry/client.py), not the whole fleet's.
+    view = MembershipView(args.registry, models=args.models, curve=curve, token=token,
+                          loads_on_demand=True).start()
     server: RouterServer | None = None
     agent: Agent | None = None
     try:

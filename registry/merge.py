@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 from registry.frozen_map import FrozenMap
@@ -64,6 +64,9 @@ class Merge:
         # Ids to look at again once a registry is live (a dict of None, as the replicas')
         self._pending: dict[str, None] = {}
         self._counts: dict[str, Counter[str]] = {}  # model -> source -> members from it
+        # adapter -> base model -> members serving the adapter on that base: what a
+        # request naming an adapter reads the loads of (`bases_of`)
+        self._bases: dict[str, Counter[str]] = {}
         self._moved: set[str] = set()  # models whose set of sources changed
         # What the last update that changed `members` changed (registry/view_changes.py:
         # what a router's table follows): the ids it added, removed or gave a new
@@ -101,6 +104,17 @@ class Merge:
             return -math.inf
         return min(self._by_source[source].loads_confirmed_at.get(model, -math.inf)
                    for source in sources)
+
+    def bases_of(self, names: Collection[str]) -> set[str]:
+        """The models whose digests carry the loads a request for one of `names` reads:
+        each name (a base model) and the base models of the members serving it as an
+        adapter. The view thread's."""
+        bases = set(names)
+        for name in names:
+            serving = self._bases.get(name)
+            if serving:
+                bases.update(serving)
+        return bases
 
     # --- the merge ---------------------------------------------------------------------
 
@@ -175,7 +189,8 @@ class Merge:
             else:
                 moved[member_id] = None
             if (current is None or best is None or current.registry != best.registry
-                    or current.record.spec.model != best.record.spec.model):
+                    or current.record.spec.model != best.record.spec.model
+                    or current.record.spec.adapters != best.record.spec.adapters):
                 self._count(current, -1)
                 self._count(best, 1)
         if self._moved:
@@ -212,6 +227,13 @@ class Merge:
         if member is None:
             return
         model = member.record.spec.model
+        for adapter in member.record.spec.adapters:
+            bases = self._bases.setdefault(adapter, Counter())
+            bases[model] += delta
+            if not bases[model]:
+                del bases[model]
+                if not bases:
+                    del self._bases[adapter]
         counts = self._counts.setdefault(model, Counter())
         counts[member.registry] += delta
         if counts[member.registry] == 0:

@@ -34,6 +34,8 @@ class LinkStatus:
     version: int
     members: int
     snapshots: int = 0  # taken since start: the first, then one per gap or restart
+    # Load entries held back for models no reader asked for (a view with loads on demand)
+    held_back: int = 0
 
 
 @dataclass

@@ -20,7 +20,7 @@ from router.latency import LatencyTracker
 from router.metrics import SeriesOf
 from router.policies import Pairer
 from router.quarantine import Quarantine
-from router.table import Candidate, Pair, PairingTable, eligible, served
+from router.table import Candidate, Pair, PairingTable, ProtocolPool, eligible, served
 from router.table_updater import TableUpdater
 from wire.protocol import Role
 
@@ -52,6 +52,10 @@ class MembershipSource(Protocol):
 
     def loads_confirmed_at(self, model: str) -> float:
         """When a registry last confirmed `model`'s loads unchanged (monotonic)."""
+
+    def ask(self, model: str) -> None:
+        """`model`'s loads are about to be read (a request for it): keep them current
+        (a view with loads on demand holds back the loads of models nobody asks for)."""
 
     def report(self, member_id: str, incarnation: int, problem: str) -> None:
         """Queue a failure report for the registries; must not block (called on the loop)."""
@@ -137,9 +141,14 @@ class Pairing:
     def _table_of(self, model: str) -> PairingTable:
         """A table of `model` alone, its loads current: what a choice for `model` reads
         (other models' loads are not swapped in for it)."""
-        self.follow()
-        pools = self._updater.pools_of(model)
+        pools = self._pools_of(model)
         return PairingTable({model: pools} if pools else {})
+
+    def _pools_of(self, model: str) -> tuple[ProtocolPool, ...]:
+        """`model`'s pools, its loads as current as the view has them."""
+        self.view.ask(model)
+        self.follow()
+        return self._updater.pools_of(model)
 
     def _learn_models(self, members: Iterable[LiveMember]) -> None:
         """Remember the models engines serve (for 404-vs-503), up to MAX_KNOWN_MODELS."""
@@ -189,8 +198,7 @@ class Pairing:
     def candidates(self, model: str) -> tuple[Sequence[Candidate], Sequence[Candidate]]:
         """The eligible prefills and decodes of `model` (routable, else suspect; not
         quarantined), over every protocol pool."""
-        self.follow()
-        pools = self._updater.pools_of(model)
+        pools = self._pools_of(model)
         quarantined = self.quarantine.active(self._clock())
         prefills: list[Candidate] = []
         decodes: list[Candidate] = []

@@ -98,6 +98,7 @@ class StaticView:
                                                            max_steps=max_steps)
         self._trail.publish(self._members, self._members)
         self.reports: list[tuple[str, int, str]] = []
+        self.asked: list[str] = []  # the models whose loads readers asked for
 
     def members(self) -> dict[str, LiveMember]:
         return self._members
@@ -127,6 +128,9 @@ class StaticView:
 
     def loads_confirmed_at(self, model: str) -> float:
         return -math.inf  # each member's own load_at says how current it is
+
+    def ask(self, model: str) -> None:
+        self.asked.append(model)  # (every load is current here)
 
     def report(self, member_id: str, incarnation: int, problem: str) -> None:
         self.reports.append((member_id, incarnation, problem))

@@ -96,3 +96,13 @@ def test_a_requests_first_pair_is_told_with_its_prediction_retries_are_not() -> 
     assert pairing.choose("m", NO_AFFINITY, (first.prefill.id,)) is not None  # a retry
     assert pairing.choose("nobody", NO_AFFINITY, ()) is None
     assert len(told) == 1
+
+
+def test_a_choice_and_admissions_candidates_ask_the_view_for_their_models_loads() -> None:
+    """A view with loads on demand applies the loads of the models asked for: both reads
+    a request makes of a model's pools ask for it, and for no other model."""
+    view = StaticView(fleet(2))  # type: ignore[arg-type]
+    pairing = pairing_over(view)
+    pairing.candidates("m")
+    pairing.choose("m", NO_AFFINITY, ())
+    assert view.asked == ["m", "m"]
