@@ -340,7 +340,7 @@ from registry.replica import Replica
 from registry.view_changes import ChangeTrail
 from wire.protocol import (Endpoints, Load, LoadDigest, LoadEntry, MemberRecord, MemberSpec,
                            MemberState, Role, Snapshot, event_decoder, make_encoder)
-n, rounds = (int(a) for a in sys.argv[1:3])
+n, rounds, on_demand = (int(a) for a in sys.argv[1:4])
 def spec(i):
     host = f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}"
     return MemberSpec(id=f"m-{i}", incarnation=1, role=(Role.PREFILL, Role.DECODE)[i % 2],
@@ -348,7 +348,10 @@ def spec(i):
                       endpoints=Endpoints(http=f"http://{host}:8000", kv_host=host,
                                           kv_port=5600),
                       labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
-replica = Replica("r"); merge = Merge([replica]); trail = ChangeTrail(merge.members)
+# on_demand: a router's view, asked for `tiny` alone (the digests' models wait unapplied)
+replica = Replica("r", loads_on_demand=True) if on_demand else Replica("r")
+replica.want({"tiny"}) if on_demand else None
+merge = Merge([replica]); trail = ChangeTrail(merge.members)
 now = time.monotonic()
 replica.apply_snapshot(Snapshot(1, 1, [MemberRecord(spec(i), MemberState.READY)
                                        for i in range(n)], 5.0), now, time.time())
@@ -375,13 +378,22 @@ print(json.dumps({k: round(1e6 * v / (rounds * 250), 2) for k, v in spent.items(
 def stages(members: int, trees: list[tuple[str, str]], rounds: int = 400) -> None:
     """Per source tree, in its own process: the view's CPU per load change at `members`
     members (a router of every model following 100k at a 5 s interval takes ~20,000 a
-    second), by step: decoding digests of 250 loads, the replica, the merge, the trail."""
-    print("| tree | members | decode | replica | merge | trail | a load change |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, src in trees:
-        r = _probe(name, src, _STAGES_PROBE, members, rounds)
-        print(f"| {name} | {members:,} | " + " | ".join(f"{v} µs" for v in r.values())
-              + f" | {round(sum(r.values()), 2)} µs |", flush=True)
+    second), by step: decoding digests of 250 loads, the replica, the merge, the trail.
+    Then, for a tree whose view has loads on demand, the same for a router asked for
+    another model (the digests' loads wait unapplied)."""
+    print("| tree | view | members | decode | replica | merge | trail | a load change |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for on_demand, view in ((0, "eager"), (1, "loads on demand")):
+        for name, src in trees:
+            try:
+                r = _probe(name, src, _STAGES_PROBE, members, rounds, on_demand)
+            except RuntimeError:
+                if not on_demand:
+                    raise
+                continue  # (a tree from before loads on demand)
+            print(f"| {name} | {view} | {members:,} | "
+                  + " | ".join(f"{v} µs" for v in r.values())
+                  + f" | {round(sum(r.values()), 2)} µs |", flush=True)
 
 
 def _probe(name: str, src: str, code: str, *args: int) -> dict[str, Any]:

@@ -17,10 +17,12 @@ it sync again. The thread polls until
 its next deadline (sync timeout, silence, a carried member's drop), never on a fixed tick.
 
 With `loads_on_demand` (a router), the loads of a model apply as they come only while
-readers ask for it (`ask`, on each request: ASKED_KEEP_S after the last ask); every other
-model's wait unapplied in the replicas (registry/replica.py) and apply at once when one
-is asked for. A router of every model then pays for the loads of the models it serves
-requests for, not for the fleet's (at 100k members ~20,000 load changes a second).
+readers ask for it (`ask`, on each request: ASKED_KEEP_S after the last ask). Every other
+model's digests are decoded no further than their versions (a topic names its model)
+and passed over (registry/replica.py); when such a model is asked for, the view fetches
+its current loads with a Sync for that model alone, on a DEALER of its own. A router of
+every model then pays for the loads of the models it serves requests for, not for the
+fleet's (at 100k members ~20,000 load changes a second).
 
 Readers get a `FrozenMap`: each update shares everything but what changed with the one
 before, so an update costs the changed members, not a copy of the whole view.
@@ -60,6 +62,7 @@ from wire.protocol import (
     Snapshot,
     Sync,
     event_decoder,
+    event_head_decoder,
     make_encoder,
     reply_decoder,
     topic_for,
@@ -112,6 +115,7 @@ class MembershipView:
         self._asked: dict[str, float] = {}
         self._following: frozenset[str] = frozenset()
         self._asks_due = 0.0
+        self._eager_topics: frozenset[bytes] = frozenset()  # the topics of those models
         self._merge = Merge([link.replica for link in self._links])
         self._members: FrozenMap[LiveMember] = FrozenMap()
         self._trail: ChangeTrail[LiveMember] = ChangeTrail(self._members)
@@ -203,7 +207,7 @@ class MembershipView:
     def links(self) -> list[LinkStatus]:
         return [LinkStatus(link.address, link.state, link.replica.epoch, link.replica.version,
                            len(link.replica.members), link.replica.snapshots,
-                           link.replica.parked)
+                           len(link.replica.missed))
                 for link in self._links]
 
     @property
@@ -235,6 +239,7 @@ class MembershipView:
 
     def _run(self) -> None:
         decode_event = event_decoder()
+        decode_head = event_head_decoder() if self.loads_on_demand else None
         decode_reply = reply_decoder()
         while self._running:
             now = time.monotonic()
@@ -251,19 +256,23 @@ class MembershipView:
                 if link.dealer is not None and link.dealer in ready:
                     changed |= self._read_replies(link, decode_reply, now)
                 if link.sub is not None and link.sub in ready:
-                    changed |= self._read_events(link, decode_event, now)
+                    changed |= self._read_events(link, decode_event, decode_head, now)
+                if link.loads_dealer is not None and link.loads_dealer in ready:
+                    changed |= self._read_loads(link, decode_reply, now)
             if self.loads_on_demand:
-                changed |= self._follow_asks(now)
+                self._follow_asks(now)
+                for link in self._links:
+                    self._fetch_loads(link, link.replica.take_to_fetch(), now)
             self._publish(now, changed)
 
-    def _follow_asks(self, now: float) -> bool:
-        """Apply the loads of the models asked for within ASKED_KEEP_S (what was held back
-        of a newly asked one, at once) and of their adapters' base models; hold back every
-        other model's. Looked at when a new name is asked for, and every ASKS_RECHECK_S
-        (an adapter's base models change with membership). Whether a load changed."""
+    def _follow_asks(self, now: float) -> None:
+        """Follow the loads of the models asked for within ASKED_KEEP_S and of their
+        adapters' base models (the replicas name those whose loads are to be fetched);
+        pass over every other model's. Looked at when a new name is asked for, and every
+        ASKS_RECHECK_S (an adapter's base models change with membership)."""
         asked = self._asked
         if now < self._asks_due and asked.keys() <= self._following:
-            return False
+            return
         self._asks_due = now + ASKS_RECHECK_S
         names = set()
         for name, at in asked.copy().items():
@@ -273,13 +282,68 @@ class MembershipView:
                 asked.pop(name, None)
         self._following = frozenset(names)
         bases = self._merge.bases_of(names)
-        changed = False
+        self._eager_topics = frozenset(map(topic_for, bases))
         for link in self._links:
-            changed |= link.replica.want(bases)
+            link.replica.want(bases)
+
+    def _fetch_loads(self, link: Link, models: set[str], now: float) -> None:
+        """Ask `link`'s registry for the current loads of `models` (a Sync for them alone,
+        on the link's loads DEALER). Not while the link syncs: its snapshot has them."""
+        if not models or link.state is not LinkState.LIVE:
+            return
+        if link.loads_dealer is None:
+            link.loads_dealer = self._socket(zmq.DEALER)
+            link.loads_dealer.connect(f"tcp://{link.address}")
+            self._poller.register(link.loads_dealer, zmq.POLLIN)
+        encode = self._encoder.encode
+        sync = sessions.prove_sync(Sync(models=sorted(models)), self.token, encode)
+        link.loads_dealer.send(encode(sync), zmq.NOBLOCK)
+        if not link.loads_asked:
+            link.loads_asked_at = now
+        link.loads_asked.append(frozenset(models))
+        logger.debug("[view] %s: fetching the loads of %s", link.address, sorted(models))
+
+    def _read_loads(self, link: Link, decode: msgspec.msgpack.Decoder[Reply | Snapshot],
+                    now: float) -> bool:
+        changed = False
+        while link.loads_dealer is not None:
+            try:
+                payload = link.loads_dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            models = link.loads_asked.popleft() if link.loads_asked else frozenset()
+            link.loads_asked_at = now
+            try:
+                message = decode.decode(payload)
+            except msgspec.MsgspecError as exc:
+                logger.warning("[view] %s: undecodable loads: %s", link.address, exc)
+                continue
+            if isinstance(message, Snapshot):
+                changed |= link.replica.apply_loads(message, models, now, time.time())
+            else:  # refused (rate limited): asked again after SYNC_TIMEOUT_S
+                logger.warning("[view] %s refused the loads' sync: %s", link.address,
+                               message.reason)
+                link.loads_asked.appendleft(models)
+                link.loads_asked_at = now
+                break
         return changed
+
+    def _retry_loads(self, link: Link, now: float) -> None:
+        """Loads asked for and not answered within SYNC_TIMEOUT_S: a new DEALER (one to a
+        dead peer keeps its queue) asks again for all of them."""
+        if not link.loads_asked or now - link.loads_asked_at < SYNC_TIMEOUT_S:
+            return
+        models = set().union(*link.loads_asked)
+        link.loads_asked.clear()
+        if link.loads_dealer is not None:
+            self._poller.unregister(link.loads_dealer)
+            link.loads_dealer.close(linger=0)
+            link.loads_dealer = None
+        self._fetch_loads(link, models, now)
 
     def _check_timers(self, link: Link, now: float) -> bool:
         changed = link.replica.drop_carried(now)
+        self._retry_loads(link, now)
         if link.state is LinkState.LIVE and not self._merge.live(link.index, now):
             logger.warning("[view] registry %s silent past its lease (%.1fs): out of the "
                            "merge, resyncing", link.address,
@@ -319,6 +383,8 @@ class MembershipView:
             drop_at = link.replica.next_drop_at()
             if drop_at is not None:
                 deadline = min(deadline, drop_at)
+            if link.loads_asked:
+                deadline = min(deadline, link.loads_asked_at + SYNC_TIMEOUT_S)
         return max(deadline, now)
 
     def _send_sync(self, link: Link, now: float) -> None:
@@ -417,8 +483,10 @@ class MembershipView:
         return True
 
     def _read_events(self, link: Link, decode: msgspec.msgpack.Decoder[Event],
-                     now: float) -> bool:
+                     decode_head: msgspec.msgpack.Decoder[Event] | None, now: float) -> bool:
+        """`decode_head` (loads on demand): for the topics of models not followed."""
         changed = False
+        eager = self._eager_topics
         while link.sub is not None:
             try:
                 frames = link.sub.recv_multipart(zmq.NOBLOCK)
@@ -426,8 +494,9 @@ class MembershipView:
                 break
             if len(frames) != 2:
                 continue
+            decoder = decode if decode_head is None or frames[0] in eager else decode_head
             try:
-                event = decode.decode(frames[1])
+                event = decoder.decode(frames[1])
             except msgspec.MsgspecError as exc:
                 logger.warning("[view] %s: undecodable event: %s", link.address, exc)
                 continue

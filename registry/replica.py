@@ -20,10 +20,13 @@ registry that does not say these (NOT_SAID), the version alone rules, as above.
 
 A view with loads on demand (`loads_on_demand`: a router of every model) applies the
 loads of the models it is told to (`want`: those its requests ask for) as they come, and
-holds back every other model's (registry/parked_loads.py) until it is: those models'
-members keep the load they had, and their `loads_confirmed_at` stays where it was, so a
-reader that looks all the same sees loads as old as they are. A new record (it carries
-its load), a leave or a snapshot supersede what is held back.
+passes over every other model's digests (the view decodes no more of them than their
+versions, `wire.protocol.LoadDigestHead`): those models are `missed`, their members keep
+the loads they had and their `loads_confirmed_at` stays where it was, so a reader that
+looks all the same sees loads as old as they are. When a missed model is wanted again,
+the view asks the registry for its current loads (a Sync for that model) and hands the
+answer to `apply_loads`; until then its digests apply but confirm nothing. A snapshot
+gives every model's loads: nothing is missed after it.
 
 A registry that restarted comes back with a new, empty epoch while its agents
 re-register, so members of the old epoch are carried over for a while and dropped only
@@ -46,7 +49,6 @@ from typing import Final
 
 import msgspec
 
-from registry.parked_loads import ParkedLoads
 from registry.topic_versions import model_of
 from wire.protocol import (
     NOT_SAID,
@@ -145,9 +147,12 @@ class Replica:
         self._heard: dict[str, float] = {}
         self._per_model: Counter[str] = Counter()  # members held, per model
         # Loads on demand: the models whose loads apply as they come (None: every
-        # model's), and what is held back of the others'.
+        # model's); those whose digests were passed over since the last snapshot, whose
+        # loads are not current until the registry's answer comes (`apply_loads`); and of
+        # those, the wanted ones the view is to ask the registry for (`take_to_fetch`).
         self._eager: frozenset[str] | None = frozenset() if loads_on_demand else None
-        self._parked: dict[str, ParkedLoads] = {}
+        self._missed: set[str] = set()
+        self._to_fetch: set[str] = set()
 
     @property
     def synced(self) -> bool:
@@ -211,8 +216,8 @@ class Replica:
         self._changed.update(dict.fromkeys(self.members))
         self._changed.update(dict.fromkeys(fresh))
         self.members = fresh
-        for parked in self._parked.values():
-            parked.clear()  # older than the snapshot's loads
+        self._missed.clear()  # the snapshot has every load
+        self._to_fetch.clear()
         self.snapshots += 1
         self.epoch = snapshot.epoch
         self.version = self._snapshot_version = snapshot.version
@@ -240,25 +245,51 @@ class Replica:
         self.version = event.version
         return self._apply_change(event, now)
 
-    def want(self, models: Collection[str]) -> bool:
-        """Loads on demand: apply `models`' loads as they come, and hold back every
-        other model's from its next digest. What was held back of a model wanted now is
-        applied at once; whether that changed a load."""
+    def want(self, models: Collection[str]) -> None:
+        """Loads on demand: apply `models`' loads as they come, and pass over every other
+        model's from its next digest. A wanted model whose digests were passed over is
+        to be fetched (`take_to_fetch`)."""
         if self._eager is None:
-            return False
-        wanted = frozenset(models)
-        joined = wanted - self._eager
-        self._eager = wanted
-        changed = False
-        for model in joined:
-            changed |= self._unpark(model)
-        return changed
+            return
+        self._eager = frozenset(models)
+        self._to_fetch.update(self._missed & self._eager)
+
+    def take_to_fetch(self) -> set[str]:
+        """The wanted models whose loads the view is to ask the registry for (a Sync for
+        them, answered to `apply_loads`), since the last call."""
+        to_fetch, self._to_fetch = self._to_fetch, set()
+        return to_fetch
 
     @property
-    def parked(self) -> int:
-        """Load entries held back, over every model (read from any thread: the values
-        are copied at once)."""
-        return sum(map(len, list(self._parked.values())))
+    def missed(self) -> frozenset[str]:
+        """Models whose loads are not current here (their digests were passed over)."""
+        return frozenset(self._missed)
+
+    def apply_loads(self, snapshot: Snapshot, models: Collection[str], now: float,
+                    wall_now: float) -> bool:
+        """The registry's answer to a Sync for `models`: their members' current loads.
+        Nothing else is taken from it (events say membership), and a load no newer than
+        the one held is not. Whether a load changed."""
+        if snapshot.epoch != self.epoch:
+            return False  # a restart: the resync it causes gives every load
+        wanted = set(models)
+        changed = False
+        members, loaded, source = self.members, self._loaded, self.source
+        for r in snapshot.members:
+            spec = r.spec
+            held = members.get(spec.id)
+            if held is None or spec.model not in wanted or \
+                    held.record.spec.incarnation != spec.incarnation:
+                continue
+            load_at = now - max(0.0, wall_now - r.heartbeat_at)
+            if load_at > held.load_at:
+                members[spec.id] = LiveMember(held.record, r.load, load_at, source)
+                loaded[spec.id] = None
+                changed = True
+        for model in wanted:
+            self._missed.discard(model)
+            self.loads_confirmed_at[model] = now
+        return changed
 
     def silent_model(self, now: float, after_s: float) -> str | None:
         """A model we hold members of whose topic was silent for `after_s` (per_model):
@@ -320,10 +351,6 @@ class Replica:
                 self._per_model[old.record.spec.model] -= 1
             self._per_model[record.spec.model] += 1
             self._heard[record.spec.model] = now
-        if self._parked:
-            if old is not None:
-                self._unhold(member_id, old.record.spec.model)
-            self._unhold(member_id, record.spec.model)  # (the record's load is newer)
         self.members[member_id] = LiveMember(record, record.load, now, self.source)
         self._changed[member_id] = None
         self._carried.pop(member_id, None)
@@ -332,7 +359,6 @@ class Replica:
     def _forget(self, member_id: str) -> None:
         old = self.members.pop(member_id)
         self._changed[member_id] = None
-        self._unhold(member_id, old.record.spec.model)
         if self.per_model:
             self._per_model[old.record.spec.model] -= 1
 
@@ -341,10 +367,16 @@ class Replica:
         model = digest.model
         if self.per_model:
             self._heard[model] = now
-        if self._eager is not None and model not in self._eager:
-            self._park(digest, now)
+        if self._eager is not None and (model not in self._eager
+                                        or not isinstance(digest.loads, list)):
+            # Passed over (or decoded no further than its versions, the view deciding by
+            # its topic before this model was wanted): this model's loads are missed.
+            self._missed.add(model)
+            if model in self._eager:
+                self._to_fetch.add(model)
             return Applied.UNCHANGED
-        self.loads_confirmed_at[model] = now
+        if model not in self._missed:  # (else the loads it does not list may be old)
+            self.loads_confirmed_at[model] = now
         applied = Applied.UNCHANGED
         members, loaded, source = self.members, self._loaded, self.source
         for entry in digest.loads:  # (~5,000 a second at 100k members: names hoisted)
@@ -359,46 +391,3 @@ class Replica:
                 loaded[member_id] = None
                 applied = Applied.CHANGED
         return applied
-
-    def _park(self, digest: LoadDigest, now: float) -> None:
-        """Hold `digest`'s loads back: for each member the newest entry, if for the
-        incarnation and model held (what `_apply_loads` would apply), and when it was
-        measured."""
-        parked = self._parked.get(digest.model)
-        if parked is None:
-            parked = self._parked[digest.model] = ParkedLoads()
-        members, entries, at = self.members, parked.entries, parked.at
-        model = digest.model
-        for entry in digest.loads:  # (~20,000 a second at 100k members: names hoisted)
-            member_id = entry.id
-            current = members.get(member_id)
-            if current is None:
-                continue
-            spec = current.record.spec
-            if spec.incarnation == entry.incarnation and spec.model == model:
-                entries[member_id] = entry
-                at[member_id] = now - entry.heartbeat_age_s
-        parked.confirmed_at = now
-
-    def _unpark(self, model: str) -> bool:
-        """Apply what was held back of `model`'s loads; whether a load changed."""
-        parked = self._parked.pop(model, None)
-        if parked is None:
-            return False
-        if parked.confirmed_at > -math.inf:
-            self.loads_confirmed_at[model] = parked.confirmed_at
-        changed = False
-        members, loaded, source, at = self.members, self._loaded, self.source, parked.at
-        for member_id, entry in parked.entries.items():
-            current = members.get(member_id)  # (one that changed since was `_unhold`en)
-            if current is not None and current.record.spec.incarnation == entry.incarnation:
-                members[member_id] = LiveMember(current.record, entry.load, at[member_id],
-                                                source)
-                loaded[member_id] = None
-                changed = True
-        return changed
-
-    def _unhold(self, member_id: str, model: str) -> None:
-        parked = self._parked.get(model)
-        if parked is not None:
-            parked.discard(member_id)

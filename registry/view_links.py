@@ -10,6 +10,7 @@ Only the view thread touches a link (registry/client.py).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -34,8 +35,9 @@ class LinkStatus:
     version: int
     members: int
     snapshots: int = 0  # taken since start: the first, then one per gap or restart
-    # Load entries held back for models no reader asked for (a view with loads on demand)
-    held_back: int = 0
+    # Models whose loads are not current: passed over as nobody asked for them (a view
+    # with loads on demand), or asked for and not fetched yet
+    loads_missed: int = 0
 
 
 @dataclass
@@ -56,3 +58,9 @@ class Link:
     sync_sent_at: float = 0.0
     next_sync_at: float = 0.0
     backoff_s: float = 0.1
+    # Loads on demand: a DEALER of its own for the Syncs that fetch the current loads of
+    # models whose digests were passed over (answered in order: the models each asked
+    # for), and when the oldest unanswered one went out
+    loads_dealer: zmq.Socket | None = None
+    loads_asked: deque[frozenset[str]] = field(default_factory=deque)
+    loads_asked_at: float = 0.0

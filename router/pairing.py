@@ -145,9 +145,12 @@ class Pairing:
         return PairingTable({model: pools} if pools else {})
 
     def _pools_of(self, model: str) -> tuple[ProtocolPool, ...]:
-        """`model`'s pools, its loads as current as the view has them."""
-        self.view.ask(model)
+        """`model`'s pools, its loads as current as the view has them. The view is asked
+        for the loads of a model a member serves only: a model name is the client's to
+        choose, and each one asked for is held for a while."""
         self.follow()
+        if self._updater.serves(model):
+            self.view.ask(model)
         return self._updater.pools_of(model)
 
     def _learn_models(self, members: Iterable[LiveMember]) -> None:

@@ -100,9 +100,11 @@ def test_a_requests_first_pair_is_told_with_its_prediction_retries_are_not() -> 
 
 def test_a_choice_and_admissions_candidates_ask_the_view_for_their_models_loads() -> None:
     """A view with loads on demand applies the loads of the models asked for: both reads
-    a request makes of a model's pools ask for it, and for no other model."""
+    a request makes of a model's pools ask for it, and for no other model; a name no
+    member serves is not asked for (a client could make up any number of them)."""
     view = StaticView(fleet(2))  # type: ignore[arg-type]
     pairing = pairing_over(view)
     pairing.candidates("m")
     pairing.choose("m", NO_AFFINITY, ())
-    assert view.asked == ["m", "m"]
+    assert pairing.choose("a-name-a-client-made-up", NO_AFFINITY, ()) is None
+    assert view.asked == ["m", "m"]  # (names nobody serves are not held)
