@@ -348,7 +348,7 @@ def spec(i):
                       endpoints=Endpoints(http=f"http://{host}:8000", kv_host=host,
                                           kv_port=5600),
                       labels={"zone": f"z{i % 4}", "rack": f"r{i % 32}"}, capacity=64)
-# on_demand: a router's view, asked for `tiny` alone (the digests' models wait unapplied)
+# on_demand: a router's view, asked for `tiny` alone (the digests' models passed over)
 replica = Replica("r", loads_on_demand=True) if on_demand else Replica("r")
 replica.want({"tiny"}) if on_demand else None
 merge = Merge([replica]); trail = ChangeTrail(merge.members)
@@ -362,6 +362,8 @@ encode = make_encoder().encode  # a digest per model, 250 of its members' loads 
 digests = [encode(LoadDigest(1, 1, f"m{r % 8}", [LoadEntry(
     f"m-{((r * 250 + j) * 8 + r % 8) % n}", 1, Load(running=(r + j) % 9 + 1), 0.1)
     for j in range(250)], 5.0)) for r in range(rounds)]
+if on_demand:  # the digests of a model not followed are read no further than versions
+    from wire.protocol import event_head_decoder as event_decoder
 decode, clock = event_decoder().decode, time.process_time
 spent = dict.fromkeys(("decode", "replica", "merge", "trail"), 0.0)
 for payload in digests:  # the view thread's steps for one digest, each timed
@@ -380,7 +382,7 @@ def stages(members: int, trees: list[tuple[str, str]], rounds: int = 400) -> Non
     members (a router of every model following 100k at a 5 s interval takes ~20,000 a
     second), by step: decoding digests of 250 loads, the replica, the merge, the trail.
     Then, for a tree whose view has loads on demand, the same for a router asked for
-    another model (the digests' loads wait unapplied)."""
+    another model (the digests passed over)."""
     print("| tree | view | members | decode | replica | merge | trail | a load change |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for on_demand, view in ((0, "eager"), (1, "loads on demand")):
