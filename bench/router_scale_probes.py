@@ -363,7 +363,7 @@ digests = [encode(LoadDigest(1, 1, f"m{r % 8}", [LoadEntry(
     f"m-{((r * 250 + j) * 8 + r % 8) % n}", 1, Load(running=(r + j) % 9 + 1), 0.1)
     for j in range(250)], 5.0)) for r in range(rounds)]
 if on_demand:  # the digests of a model not followed are read no further than versions
-    from wire.protocol import event_head_decoder as event_decoder
+    from registry.view_demand import event_head_decoder as event_decoder
 decode, clock = event_decoder().decode, time.process_time
 spent = dict.fromkeys(("decode", "replica", "merge", "trail"), 0.0)
 for payload in digests:  # the view thread's steps for one digest, each timed

@@ -16,13 +16,10 @@ next event or digest (a digest comes every interval at the latest), and only the
 it sync again. The thread polls until
 its next deadline (sync timeout, silence, a carried member's drop), never on a fixed tick.
 
-With `loads_on_demand` (a router), the loads of a model apply as they come only while
-readers ask for it (`ask`, on each request: ASKED_KEEP_S after the last ask). Every other
-model's digests are decoded no further than their versions (a topic names its model)
-and passed over (registry/replica.py); when such a model is asked for, the view fetches
-its current loads with a Sync for that model alone, on a DEALER of its own. A router of
-every model then pays for the loads of the models it serves requests for, not for the
-fleet's (at 100k members ~20,000 load changes a second).
+With `loads_on_demand` (a router), the view follows the loads of the models readers ask
+for (`ask`, on each request) and passes over the rest's, fetching them when asked for
+(registry/view_demand.py): a router of every model pays for the loads of the models it
+serves requests for, not the fleet's.
 
 Readers get a `FrozenMap`: each update shares everything but what changed with the one
 before, so an update costs the changed members, not a copy of the whole view.
@@ -30,7 +27,6 @@ before, so an update costs the changed members, not a copy of the whole view.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -55,14 +51,15 @@ from registry.replica import Applied, LiveMember, Replica
 from registry.security import ClientCurve
 from registry.teardown import Teardown
 from registry.view_changes import Changes, ChangeTrail
-from registry.view_links import Link, LinkState, LinkStatus
+from registry.view_demand import LoadsOnDemand, event_head_decoder
+from registry.view_links import SYNC_TIMEOUT_S, Link, LinkState, LinkStatus
+from registry.view_sockets import ViewSockets
 from wire.protocol import (
     Event,
     Reply,
     Snapshot,
     Sync,
     event_decoder,
-    event_head_decoder,
     make_encoder,
     reply_decoder,
     topic_for,
@@ -74,13 +71,10 @@ __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "LinkState", "LinkStatus", "LiveM
 
 logger = logging.getLogger(__name__)
 
-SYNC_TIMEOUT_S = 1.0  # no snapshot by then: new socket, try again
 THREAD_STOP_TIMEOUT_S = 10.0  # close() waits this long for the view thread
 SYNC_BACKOFF_MAX_S = 2.0
 SUBSCRIBE_SETTLE_S = 0.05  # a new subscription's first message, awaited this long at most
 EVENTS_RCVHWM = 100_000
-ASKED_KEEP_S = 60.0  # loads on demand: a model not asked for this long is held back again
-ASKS_RECHECK_S = 1.0  # and the models asked for are looked at again this often
 
 
 class MembershipView:
@@ -105,33 +99,18 @@ class MembershipView:
         self.curve = curve
         self.reporter = reporter
         self.token = token  # proves Syncs to a registry beyond loopback (sessions.prove_sync)
-        self._ctx = zmq.Context()
+        self._sockets = ViewSockets(curve)
         self._links = [Link(i, address, Replica(address, per_model=bool(self.models),
                                                 loads_on_demand=loads_on_demand))
                        for i, address in enumerate(self.addresses)]
-        # Loads on demand: model name -> when a reader last asked for it (set by readers
-        # on any thread, pruned by the view thread), and the names whose loads the view
-        # thread applies as they come (swapped whole by it).
-        self._asked: dict[str, float] = {}
-        self._following: frozenset[str] = frozenset()
-        self._asks_due = 0.0
-        self._eager_topics: frozenset[bytes] = frozenset()  # the topics of those models
         self._merge = Merge([link.replica for link in self._links])
+        self._demand = LoadsOnDemand(self._merge, token) if loads_on_demand else None
         self._members: FrozenMap[LiveMember] = FrozenMap()
         self._trail: ChangeTrail[LiveMember] = ChangeTrail(self._members)
         self._changed = threading.Condition()
         self._listeners: list[Callable[[Mapping[str, LiveMember]], None]] = []
-        wake = f"inproc://pdreg-view-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(wake)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)
-        self._wake_tx.connect(wake)
-        self._wake_lock = threading.Lock()
-        self._poller = zmq.Poller()  # used by the view thread only
-        self._poller.register(self._wake_rx, zmq.POLLIN)
         self._running = False
-        self._closed = False
-        self._teardown = Teardown(lambda: self._ctx.destroy(linger=0))
+        self._teardown = Teardown(self._sockets.destroy)
         self._thread: threading.Thread | None = None
         self._encoder = make_encoder()
 
@@ -148,14 +127,9 @@ class MembershipView:
     def close(self) -> None:
         """Stop the thread and close every socket, never under the running thread (closed
         from a listener, the thread does on its way out). Safe twice, from any thread."""
-        with self._wake_lock:
-            if self._closed:
-                return
-            self._closed = True
-            running, self._running = self._running, False
-            if running:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
+        self._running = False
+        if not self._sockets.shut():
+            return
         thread = self._thread
         if (not self._teardown.close(thread, THREAD_STOP_TIMEOUT_S)
                 and thread is not threading.current_thread()):
@@ -194,15 +168,11 @@ class MembershipView:
 
     def ask(self, model: str) -> None:
         """A reader is about to read `model`'s loads (a request for it). With
-        `loads_on_demand`, they apply as they come until ASKED_KEEP_S after the last ask;
-        the first ask has what was held back applied, soon after (the view thread does
-        it: until then `model`'s loads are as old as `loads_confirmed_at` says). Free
-        enough to call per request; nothing without `loads_on_demand`."""
-        if not self.loads_on_demand:
-            return
-        self._asked[model] = time.monotonic()
-        if model not in self._following:
-            self._wake()
+        `loads_on_demand`, the view follows them from now until a minute after the last
+        ask, the first ask having them fetched (until they come, `model`'s loads are as
+        old as `loads_confirmed_at` says). Free enough to call per request."""
+        if self._demand is not None and self._demand.ask(model):
+            self._sockets.wake()
 
     def links(self) -> list[LinkStatus]:
         return [LinkStatus(link.address, link.state, link.replica.epoch, link.replica.version,
@@ -239,7 +209,7 @@ class MembershipView:
 
     def _run(self) -> None:
         decode_event = event_decoder()
-        decode_head = event_head_decoder() if self.loads_on_demand else None
+        decode_head = event_head_decoder() if self._demand is not None else None
         decode_reply = reply_decoder()
         while self._running:
             now = time.monotonic()
@@ -248,9 +218,7 @@ class MembershipView:
                 changed |= self._check_timers(link, now)
             # Poll until the next deadline; rounded up, as pyzmq truncates to whole ms.
             timeout_ms = math.ceil(max(0.0, self._next_deadline(now) - now) * 1e3)
-            ready = dict(self._poller.poll(timeout_ms))
-            if self._wake_rx in ready:
-                self._drain_wake()
+            ready = self._sockets.poll(timeout_ms)
             now = time.monotonic()
             for link in self._links:
                 if link.dealer is not None and link.dealer in ready:
@@ -258,92 +226,19 @@ class MembershipView:
                 if link.sub is not None and link.sub in ready:
                     changed |= self._read_events(link, decode_event, decode_head, now)
                 if link.loads_dealer is not None and link.loads_dealer in ready:
-                    changed |= self._read_loads(link, decode_reply, now)
-            if self.loads_on_demand:
-                self._follow_asks(now)
+                    assert self._demand is not None
+                    changed |= self._demand.read(link, decode_reply, now)
+            if self._demand is not None:
+                self._demand.follow(now, self._links)
                 for link in self._links:
-                    self._fetch_loads(link, link.replica.take_to_fetch(), now)
+                    self._demand.fetch(link, link.replica.take_to_fetch(), now,
+                                       self._sockets.dealer)
             self._publish(now, changed)
-
-    def _follow_asks(self, now: float) -> None:
-        """Follow the loads of the models asked for within ASKED_KEEP_S and of their
-        adapters' base models (the replicas name those whose loads are to be fetched);
-        pass over every other model's. Looked at when a new name is asked for, and every
-        ASKS_RECHECK_S (an adapter's base models change with membership)."""
-        asked = self._asked
-        if now < self._asks_due and asked.keys() <= self._following:
-            return
-        self._asks_due = now + ASKS_RECHECK_S
-        names = set()
-        for name, at in asked.copy().items():
-            if now - at <= ASKED_KEEP_S:
-                names.add(name)
-            elif asked.get(name) == at:  # (asked again meanwhile: it stays)
-                asked.pop(name, None)
-        self._following = frozenset(names)
-        bases = self._merge.bases_of(names)
-        self._eager_topics = frozenset(map(topic_for, bases))
-        for link in self._links:
-            link.replica.want(bases)
-
-    def _fetch_loads(self, link: Link, models: set[str], now: float) -> None:
-        """Ask `link`'s registry for the current loads of `models` (a Sync for them alone,
-        on the link's loads DEALER). Not while the link syncs: its snapshot has them."""
-        if not models or link.state is not LinkState.LIVE:
-            return
-        if link.loads_dealer is None:
-            link.loads_dealer = self._socket(zmq.DEALER)
-            link.loads_dealer.connect(f"tcp://{link.address}")
-            self._poller.register(link.loads_dealer, zmq.POLLIN)
-        encode = self._encoder.encode
-        sync = sessions.prove_sync(Sync(models=sorted(models)), self.token, encode)
-        link.loads_dealer.send(encode(sync), zmq.NOBLOCK)
-        if not link.loads_asked:
-            link.loads_asked_at = now
-        link.loads_asked.append(frozenset(models))
-        logger.debug("[view] %s: fetching the loads of %s", link.address, sorted(models))
-
-    def _read_loads(self, link: Link, decode: msgspec.msgpack.Decoder[Reply | Snapshot],
-                    now: float) -> bool:
-        changed = False
-        while link.loads_dealer is not None:
-            try:
-                payload = link.loads_dealer.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            models = link.loads_asked.popleft() if link.loads_asked else frozenset()
-            link.loads_asked_at = now
-            try:
-                message = decode.decode(payload)
-            except msgspec.MsgspecError as exc:
-                logger.warning("[view] %s: undecodable loads: %s", link.address, exc)
-                continue
-            if isinstance(message, Snapshot):
-                changed |= link.replica.apply_loads(message, models, now, time.time())
-            else:  # refused (rate limited): asked again after SYNC_TIMEOUT_S
-                logger.warning("[view] %s refused the loads' sync: %s", link.address,
-                               message.reason)
-                link.loads_asked.appendleft(models)
-                link.loads_asked_at = now
-                break
-        return changed
-
-    def _retry_loads(self, link: Link, now: float) -> None:
-        """Loads asked for and not answered within SYNC_TIMEOUT_S: a new DEALER (one to a
-        dead peer keeps its queue) asks again for all of them."""
-        if not link.loads_asked or now - link.loads_asked_at < SYNC_TIMEOUT_S:
-            return
-        models = set().union(*link.loads_asked)
-        link.loads_asked.clear()
-        if link.loads_dealer is not None:
-            self._poller.unregister(link.loads_dealer)
-            link.loads_dealer.close(linger=0)
-            link.loads_dealer = None
-        self._fetch_loads(link, models, now)
 
     def _check_timers(self, link: Link, now: float) -> bool:
         changed = link.replica.drop_carried(now)
-        self._retry_loads(link, now)
+        if self._demand is not None:
+            self._demand.retry(link, now, self._sockets.dealer, self._sockets.close)
         if link.state is LinkState.LIVE and not self._merge.live(link.index, now):
             logger.warning("[view] registry %s silent past its lease (%.1fs): out of the "
                            "merge, resyncing", link.address,
@@ -383,15 +278,14 @@ class MembershipView:
             drop_at = link.replica.next_drop_at()
             if drop_at is not None:
                 deadline = min(deadline, drop_at)
-            if link.loads_asked:
-                deadline = min(deadline, link.loads_asked_at + SYNC_TIMEOUT_S)
+            retry_at = LoadsOnDemand.next_retry_at(link)
+            if retry_at is not None:
+                deadline = min(deadline, retry_at)
         return max(deadline, now)
 
     def _send_sync(self, link: Link, now: float) -> None:
         if link.dealer is None:
-            link.dealer = self._socket(zmq.DEALER)
-            link.dealer.connect(f"tcp://{link.address}")
-            self._poller.register(link.dealer, zmq.POLLIN)
+            link.dealer = self._sockets.dealer(link.address)
         encode = self._encoder.encode
         # Not subscribed yet: the empty topic alone, for the event port (see above). Else
         # the models it follows and the empty topic's (routers, planners), as subscribed.
@@ -405,8 +299,7 @@ class MembershipView:
 
     def _reset_dealer(self, link: Link) -> None:
         if link.dealer is not None:
-            self._poller.unregister(link.dealer)
-            link.dealer.close(linger=0)
+            self._sockets.close(link.dealer)
             link.dealer = None
         link.sync_sent_at = 0.0
 
@@ -414,10 +307,9 @@ class MembershipView:
         if link.sub is not None and link.events_port == events_port:
             return
         if link.sub is not None:
-            self._poller.unregister(link.sub)
-            link.sub.close(linger=0)
+            self._sockets.close(link.sub)
         host = link.address.rpartition(":")[0]
-        link.sub = self._socket(zmq.SUB)
+        link.sub = self._sockets.socket(zmq.SUB)
         link.sub.setsockopt(zmq.RCVHWM, EVENTS_RCVHWM)
         if self.models:
             for model in (*self.models, ""):
@@ -426,7 +318,7 @@ class MembershipView:
             link.sub.setsockopt(zmq.SUBSCRIBE, b"")
         link.sub.connect(f"tcp://{host}:{events_port}")
         link.events_port = events_port
-        self._poller.register(link.sub, zmq.POLLIN)
+        self._sockets.polled(link.sub)
 
     def _read_replies(self, link: Link, decode: msgspec.msgpack.Decoder[Reply | Snapshot],
                       now: float) -> bool:
@@ -454,13 +346,6 @@ class MembershipView:
                 logger.warning("[view] %s refused the sync: %s", link.address, message.reason)
         return changed
 
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            self.curve.apply(sock)
-        return sock
-
     def _apply_snapshot(self, link: Link, snapshot: Snapshot, now: float) -> bool:
         needs_subscription = link.sub is None or link.events_port != snapshot.events_port
         link.sync_sent_at = 0.0
@@ -486,7 +371,7 @@ class MembershipView:
                      decode_head: msgspec.msgpack.Decoder[Event] | None, now: float) -> bool:
         """`decode_head` (loads on demand): for the topics of models not followed."""
         changed = False
-        eager = self._eager_topics
+        eager = self._demand.eager_topics if self._demand is not None else frozenset()
         while link.sub is not None:
             try:
                 frames = link.sub.recv_multipart(zmq.NOBLOCK)
@@ -539,16 +424,3 @@ class MembershipView:
                 callback(view)
             except Exception:
                 logger.exception("[view] listener failed")
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if not self._closed:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
-
-    def _drain_wake(self) -> None:
-        while True:
-            try:
-                self._wake_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return

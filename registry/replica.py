@@ -21,7 +21,7 @@ registry that does not say these (NOT_SAID), the version alone rules, as above.
 A view with loads on demand (`loads_on_demand`: a router of every model) applies the
 loads of the models it is told to (`want`: those its requests ask for) as they come, and
 passes over every other model's digests (the view decodes no more of them than their
-versions, `wire.protocol.LoadDigestHead`): those models are `missed`, their members keep
+versions, `registry.view_demand.LoadDigestHead`): those models are `missed`, their members keep
 the loads they had and their `loads_confirmed_at` stays where it was, so a reader that
 looks all the same sees loads as old as they are. When a missed model is wanted again,
 the view asks the registry for its current loads (a Sync for that model) and hands the

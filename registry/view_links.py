@@ -12,13 +12,16 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Final
 
 import zmq
 
 from registry.replica import Replica
 from wire.protocol import Event
 
-__all__ = ["Link", "LinkState", "LinkStatus"]
+__all__ = ["SYNC_TIMEOUT_S", "Link", "LinkState", "LinkStatus"]
+
+SYNC_TIMEOUT_S: Final = 1.0  # a Sync unanswered by then: a new socket asks again
 
 
 class LinkState(enum.Enum):

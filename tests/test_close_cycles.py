@@ -66,13 +66,13 @@ def test_a_view_closed_while_its_thread_is_busy_closes_its_sockets_later(monkeyp
         assert busy.wait(10)  # the first snapshot is being handed to listeners
         view.close()  # gives up waiting after 0.1 s
         assert view._thread is not None and view._thread.is_alive()
-        assert not view._ctx.closed  # nobody destroyed it under the thread
+        assert not view._sockets.destroyed  # nobody destroyed it under the thread
         release.set()
         view._thread.join(10)
         deadline = time.monotonic() + 5
-        while not view._ctx.closed and time.monotonic() < deadline:
+        while not view._sockets.destroyed and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert view._ctx.closed  # the thread closed them on its way out
+        assert view._sockets.destroyed  # the thread closed them on its way out
         assert failures == []
     finally:
         member.close()
