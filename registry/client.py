@@ -95,7 +95,6 @@ class MembershipView:
                  token: str = "", loads_on_demand: bool = False) -> None:
         self.addresses = parse_registries(registries)
         self.models = tuple(models)
-        self.loads_on_demand = loads_on_demand
         self.curve = curve
         self.reporter = reporter
         self.token = token  # proves Syncs to a registry beyond loopback (sessions.prove_sync)
