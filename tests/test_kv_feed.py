@@ -4,11 +4,10 @@ lose batches, answer replays or not; the index replays, or says unknown, never l
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import zmq
-from kv_publisher import BLOCK, FakeEngine
+from kv_publisher import BLOCK, DRIVERS, FakeEngine, feed_maker
 
 from pdreg.testing import wait_until
 from router.kv.feed import FeedMember, KvFeed
@@ -39,19 +38,13 @@ def index() -> KvIndex:
     return KvIndex()
 
 
-@pytest.fixture
-def make_feed(index: KvIndex) -> Iterator[Callable[..., KvFeed]]:
-    """KvFeed(index, **options), closed after the test (before the engine's sockets)."""
-    feeds: list[KvFeed] = []
-
-    def make(**options: Any) -> KvFeed:
-        feeds.append(KvFeed(index, **options))
-        return feeds[-1]
-    try:
-        yield make
-    finally:
-        for feed in feeds:
-            feed.close()
+@pytest.fixture(params=DRIVERS)
+def make_feed(request: pytest.FixtureRequest, index: KvIndex
+              ) -> Iterator[Callable[..., KvFeed]]:
+    """KvFeed(index, **options) on the router's event loop, or on a thread of its own;
+    closed after the test (before the engine's sockets)."""
+    with feed_maker(request.param) as make:
+        yield lambda **options: make(index, **options)
 
 
 def run_until(engine: FakeEngine, predicate, keep_from: int = 0) -> bool:
