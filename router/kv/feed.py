@@ -4,13 +4,14 @@ The feed owns every socket and is the KV index's only writer (router/kv/index.py
 pure; this module is its I/O). It runs where `update` is first called from:
 
 - On that caller's asyncio event loop, if it has one (the router: `update` comes from
-  the loop's membership follower). The loop watches the sockets' file descriptors
-  (router/kv/sockets.py `LoopReadiness`) and applies a batch when it comes, between
-  requests: no thread of its own to wake for each batch, and no GIL to hand over. A
-  wake of a thread of its own cost ~0.1 ms of cold Python per batch, ~2 batches a
+  the loop's membership follower). The router calls `drain` as a request arrives,
+  before its choice reads the index, and a tick drains every DRAIN_INTERVAL_S what no
+  request did: batches are applied several at a time by a loop already awake, not
+  each on a wake of its own. Each such wake cost ~0.1 ms of cold Python, ~2 batches a
   request (bench/RESULTS.md). The loop never blocks on the feed: every read is
-  non-blocking, one socket's reads stop after MAX_SLICE_S and go on later, after what
-  the loop has queued, and a member's host name is resolved in the loop's executor.
+  non-blocking, a drain stops after MAX_SLICE_S and goes on in a later turn, after
+  what the loop has queued, and a member's host name is resolved in the loop's
+  executor.
 - Otherwise on an IO thread of its own (benches and tests that have no loop), told the
   membership with an inproc PUSH: it sleeps in `poll` until a batch, a replay answer, a
   membership change or a replay deadline.
@@ -62,7 +63,6 @@ import zmq
 
 from router.kv.index import Applied, KvIndex, MemberIndex
 from router.kv.sockets import (
-    LoopReadiness,
     Readiness,
     needs_dns,
     raise_fd_limit,
@@ -89,9 +89,13 @@ SUB_HWM: Final = 128
 RESTART_BACKOFF_S: Final = 1.0  # before a failed feed loop starts again
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
 MAX_BYTES_PER_WAKE: Final = 4 * 1024 * 1024  # nor one sending large batches
-# One socket's reads stop after this long and go on later: on the event loop, requests
+# A drain's reads stop after this long and go on later: on the event loop, requests
 # wait behind them (an 8k-token prompt's batch, ~500 blocks, takes ~0.3 ms to apply).
 MAX_SLICE_S: Final = 0.002
+# On the event loop, what no request drains is drained this often: a snapshot swapped
+# within PUBLISH_INTERVAL_S + this of a change (under PUBLISH_MAX_DELAY_S), replay
+# deadlines met this late at most. An idle router wakes for it, 5 times a second.
+DRAIN_INTERVAL_S: Final = 0.2
 _POLLIN: Final = int(zmq.POLLIN)  # a plain int: pyzmq's Flag costs Python calls to `&`
 # The snapshot other threads read is swapped in by a turn at most this often (a swap per
 # batch was a seventh of a wake's work), and one left waiting by a wake of its own within
@@ -150,15 +154,15 @@ class KvFeed:
         # Started by the first member that publishes: a router whose fleet publishes no
         # KV events (`kv` is the default policy) runs no thread and opens no socket.
         self._started = False
-        self._poller: Readiness | LoopReadiness  # set by `_start`
+        self._poller: Readiness  # an epoll descriptor: made by `_start`
         self._thread: threading.Thread | None = None
-        # On an event loop: the loop, its timer (replay deadlines, a deferred snapshot)
-        # and when it fires (loop time), a restart's timer while one waits, and the
-        # members whose host names are being resolved off the loop.
+        # On an event loop: the loop, its tick, a restart's timer while one waits, whether
+        # a drain is queued to go on with what the last one left, and the members whose
+        # host names are being resolved off the loop.
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        self._tick: asyncio.TimerHandle | None = None
         self._restart: asyncio.TimerHandle | None = None
+        self._soon = False
         self._resolving: dict[str, FeedMember] = {}
 
     @property
@@ -174,11 +178,11 @@ class KvFeed:
         # members, and each socket holds file descriptors (its mailbox, its connection).
         self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         raise_fd_limit()
+        self._poller = Readiness()
         self._loop = _running_loop()
         if self._loop is not None:
-            self._poller = LoopReadiness(self._loop, self._on_loop_ready)
+            self._tick = self._loop.call_later(DRAIN_INTERVAL_S, self._on_tick)
             return
-        self._poller = Readiness()
         inproc = f"inproc://kv-feed-{id(self)}"
         self._wake_in = self._ctx.socket(zmq.PULL)
         self._wake_in.bind(inproc)
@@ -242,41 +246,55 @@ class KvFeed:
             return
         self._turn(self._apply_membership, members)
 
-    def _on_loop_ready(self, sock: zmq.Socket) -> None:
-        self._turn(self._read_ready, sock)
+    def drain(self) -> None:
+        """Apply what the engines sent since the last drain. The router calls it as a
+        request arrives, before its choice reads the index: the choice sees every batch
+        that reached the router before the request, and the batches are applied while
+        the loop is busy (its code and data warm) rather than each on a wake of its own.
+        On the event loop the feed runs on; nothing on a feed that runs on a thread."""
+        if self._loop is None or self._closed or self._restart is not None:
+            return
+        self._turn(self._drain_now)
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._turn(None)
+    def _on_tick(self) -> None:
+        """Every DRAIN_INTERVAL_S: what no request drained (an idle router's snapshot,
+        replay answers and deadlines)."""
+        assert self._loop is not None
+        self._tick = self._loop.call_later(DRAIN_INTERVAL_S, self._on_tick)
+        self._turn(self._drain_now)
 
-    def _turn(self, step: Callable[..., None] | None, *args: object) -> None:
-        """One turn on the loop: `step`, then replay deadlines, the snapshot, the timer
-        for the next of them. A failure restarts the feed; it never reaches the loop."""
+    def _on_soon(self) -> None:
+        self._soon = False
+        self._turn(self._drain_now)
+
+    def _drain_now(self) -> None:
+        """Read the sockets that may have something, for MAX_SLICE_S at most; the rest
+        goes on in a turn of its own, after what the loop has queued meanwhile."""
+        poller = self._poller
+        stop_at = time.perf_counter() + MAX_SLICE_S
+        spent = False
+        for sock in poller.wait(0):
+            if spent:
+                poller.later(sock)
+                continue
+            self._read_ready(sock)
+            spent = time.perf_counter() > stop_at
+        if poller.pending and not self._soon:
+            assert self._loop is not None
+            self._soon = True
+            self._loop.call_soon(self._on_soon)
+
+    def _turn(self, step: Callable[..., None], *args: object) -> None:
+        """One turn on the loop: `step`, then replay deadlines and the snapshot. A
+        failure restarts the feed; it never reaches the loop."""
         if self._closed or self._restart is not None:
             return
         try:
-            if step is not None:
-                step(*args)
+            step(*args)
             self._check_replay_deadlines()
             self._publish()
-            self._arm_timer()
         except Exception:  # meanwhile the router routes by load alone
             self._restart_later()
-
-    def _arm_timer(self) -> None:
-        """Wake the loop for the next replay deadline or deferred snapshot: one timer,
-        moved only when something is due sooner than it fires."""
-        delay = self._next_delay_s()
-        if delay is None:
-            return
-        assert self._loop is not None
-        at = self._loop.time() + delay
-        if self._timer is not None:
-            if self._timer_at <= at:
-                return
-            self._timer.cancel()
-        self._timer = self._loop.call_at(at, self._on_timer)
-        self._timer_at = at
 
     def _restart_later(self) -> None:
         self.counters.restarts += 1
@@ -316,10 +334,10 @@ class KvFeed:
                          "sockets are left open")
 
     def _release(self) -> None:
-        for timer in (self._timer, self._restart):
+        for timer in (self._tick, self._restart):
             if timer is not None:
                 timer.cancel()
-        self._timer = self._restart = None
+        self._tick = self._restart = None
         self._drop_all()
         self._poller.close()
         self._ctx.term()
@@ -348,14 +366,12 @@ class KvFeed:
                     return
         finally:
             self._drop_all()
-            assert isinstance(self._poller, Readiness)
             self._poller.close()
             self._wake_in.close(linger=0)
 
     def _serve(self) -> None:
         """The loop: wait for sockets, read them, check replay deadlines, publish."""
         poller = self._poller
-        assert isinstance(poller, Readiness)
         while True:
             ready = poller.wait(self._poll_timeout_ms())
             if self._wake_in in ready and not self._drain_wakes():
@@ -367,8 +383,14 @@ class KvFeed:
 
     def _poll_timeout_ms(self) -> int | None:
         """Until the first replay deadline, or the snapshot's next swap if one waits."""
-        delay = self._next_delay_s()
-        return None if delay is None else int(1000 * delay) + 1
+        timeouts = []
+        if self.index.unpublished:
+            due = self._published_at + PUBLISH_MAX_DELAY_S - time.monotonic()
+            timeouts.append(max(0, int(1000 * due) + 1))
+        if self._awaiting:
+            first = min(s.replay_deadline for s in self._awaiting.values())
+            timeouts.append(max(0, int(1000 * (first - self._clock())) + 1))
+        return min(timeouts) if timeouts else None
 
     def _drain_wakes(self) -> bool:
         """Apply membership updates; False when told to stop."""
@@ -409,22 +431,12 @@ class KvFeed:
 
     def _publish(self) -> None:
         """Swap in the index's snapshot if PUBLISH_INTERVAL_S passed since the last swap;
-        else leave it to a later turn (`_next_delay_s` wakes for it by
-        PUBLISH_MAX_DELAY_S)."""
+        else leave it to a later turn (on a thread, `_poll_timeout_ms` wakes for it by
+        PUBLISH_MAX_DELAY_S; on the loop, the tick comes within DRAIN_INTERVAL_S)."""
         now = time.monotonic()
         if now >= self._published_at + PUBLISH_INTERVAL_S:
             self.index.publish()
             self._published_at = now
-
-    def _next_delay_s(self) -> float | None:
-        """Until the first replay deadline, or the snapshot's next swap if one waits."""
-        delays = []
-        if self.index.unpublished:
-            delays.append(self._published_at + PUBLISH_MAX_DELAY_S - time.monotonic())
-        if self._awaiting:
-            first = min(s.replay_deadline for s in self._awaiting.values())
-            delays.append(first - self._clock())
-        return max(0.0, min(delays)) if delays else None
 
     def _drop_all(self) -> None:
         for member_id in list(self._subs):
@@ -574,8 +586,6 @@ class KvFeed:
         assert state.dealer is not None
         stop_at = time.perf_counter() + MAX_SLICE_S
         for _ in range(MAX_BATCHES_PER_WAKE):
-            if time.perf_counter() > stop_at:
-                break
             try:
                 frames = state.dealer.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -586,6 +596,8 @@ class KvFeed:
                 self._ask_replay(state, state.index.replay_done(complete=True))
             else:
                 self._on_batch(state, frames[-2:] if len(frames) >= 2 else frames)
+            if time.perf_counter() > stop_at:
+                break
         if state.dealer is not None:
             self._poller.later(state.dealer)  # not drained
 

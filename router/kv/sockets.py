@@ -1,11 +1,9 @@
 """The KV feed's socket plumbing: which of many ZeroMQ sockets to read now, at a cost in
-what is ready rather than in what is followed (on a thread of the feed's own, or on the
-router's event loop), enough file descriptors for them, where a member's advertised
-endpoint may lead, and one message off a socket."""
+what is ready rather than in what is followed, enough file descriptors for them, where
+a member's advertised endpoint may lead, and one message off a socket."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import resource
@@ -16,8 +14,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-__all__ = ["LoopReadiness", "Readiness", "needs_dns", "raise_fd_limit", "recv_frames",
-           "resolve"]
+__all__ = ["Readiness", "needs_dns", "raise_fd_limit", "recv_frames", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +50,11 @@ class Readiness:
     def later(self, sock: zmq.Socket) -> None:
         self._again.add(sock)
 
+    @property
+    def pending(self) -> bool:
+        """Sockets are marked to be looked at again without waiting."""
+        return bool(self._again)
+
     def close(self) -> None:
         self._epoll.close()
 
@@ -67,49 +69,6 @@ class Readiness:
             if sock is not None:
                 again.add(sock)
         return again
-
-
-class LoopReadiness:
-    """`Readiness` on an asyncio event loop: `on_ready(sock)` is called on the loop when a
-    socket may have something to read. The loop watches each socket's ZMQ_FD; that FD
-    only says the socket's state changed, so `on_ready` must read until the socket says
-    it holds no more, or call `later`, as with `Readiness`. Loop thread only."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop,
-                 on_ready: Callable[[zmq.Socket], None]) -> None:
-        self._loop = loop
-        self._on_ready = on_ready
-        self._fds: dict[zmq.Socket, int] = {}
-        self._soon: set[zmq.Socket] = set()  # a call to `on_ready` is queued on the loop
-
-    def register(self, sock: zmq.Socket) -> None:
-        fd = sock.getsockopt(zmq.FD)
-        self._loop.add_reader(fd, self._on_ready, sock)
-        self._fds[sock] = fd
-        self.later(sock)  # whatever arrived before it was registered
-
-    def unregister(self, sock: zmq.Socket) -> None:
-        """Before the socket closes (its FD goes with it); a queued call is cancelled."""
-        fd = self._fds.pop(sock, None)
-        if fd is not None:
-            self._loop.remove_reader(fd)
-        self._soon.discard(sock)
-
-    def later(self, sock: zmq.Socket) -> None:
-        """Read `sock` again soon, after what the loop already has queued (so one busy
-        socket takes turns with requests rather than holding the loop)."""
-        if sock not in self._soon:
-            self._soon.add(sock)
-            self._loop.call_soon(self._fire, sock)
-
-    def close(self) -> None:
-        for sock in list(self._fds):
-            self.unregister(sock)
-
-    def _fire(self, sock: zmq.Socket) -> None:
-        if sock in self._soon:  # not unregistered meanwhile
-            self._soon.discard(sock)
-            self._on_ready(sock)
 
 
 def needs_dns(address: str) -> bool:
