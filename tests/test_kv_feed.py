@@ -188,8 +188,8 @@ def connected(engine: FakeEngine, index: KvIndex) -> bool:
 def test_on_the_routers_loop_batches_apply_with_no_thread_of_the_feeds_own(
         engine, index, feed_loop):
     """The router calls `update` on its event loop: the feed runs there (no `kv-feed`
-    thread to wake per batch) and a burst longer than one turn's slice is applied whole,
-    a slice at a time, the loop serving other callbacks between them."""
+    thread to wake per batch) and a burst longer than one drain's slice is applied
+    whole, a slice at a time, the loop serving other callbacks between them."""
     feed = KvFeed(index, replay_timeout_s=5.0)
     try:
         feed_loop.call(feed.update, [FeedMember("p", 1, engine.spec())])
@@ -214,6 +214,26 @@ def test_on_the_routers_loop_batches_apply_with_no_thread_of_the_feeds_own(
         assert any(1 < n < 101 for n in seen if n is not None)  # it ran mid-burst
     finally:
         feed.close()  # from this thread: the loop closes it
+
+
+def test_a_request_drains_what_reached_the_router_before_its_choice(
+        engine, index, feed_loop, monkeypatch):
+    """With no tick (an hour apart), what the router's requests drain is all the index
+    learns: batches and replay answers both."""
+    monkeypatch.setattr(feed_module, "DRAIN_INTERVAL_S", 3600.0)
+    feed = KvFeed(index, replay_timeout_s=5.0)
+    try:
+        feed_loop.call(feed.update, [FeedMember("p", 1, engine.spec())])
+
+        def requests_until(predicate: Callable[[], bool]) -> bool:
+            return run_until(engine, lambda: feed_loop.call(feed.drain) or predicate())
+        assert requests_until(lambda: state(index) is IndexState.LIVE)  # a replay answer
+        assert requests_until(lambda: (engine.publish(0, A) or True)
+                              and next_seq(index) == 1)
+        engine.publish(1, B)
+        assert requests_until(live_with(index, B))
+    finally:
+        feed.close()
 
 
 def test_malformed_frames_on_the_loop_are_counted_and_the_loop_serves_on(
