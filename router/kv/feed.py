@@ -6,12 +6,11 @@ pure; this module is its I/O). It runs where `update` is first called from:
 - On that caller's asyncio event loop, if it has one (the router: `update` comes from
   the loop's membership follower). The router calls `drain` as a request arrives,
   before its choice reads the index, and a tick drains every DRAIN_INTERVAL_S what no
-  request did: batches are applied several at a time by a loop already awake, not
-  each on a wake of its own. Each such wake cost ~0.1 ms of cold Python, ~2 batches a
-  request (bench/RESULTS.md). The loop never blocks on the feed: every read is
-  non-blocking, a drain stops after MAX_SLICE_S and goes on in a later turn, after
-  what the loop has queued, and a member's host name is resolved in the loop's
-  executor.
+  request did: batches are applied by a loop already awake, several at a time, with
+  no thread to wake per batch (~2 a request) and no GIL to hand between threads. The
+  loop never blocks on the feed: every read is non-blocking, a drain stops after
+  MAX_SLICE_S and goes on in a later turn, after what the loop has queued, and a
+  member's host name is resolved in the loop's executor.
 - Otherwise on an IO thread of its own (benches and tests that have no loop), told the
   membership with an inproc PUSH: it sleeps in `poll` until a batch, a replay answer, a
   membership change or a replay deadline.
@@ -89,9 +88,11 @@ SUB_HWM: Final = 128
 RESTART_BACKOFF_S: Final = 1.0  # before a failed feed loop starts again
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
 MAX_BYTES_PER_WAKE: Final = 4 * 1024 * 1024  # nor one sending large batches
-# A drain's reads stop after this long and go on later: on the event loop, requests
-# wait behind them (an 8k-token prompt's batch, ~500 blocks, takes ~0.3 ms to apply).
-MAX_SLICE_S: Final = 0.002
+# A drain's reads stop after this long and go on later, on the event loop, after what it
+# has queued: the interpreter's switch interval, as long as a feed thread could hold the
+# GIL before the loop ran again. Not shorter: what a drain leaves is not in the index
+# for the choice it was made for (an 8k-token request's batches cost the feed ~1 ms).
+MAX_SLICE_S: Final = 0.005
 # On the event loop, what no request drains is drained this often: a snapshot swapped
 # within PUBLISH_INTERVAL_S + this of a change (under PUBLISH_MAX_DELAY_S), replay
 # deadlines met this late at most. An idle router wakes for it, 5 times a second.
@@ -247,11 +248,11 @@ class KvFeed:
         self._turn(self._apply_membership, members)
 
     def drain(self) -> None:
-        """Apply what the engines sent since the last drain. The router calls it as a
-        request arrives, before its choice reads the index: the choice sees every batch
-        that reached the router before the request, and the batches are applied while
-        the loop is busy (its code and data warm) rather than each on a wake of its own.
-        On the event loop the feed runs on; nothing on a feed that runs on a thread."""
+        """Apply what the engines sent since the last drain (MAX_SLICE_S of it at most;
+        the rest in a turn of its own). The router calls it as a request arrives, before
+        its choice reads the index, so the choice sees the batches that reached the
+        router before the request, and no batch wakes anything of its own. On the event
+        loop the feed runs on; nothing on a feed that runs on a thread."""
         if self._loop is None or self._closed or self._restart is not None:
             return
         self._turn(self._drain_now)
