@@ -298,8 +298,8 @@ class Admission:
         membership change, each of which tries the head again; or with what nothing
         here is told of (a quarantine's end, a decode's KV use falling), which the
         router's periodic pump sees. A burst at c=32 queues half its requests, and
-        every try reads the candidates and every member's limit: most tries were in
-        vain, a third of the router's CPU in such a burst.
+        every try reads the candidates and every member's limit: 209 of 273 tries in a
+        64-request burst were in vain before this.
         """
         if self._pumping:
             self._pump_again = True
