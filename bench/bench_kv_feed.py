@@ -1,19 +1,24 @@
-"""The KV feed thread's CPU per batch when each batch is a wake of its own: what a
-router pays per KV event batch at the event rates of bench_kv.py's trace (a few batches
-per request, tens a second), where the thread sleeps between batches and every wake
-finds it cold. This tree against a baseline commit, in turns (A B A B: the machine's
-load drifts), each turn a child process following one publisher.
+"""The KV feed's CPU per batch when each batch is a wake of its own: what a router pays
+per KV event batch at the event rates of bench_kv.py's trace (a few batches per
+request, tens a second), where the feed sleeps between batches and every wake finds it
+cold. This tree against a baseline commit, in turns (A B A B: the machine's load
+drifts), each turn a child process following one publisher.
 
     .venv/bin/python bench/bench_kv_feed.py [--baseline COMMIT] [--batches 600] [--turns 3]
 
 The publisher is the reference engine's (engine_agent/reference/kv_publisher.py), in a
 process of its own, sending --rate batches a second of --blocks blocks stored (16 tokens
-each) and as many removed; the feed thread's CPU comes from its schedstat.
+each) and as many removed. The feed is told its members from a uvloop event loop, as
+the router tells it (a tree whose feed runs on that loop then runs it there, an older
+one on a thread of its own), and it is charged the whole process's CPU (the loop, its
+own thread if any, ZeroMQ's I/O thread; the main thread sleeps) and wakes (schedstat
+timeslices, every thread's).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -21,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +60,8 @@ def publish(port_file: str, rate: float, batches: int, blocks: int) -> None:
 
 def follow(port_file: str, batches: int, rate: float, blocks: int) -> dict[str, float]:
     """The measured process (its tree on sys.path): a KvFeed following the publisher."""
+    import uvloop
+
     from router.kv.feed import FeedMember, KvFeed
     from router.kv.index import KvIndex
     from wire.protocol import KvEventsSpec
@@ -64,21 +72,35 @@ def follow(port_file: str, batches: int, rate: float, blocks: int) -> dict[str, 
     while not os.path.exists(port_file) or not Path(port_file).read_text():
         time.sleep(0.05)
     port, replay = Path(port_file).read_text().split()
+    loop = uvloop.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, name="loop", daemon=True)
+    loop_thread.start()
     feed = KvFeed(KvIndex())
-    feed.update([FeedMember("p", 1, KvEventsSpec(endpoint=f"tcp://127.0.0.1:{port}",
-                                                 replay_endpoint=f"tcp://127.0.0.1:{replay}",
-                                                 block_size=BLOCK))])
+    spec = KvEventsSpec(endpoint=f"tcp://127.0.0.1:{port}",
+                        replay_endpoint=f"tcp://127.0.0.1:{replay}", block_size=BLOCK)
+
+    async def follow_it() -> None:
+        feed.update([FeedMember("p", 1, spec)])
+    asyncio.run_coroutine_threadsafe(follow_it(), loop).result(10.0)
     time.sleep(1.0)
-    assert feed._thread is not None
-    stat = f"/proc/self/task/{feed._thread.native_id}/schedstat"
 
     def run_ns_slices() -> tuple[int, int]:
-        run_ns, _, slices = Path(stat).read_text().split()[:3]
-        return int(run_ns), int(slices)
+        """Every thread's run time (ns) and timeslices, summed."""
+        run_ns = slices = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                fields = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
+            except OSError:
+                continue
+            run_ns, slices = run_ns + int(fields[0]), slices + int(fields[2])
+        return run_ns, slices
     (cpu0, slices0), batches0 = run_ns_slices(), feed.counters.batches
     publisher.wait()
     (cpu1, slices1), got = run_ns_slices(), feed.counters.batches - batches0
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10.0)
     feed.close()
+    loop.call_soon_threadsafe(loop.stop)
+    loop_thread.join(10.0)
     return {"us_per_batch": (cpu1 - cpu0) / 1e3 / max(1, got),
             "wakes_per_batch": (slices1 - slices0) / max(1, got), "batches": got}
 
@@ -107,8 +129,8 @@ def main() -> int:
     baseline = source_tree(args.baseline) if args.baseline else None
     trees = ([(args.baseline, baseline)] if baseline else []) + [("this tree", str(REPO))]
     try:
-        print("| tree | blocks per batch | feed CPU per batch (median of turns) | wakes "
-              "per batch | turns |\n|---|---:|---:|---:|---|")
+        print("| tree | blocks per batch | process CPU per batch (median of turns) | "
+              "wakes per batch | turns |\n|---|---:|---:|---:|---|")
         for blocks in args.blocks.split(","):
             got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
             for turn in range(args.turns):

@@ -28,6 +28,14 @@ front of the same cluster without the slow worker: the bar to be within 2x of.
 
 Writes bench/out/router.json and the plot bench/plots/router.png (matplotlib from
 .venv-peers, which bench/peers.py installs on first use).
+
+A 64-request p99 moves more between runs than between routers on a small shared
+machine, so `--cold-only --repeat N` measures the cold burst alone, N launches of every
+router (mini_lb left out), each launch a freshly started router in front of engines
+kept up for the whole run, the routers' order rotated every round; it reports each
+router's median and range of the cold p99 and cold CPU per request, and writes
+bench/out/router_cold.json. `--baseline-src` routers join the rotation, each in front of
+its own tree's registry and engines.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,7 +64,7 @@ from reference_helpers import (  # noqa: E402
 
 from bench import peers  # noqa: E402
 from bench.load import completion, run_closed_loop, serves  # noqa: E402
-from bench.procs import LOCAL_ROUTER_FLAGS, router_process  # noqa: E402
+from bench.procs import LOCAL_ROUTER_FLAGS, router_process, tree_run_s  # noqa: E402
 from bench.tables import p99, print_table  # noqa: E402
 from pdreg.demo.traffic import TrafficGenerator, figures  # noqa: E402
 from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until  # noqa: E402
@@ -122,6 +130,18 @@ class Target:
     name: str
     url: str
     cpu_s: Callable[[], float] | None = field(default=None)
+    pid: int | None = None  # the router process (its tree's run time: the cold burst)
+
+
+@dataclass
+class ColdRow:
+    """One router's cold bursts over `--repeat` launches: medians and ranges."""
+
+    router: str
+    handshake: str
+    p99_ms: list[float] = field(default_factory=list)
+    cpu_us_per_req: list[float] = field(default_factory=list)
+    failed: int = 0
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -132,11 +152,7 @@ def measure(target: Target, handshake: str, requests: int) -> Row:
     if not wait_until(lambda: serves(send), READY_TIMEOUT_S, poll_s=0.2):
         raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
     row = Row(router=target.name, handshake=handshake)
-    cpu_before = target.cpu_s() if target.cpu_s else 0.0
-    cold = run_closed_loop(send, COLD_REQUESTS, CONCURRENCY)
-    if target.cpu_s:
-        row.cold_cpu_us_per_req = (target.cpu_s() - cpu_before) / COLD_REQUESTS * 1e6
-    row.cold_p99_ms = p99(cold.latencies) * 1e3
+    cold_failed = cold_burst(target, row)
     # Warm every connection pool at the concurrency measured: a pool warmed at c=4 still
     # opens 28 connections per engine at the start of a c=32 run.
     run_closed_loop(send, WARMUP_REQUESTS, CONCURRENCY)
@@ -149,12 +165,37 @@ def measure(target: Target, handshake: str, requests: int) -> Row:
     row.p50_ms_c32 = statistics.median(c32.latencies) * 1e3
     row.p99_ms_c32 = p99(c32.latencies) * 1e3
     row.req_per_s_c32 = len(c32.latencies) / c32.wall_s
-    row.failed = cold.failed + c1.failed + c32.failed
+    row.failed = cold_failed + c1.failed + c32.failed
     print(f"  {target.name:24s} cpu/req={row.cpu_us_per_req or 0:.0f}us "
           f"cold c32 p99={row.cold_p99_ms:.1f}ms cpu/req={row.cold_cpu_us_per_req or 0:.0f}us "
           f"c1 p50/p99={row.p50_ms_c1:.2f}/{row.p99_ms_c1:.2f}ms "
           f"c32 p50/p99={row.p50_ms_c32:.1f}/{row.p99_ms_c32:.1f}ms "
           f"{row.req_per_s_c32:.0f} req/s failed={row.failed}", flush=True)
+    return row
+
+
+def cold_burst(target: Target, row: Row) -> int:
+    """COLD_REQUESTS at c=CONCURRENCY on fresh connections into `row`; how many failed.
+    CPU from the threads' run time (nanoseconds): a 64-request burst is a few 10 ms ticks."""
+    send = completion(target.url, BODY)
+    cpu_before = tree_run_s(target.pid) if target.pid else 0.0
+    cold = run_closed_loop(send, COLD_REQUESTS, CONCURRENCY)
+    if target.pid:
+        row.cold_cpu_us_per_req = (tree_run_s(target.pid) - cpu_before) / COLD_REQUESTS * 1e6
+    row.cold_p99_ms = p99(cold.latencies) * 1e3 if cold.latencies else 0.0
+    return cold.failed
+
+
+def measure_cold(target: Target, handshake: str) -> Row:
+    """A freshly started router's cold burst alone (after the one request that says it
+    serves, as in `measure`)."""
+    send = completion(target.url, BODY)
+    if not wait_until(lambda: serves(send), READY_TIMEOUT_S, poll_s=0.2):
+        raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
+    row = Row(router=target.name, handshake=handshake)
+    row.failed = cold_burst(target, row)
+    print(f"  {target.name:28s} {handshake:9s} cold c32 p99={row.cold_p99_ms:.1f}ms "
+          f"cpu/req={row.cold_cpu_us_per_req or 0:.0f}us failed={row.failed}", flush=True)
     return row
 
 
@@ -278,7 +319,8 @@ def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None =
     flags = _flags_known(src) if src else [*LOCAL_ROUTER_FLAGS, *ROUTER_ARGS]
     with router_process(registry, policy, flags=flags, src=src or REPO) as router:
         try:
-            yield Target(label or f"pdreg ({policy})", router.url, router.cpu_s)
+            yield Target(label or f"pdreg ({policy})", router.url, router.cpu_s,
+                         router.proc.pid)
         finally:
             errors = router.error_lines()
             if errors:
@@ -288,13 +330,14 @@ def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None =
 @contextmanager
 def peer(router: peers.PeerRouter) -> Iterator[Target]:
     try:
-        yield Target(router.name, router.url, router.cpu_s)
+        yield Target(router.name, router.url, router.cpu_s, router.proc.pid)
     finally:
         router.stop()
 
 
 def lineup(handshake: str, registry: str, policies: list[str], handles: list[EngineHandle],
-           peers_too: bool = True) -> list[Callable[[], AbstractContextManager[Target]]]:
+           peers_too: bool = True, mini_lb: bool = True
+           ) -> list[Callable[[], AbstractContextManager[Target]]]:
     """Context-manager factories for every router that speaks `handshake`, pdreg first."""
     prefills = [h for h in handles if h.id.startswith("prefill")]
     decodes = [h.url for h in handles if h.id.startswith("decode")]
@@ -308,9 +351,56 @@ def lineup(handshake: str, registry: str, policies: list[str], handles: list[Eng
             [h.url for h in prefills], decodes)))
     else:
         factories.append(lambda: peer(peers.start_sglang_router(with_bootstrap, decodes)))
-        factories.append(lambda: peer(peers.start_sglang_router(
-            with_bootstrap, decodes, mini_lb=True)))
+        if mini_lb:
+            factories.append(lambda: peer(peers.start_sglang_router(
+                with_bootstrap, decodes, mini_lb=True)))
     return factories
+
+
+def run_cold(repeat: int, policies: list[str], handshakes: list[str],
+             peers_too: bool) -> list[ColdRow]:
+    """`repeat` rounds per handshake; every round launches each router afresh, in an
+    order rotated by one each round, and takes its cold burst. The engines stay up."""
+    found: dict[tuple[str, str], ColdRow] = {}
+    for handshake in handshakes:
+        print(f"{handshake} handshake, cold bursts x{repeat}", flush=True)
+        with ExitStack() as stack:
+            registry, handles = stack.enter_context(pd_engines(handshake))
+            factories = lineup(handshake, registry, policies, handles, peers_too,
+                               mini_lb=False)
+            for src in BASELINE_SRC:
+                address = stack.enter_context(baseline_engines(src, handshake))
+                factories.append(lambda src=src, address=address: pdreg_router(
+                    address, policies[-1], f"pdreg {src.name} ({policies[-1]})", src))
+            for round_ in range(repeat):
+                shift = round_ % len(factories)
+                for factory in factories[shift:] + factories[:shift]:
+                    with factory() as target:
+                        row = measure_cold(target, handshake)
+                    cold = found.setdefault((row.router, handshake),
+                                            ColdRow(row.router, handshake))
+                    cold.p99_ms.append(row.cold_p99_ms)
+                    if row.cold_cpu_us_per_req is not None:
+                        cold.cpu_us_per_req.append(row.cold_cpu_us_per_req)
+                    cold.failed += row.failed
+    return list(found.values())
+
+
+def print_cold(rows: list[ColdRow], repeat: int) -> None:
+    def spread(values: list[float], unit: str, digits: int) -> str:
+        if not values:
+            return "-"
+        return (f"{statistics.median(values):,.{digits}f} {unit} "
+                f"({min(values):,.{digits}f}-{max(values):,.{digits}f})")
+    print(f"\ncold bursts: {COLD_REQUESTS} requests at c={CONCURRENCY} on fresh connections "
+          f"to a freshly started router, {repeat} launches each; median (min-max)\n")
+    print_table(["router", "handshake", "cold c=32 p99", "cold CPU per request", "failed"],
+                ([r.router, r.handshake, spread(r.p99_ms, "ms", 1),
+                  spread(r.cpu_us_per_req, "µs", 0), str(r.failed)] for r in rows), "llrrr")
+    OUT_DIR.mkdir(exist_ok=True)
+    path = OUT_DIR / "router_cold.json"
+    path.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    print(f"\nfigures: {path}")
 
 
 def run_all(requests: int, policies: list[str], scenarios: list[str], handshakes: list[str],
@@ -407,13 +497,22 @@ def main() -> int:
                         help="steady: also run this pdreg source tree's registry, engines "
                              "and router (e.g. `git archive main` unpacked), for CPU per "
                              "request side by side with another version")
+    parser.add_argument("--cold-only", action="store_true",
+                        help="only the cold burst, --repeat launches of every router")
+    parser.add_argument("--repeat", type=int, default=8,
+                        help="--cold-only: launches of each router")
     args = parser.parse_args()
     ROUTER_ARGS.extend(args.router_args.split())
     BASELINE_SRC.extend(p.resolve() for p in args.baseline_src)
-    peers.ensure_peers_venv()
+    if not args.no_peers:
+        peers.ensure_peers_venv()
 
     def items(text: str) -> list[str]:
         return [x for x in text.split(",") if x]
+    if args.cold_only:
+        print_cold(run_cold(args.repeat, items(args.policies), items(args.handshakes),
+                            not args.no_peers), args.repeat)
+        return 0
     rows, slow_rows = run_all(args.requests, items(args.policies), items(args.scenarios),
                               items(args.handshakes), not args.no_peers)
     print_tables(rows, slow_rows, args.requests)

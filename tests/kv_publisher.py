@@ -1,10 +1,21 @@
 """A test-owned KV event publisher over real ZeroMQ sockets: a PUB and a replay ROUTER
-the test drives (which seqs go out, which are lost, whether replays are answered)."""
+the test drives (which seqs go out, which are lost, whether replays are answered); and
+the router's KV feed made to run as the router runs it (on its uvloop event loop) or on
+a thread of its own."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvloop
 import zmq
 
+from router.kv.feed import KvFeed
+from router.kv.index import KvIndex
 from router.kv.keys import block_keys
 from wire.kv_events import REPLAY_END, BlockStored, KVEventBatch, encode_batch, encode_seq
 from wire.protocol import KvEventsSpec
@@ -59,3 +70,55 @@ class FakeEngine:
         self.pub.close(0)
         if self.router is not None:
             self.router.close(0)
+
+
+# Where a feed runs: "loop" is the router's way (`update` called on its event loop),
+# "thread" a thread of the feed's own (no loop: benches, tools).
+DRIVERS = ("loop", "thread")
+
+
+class FeedLoop:
+    """A uvloop event loop in a daemon thread, as the router's; `call` runs a function
+    on it and returns its result."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="feed-loop")
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        async def on_loop() -> Any:
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result(10.0)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+        self.loop.close()
+
+
+@contextmanager
+def feed_maker(driver: str) -> Iterator[Callable[..., KvFeed]]:
+    """`make(index, **options)` -> a KvFeed run by `driver`; closed (from the test's
+    thread) after the test, before the engines' sockets. With "loop", the feed's
+    `update` is called on the loop, as the router calls it."""
+    loop = FeedLoop() if driver == "loop" else None
+    feeds: list[KvFeed] = []
+
+    def make(index: KvIndex, **options: Any) -> KvFeed:
+        feed = KvFeed(index, **options)
+        if loop is not None:
+            update = feed.update
+            feed.update = lambda members: loop.call(update, members)  # type: ignore[method-assign]
+        feeds.append(feed)
+        return feed
+    try:
+        yield make
+    finally:
+        for feed in feeds:
+            feed.close()
+        if loop is not None:
+            loop.close()
+    # Each ran where it was meant to: the loop's feeds on the loop, the others not.
+    assert all(feed.on_loop == (loop is not None) for feed in feeds if feed._started)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import msgspec
 import pytest
 import zmq
-from kv_publisher import BLOCK, FakeEngine
+from kv_publisher import BLOCK, DRIVERS, FakeEngine, feed_maker
 from test_policies import member, view
 
 from pdreg.testing import wait_until
@@ -50,18 +49,11 @@ def engines(ctx: zmq.Context) -> Iterator[Callable[[], FakeEngine]]:
             e.close()
 
 
-@pytest.fixture
-def feeds() -> Iterator[Callable[..., KvFeed]]:
-    made: list[KvFeed] = []
-
-    def make(index: KvIndex, **options: Any) -> KvFeed:
-        made.append(KvFeed(index, **options))
-        return made[-1]
-    try:
+@pytest.fixture(params=DRIVERS)
+def feeds(request: pytest.FixtureRequest) -> Iterator[Callable[..., KvFeed]]:
+    """KvFeed(index, **options) on the router's event loop, or on a thread of its own."""
+    with feed_maker(request.param) as make:
         yield make
-    finally:
-        for feed in made:
-            feed.close()
 
 
 def holds(index: KvIndex, member_id: str, tokens: list[int]) -> bool:
@@ -138,7 +130,7 @@ def test_one_deep_batch_costs_only_its_member(engines, feeds):
     honest.publish(1, B)
     assert serving(honest, hostile, until=lambda: holds(index, "h", B))
     assert holds(index, "h", A) and index.members["h"].state is IndexState.LIVE
-    assert feed._thread is not None and feed._thread.is_alive()
+    assert feed.on_loop or (feed._thread is not None and feed._thread.is_alive())
     assert feed.counters.restarts == 0
 
 

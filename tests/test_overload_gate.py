@@ -105,6 +105,51 @@ def test_admits_while_a_pair_has_room_then_queues_until_a_release() -> None:
     asyncio.run(run())
 
 
+def test_a_queue_behind_a_full_prefill_is_not_tried_again_by_what_cannot_free_one() -> None:
+    """Every try of the queue's head reads the candidates and each member's limit: a
+    burst that queues half its requests paid for it on every grant given back. A
+    decode's release, another arrival and a charge that keeps its reservation's room
+    make no prefill room: none of them tries the head again; a prefill's release does,
+    and the queue is served in order."""
+    async def run() -> None:
+        @dataclass
+        class Counting(Fleet):
+            reads: int = 0
+
+            def __call__(self, model: str) -> tuple[Sequence[Candidate], Sequence[Candidate]]:
+                self.reads += 1
+                return super().__call__(model)
+
+        one_slot = Candidate.of(live("p1", Role.PREFILL, capacity=1))
+        fleet = Counting(prefills=(one_slot,))
+        admission = gate(fleet)
+        first = await admission.admit("m", who(), Cost(10, 10), 100)
+        assert isinstance(first, Ticket)
+        other = admission.decodes.take("d1", 10)  # another request's decode, say
+        waiting = [asyncio.create_task(admission.admit("m", who(), Cost(10, 10), 100))
+                   for _ in range(3)]
+        await asyncio.sleep(0)
+        assert admission.queued() == 3
+        reads = fleet.reads
+        decode, prefill = admission.charge(first, Pair(one_slot, D1))
+        other.release()
+        late = asyncio.create_task(admission.admit("m", who(), Cost(10, 10), 100))
+        await asyncio.sleep(0)
+        assert fleet.reads == reads + 1 and admission.queued() == 4  # the arrival's TTFT
+        assert prefill is not None
+        prefill.release()  # the prefill is free: the head is tried, and admitted
+        ticket = await asyncio.wait_for(waiting[0], 5)
+        assert isinstance(ticket, Ticket) and not any(t.done() for t in waiting[1:])
+        decode.release()
+        for task in [*waiting[1:], late]:
+            ticket.settle()
+            ticket = await asyncio.wait_for(task, 5)
+            assert isinstance(ticket, Ticket)
+        ticket.settle()
+        assert admission.queued() == 0 and list(admission.prefills.members()) == []
+    asyncio.run(run())
+
+
 def test_a_membership_change_seen_while_admitting_from_the_queue_admits_once() -> None:
     # Reading the candidates applies what changed in the view, and on_members pumps: the
     # queued request must get one reservation and the router no error.

@@ -58,6 +58,7 @@ MAX_RETRY_AFTER_S: Final = 60
 MIN_WAIT_SLO_SHARE: Final = 0.5
 PREFILL: Final = "prefill"
 DECODE: Final = "decode"
+_ARRIVAL: Final = "arrival"  # `Admission.pump`: a request joined a queue, no room changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,11 @@ class Admission:
         self._clock = clock
         self._queues: dict[str, FairQueue] = {}
         self._pumping = self._pump_again = False
+        self._shown_limits: dict[tuple[str, str], int] = {}  # what budget_limit says
+        self._quiet = False  # releases do not pump (`charge` pumps once, if it must)
+        # Per model, the queue's head when its last try found no room, and the role
+        # (PREFILL, DECODE) that had none: a release in the other role does not try it.
+        self._blocked: dict[str, tuple[Waiter, str]] = {}
         # The budgets protect the top class's SLO: each prefill's follows its legs.
         top = max(book.classes.values(), key=lambda c: c.priority)
         share = options.budget_slo_share
@@ -185,6 +191,9 @@ class Admission:
         self.predictor.retain(members.keys())
         if self.adaptive is not None:
             self.adaptive.retain(members.keys())
+        if any(key[0] not in members for key in self._shown_limits):
+            self._shown_limits = {k: v for k, v in self._shown_limits.items()
+                                  if k[0] in members}
         self.pump()
 
     def full(self, model: str, ticket: Ticket | None = None) -> frozenset[str]:
@@ -229,7 +238,7 @@ class Admission:
             self._count(model, who, "queue_full")
             return _refusal(503, "the router's queue is full", "queue_full", predicted)
         self._gauges(model, queue)
-        self.pump()
+        self.pump(released=_ARRIVAL)
         return await self._wait(model, who, waiter, pending, predicted)
 
     def _deadline_s(self, klass: TrafficClass, prefills: Sequence[str], cost: Cost) -> float:
@@ -271,28 +280,45 @@ class Admission:
     def _leave(self, model: str, waiter: Waiter) -> None:
         queue = self._queues.get(model)
         if queue is not None and queue.remove(waiter):
+            self._blocked.pop(model, None)  # the head may be another now
             self._gauges(model, queue)
 
-    def pump(self) -> None:
+    def pump(self, *, released: str = "") -> None:
         """Admit queued requests, in the queue's order, while the budget allows. Reading
         the candidates may apply a membership change, whose on_members pumps again: that
         inner call asks the running pump for another round rather than run beside it
-        (two rounds would hand one waiter two reservations)."""
+        (two rounds would hand one waiter two reservations).
+
+        `released`: what changed is only a grant given back in that role (PREFILL,
+        DECODE), or a request that joined a queue (_ARRIVAL). A head whose last try
+        found no room is then not tried again unless the release is in the role that
+        had none: a release makes no room in the other role, an arrival none at all.
+        That room comes back with a release in its role (a role without room has one
+        of this router's grants on every eligible member: `Budgets.fits`) or a
+        membership change, each of which tries the head again; or with what nothing
+        here is told of (a quarantine's end, a decode's KV use falling), which the
+        router's periodic pump sees. A burst at c=32 queues half its requests, and
+        every try reads the candidates and every member's limit: 209 of 273 tries in a
+        64-request burst were in vain before this.
+        """
         if self._pumping:
             self._pump_again = True
             return
         self._pumping = True
         try:
             self._pump_again = True
+            role = released
             while self._pump_again:
                 self._pump_again = False
-                self._pump_round()
+                self._pump_round(role)
+                role = ""  # a round asked from within: anything may have changed
         finally:
             self._pumping = False
 
-    def _pump_round(self) -> None:
+    def _pump_round(self, released: str = "") -> None:
         now = self._clock()
         for model, queue in list(self._queues.items()):
+            length = len(queue)
             while len(queue):
                 waiter = queue.peek(now)
                 assert waiter is not None
@@ -300,26 +326,43 @@ class Admission:
                 if pending.future.done():  # its client left at this very moment
                     queue.remove(waiter)
                     continue
-                ticket = self._reserve(model, pending.cost)
-                if ticket is None:
+                if released:
+                    blocked = self._blocked.get(model)
+                    if blocked is not None and blocked[0] is waiter and blocked[1] != released:
+                        break
+                ticket = self._try_reserve(model, pending.cost)
+                if not isinstance(ticket, Ticket):
+                    self._blocked[model] = (waiter, ticket)
                     break
+                self._blocked.pop(model, None)
                 queue.pop(now)
                 pending.future.set_result(ticket)
-            self._gauges(model, queue)
+            if len(queue) != length:  # most rounds of a busy queue admit no one
+                self._gauges(model, queue)
             if not len(queue):
                 del self._queues[model]
+                self._blocked.pop(model, None)
 
     def _reserve(self, model: str, cost: Cost) -> Ticket | None:
         """A ticket reserving budget on the eligible prefill and decode with the most
         room; None when no pair has room. A model with no eligible pair is admitted with
         nothing reserved: pairing answers it (503 no_capacity)."""
+        ticket = self._try_reserve(model, cost)
+        return ticket if isinstance(ticket, Ticket) else None
+
+    def _try_reserve(self, model: str, cost: Cost) -> Ticket | str:
+        """`_reserve`'s ticket, or the role (PREFILL, DECODE) where no member had room."""
         prefills, decodes = self._candidates(model)
         if not prefills or not decodes:
             return Ticket(cost)
+        # The prefills first: in a queue's pump they are what is usually full, and then
+        # the decodes need not be looked at.
         prefill = self._roomiest(prefills, self.prefills, PREFILL, cost.prompt_tokens)
+        if prefill is None:
+            return PREFILL
         decode = self._roomiest(decodes, self.decodes, DECODE, cost.kv_tokens)
-        if prefill is None or decode is None:
-            return None
+        if decode is None:
+            return DECODE
         # The decode's slot is not reserved: the request reaches it after its prefill.
         return Ticket(cost, (self._take(self.prefills, PREFILL, prefill.id, cost.prompt_tokens),
                              self._take(self.decodes, DECODE, decode.id, cost.kv_tokens,
@@ -336,8 +379,17 @@ class Admission:
             room = (budgets.free(candidate.id, limit), -budgets.requests(candidate.id))
             if room > best_room:
                 best, best_room = candidate, room
-            self.metrics.budget_limit.labels(candidate.id, role).set(limit.units)
+            self._show_limit(candidate.id, role, limit.units)
         return best
+
+    def _show_limit(self, member_id: str, role: str, units: int) -> None:
+        """The budget_limit gauge, set when it changes: a queue's pump looks at every
+        candidate's limit on each release, and the gauge's update cost more than the
+        look (a c=32 burst: ~20 updates a request)."""
+        key = (member_id, role)
+        if self._shown_limits.get(key) != units:
+            self._shown_limits[key] = units
+            self.metrics.budget_limit.labels(member_id, role).set(units)
 
     def _in_flight(self, prefills: Collection[str]) -> int:
         return sum(self.prefills.used(member_id) for member_id in prefills)
@@ -356,10 +408,23 @@ class Admission:
                             counted=pair.direct)
         # Its own reservation there is no work beside it: counted, it would halve the
         # member's measured time per token and so the service a deadline allows for.
+        reserved = ticket.reserved(pair.prefill.id)
         prefill = self._take(self.prefills, PREFILL, pair.prefill.id, uncached,
-                             timed=not pair.direct,
-                             replaces=ticket.reserved(pair.prefill.id))
-        ticket.settle()
+                             timed=not pair.direct, replaces=reserved)
+        # The reservation goes without a pump per grant: on the pair it reserved, the
+        # pair's grants hold the same room (less the prefill's cached tokens), so a
+        # queued request can only fit now if some of it was left elsewhere or freed.
+        # (A c=32 burst queues half its requests, and every pump of a busy queue tries
+        # its head again: these two were a third of them, all in vain.)
+        freed = bool(ticket.reserved_on - {pair.prefill.id, pair.decode.id}) \
+            or uncached < reserved
+        self._quiet = True
+        try:
+            ticket.settle()
+        finally:
+            self._quiet = False
+        if freed:
+            self.pump()
         if pair.direct:
             return Together(decode, prefill), None
         return decode, ThenCount(prefill, decode)
@@ -377,11 +442,13 @@ class Admission:
             self.predictor.observe(member_id, seconds, work, self._clock())
             if self.adaptive is not None:
                 self.adaptive.observe(member_id, seconds, work)
-        self.pump()
+        if not self._quiet:
+            self.pump(released=PREFILL)
 
     def _decode_released(self, member_id: str, seconds: float, work: int) -> None:
         self.metrics.budget_used.labels(member_id, DECODE).set(self.decodes.used(member_id))
-        self.pump()
+        if not self._quiet:
+            self.pump(released=DECODE)
 
     # --- bookkeeping --------------------------------------------------------------------
 

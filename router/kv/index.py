@@ -36,9 +36,10 @@ equal the engine's after the last batch applied, an UNKNOWN member's are a subse
 SYNCING or REPLAYING member claims none (tests/test_kv_index.py checks this against a
 model with Hypothesis).
 
-Other threads read `published`, an `IndexSnapshot` the writer (the feed thread) swaps by
-reference after each turn (`publish`): the reporter, /v1/kv and /metrics walk that, never
-the table the writer is changing. A publish costs the members touched since the last.
+Other threads read `published`, an `IndexSnapshot` the writer (the feed, on the router's
+event loop) swaps by reference after each turn (`publish`): the reporter, /v1/kv and
+/metrics walk that, never the table the writer is changing. A publish costs the members
+touched since the last.
 """
 
 from __future__ import annotations

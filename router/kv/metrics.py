@@ -1,6 +1,6 @@
 """The KV feed's and index's figures as Prometheus metrics, read at scrape time.
 
-The feed thread bumps plain counters and the index holds its own; this collector reads
+The feed bumps plain counters and the index holds its own; this collector reads
 them when /metrics is scraped, so the event path pays nothing for metrics.
 """
 
@@ -27,7 +27,7 @@ class KvCollector:
 
     def collect(self) -> Iterator[Metric]:
         c = self._feed.counters
-        snapshot = self._index.published  # the feed thread's, swapped by reference
+        snapshot = self._index.published  # the feed's, swapped by reference
         gaps, replays, losses = snapshot.totals()
         for name, doc, value in (
             ("pdreg_router_kv_batches", "KV event batches applied or held, all members",

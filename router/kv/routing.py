@@ -175,6 +175,7 @@ class KvRouting:
                        client: str = "") -> Affinity:
         """`client`: the sender's address, whose long prompts are tokenized one at a
         time (router/kv/long_prompts.py)."""
+        self.feed.drain()  # the choice reads the index: what reached us applies first
         info = self.publishers.models.get(model)
         if info is None:  # client-named models label metrics only when the fleet serves them
             known = model in self.publishers.fleet

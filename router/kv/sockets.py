@@ -4,6 +4,7 @@ a member's advertised endpoint may lead, and one message off a socket."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import resource
 import select
@@ -13,7 +14,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-__all__ = ["Readiness", "raise_fd_limit", "recv_frames", "resolve"]
+__all__ = ["Readiness", "needs_dns", "raise_fd_limit", "recv_frames", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,11 @@ class Readiness:
     def later(self, sock: zmq.Socket) -> None:
         self._again.add(sock)
 
+    @property
+    def pending(self) -> bool:
+        """Sockets are marked to be looked at again without waiting."""
+        return bool(self._again)
+
     def close(self) -> None:
         self._epoll.close()
 
@@ -63,6 +69,16 @@ class Readiness:
             if sock is not None:
                 again.add(sock)
         return again
+
+
+def needs_dns(address: str) -> bool:
+    """Whether resolving `address` (tcp://host:port) may ask a name server, so may block:
+    a literal IP address does not."""
+    try:
+        ipaddress.ip_address(urlsplit(address).hostname or "")
+    except ValueError:
+        return True
+    return False
 
 
 def raise_fd_limit() -> None:
