@@ -10,8 +10,8 @@ the offered load is steady): a batch stores one new prompt's blocks (--blocks bl
 oldest prompt's blocks in the same batch (LRU-like churn), so the index grows to
 members x capacity blocks and stays there.
 
-The router side is this process: the router's own `KvFeed` (router/kv/feed.py: one IO
-thread, one SUB and one replay DEALER per member) and `KvIndex`, subscribed to every
+The router side is this process: the router's own `KvFeed` (router/kv/feed.py, on an IO
+thread of its own here, one SUB and one replay DEALER per member) and `KvIndex`, subscribed to every
 member; nothing else runs in it. Measured over the publishing window, after every
 member's index is LIVE:
 - batches/s and events/s applied, against what was offered;
@@ -225,8 +225,8 @@ class Router:
     def measure(self, procs: list[subprocess.Popen[str]]) -> Measured:
         """Say "go" to every publisher, wait for their totals, let the feed drain."""
         feed = self.feed
-        assert feed._thread is not None and feed._thread.native_id is not None
-        tid = feed._thread.native_id
+        assert feed.thread is not None and feed.thread.native_id is not None
+        tid = feed.thread.native_id
         rss0, cpu0, proc0 = rss_bytes(), task_cpu_s(tid), time.process_time()
         batches0, events0 = feed.counters.batches, feed.counters.events
         self.lags.clear()

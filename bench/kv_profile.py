@@ -30,7 +30,8 @@ BUCKETS: tuple[tuple[str, str], ...] = (
     ("kv: block keys", "router/kv/key"),  # keys.py and key_cache.py
     ("kv: event decode", "decode_batch ("),
     ("kv: event apply", "router/kv/index.py"),
-    ("kv: feed sockets", "router/kv/feed.py"),
+    ("kv: feed sockets", "router/kv/feed"),  # feed.py, feed_on_loop.py, feed_on_thread.py
+    ("kv: feed sockets", "router/kv/follow.py"),
     ("kv: reporter", "router/kv/reporter.py"),
     ("kv: choice", "router/kv/policy.py"),
     ("kv: feed sockets", "router/kv/sockets.py"),

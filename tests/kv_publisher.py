@@ -121,4 +121,4 @@ def feed_maker(driver: str) -> Iterator[Callable[..., KvFeed]]:
         if loop is not None:
             loop.close()
     # Each ran where it was meant to: the loop's feeds on the loop, the others not.
-    assert all(feed.on_loop == (loop is not None) for feed in feeds if feed._started)
+    assert all(feed.on_loop == (loop is not None) for feed in feeds if feed._driver is not None)

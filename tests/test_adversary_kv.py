@@ -15,6 +15,7 @@ from test_policies import member, view
 
 from pdreg.testing import wait_until
 from router.kv.feed import FeedMember, KvFeed
+from router.kv.follow import Subscriptions
 from router.kv.index import IndexState, KvIndex
 from router.kv.keys import block_keys
 from router.kv.policy import KvAffinity
@@ -130,7 +131,7 @@ def test_one_deep_batch_costs_only_its_member(engines, feeds):
     honest.publish(1, B)
     assert serving(honest, hostile, until=lambda: holds(index, "h", B))
     assert holds(index, "h", A) and index.members["h"].state is IndexState.LIVE
-    assert feed.on_loop or (feed._thread is not None and feed._thread.is_alive())
+    assert feed.on_loop or (feed.thread is not None and feed.thread.is_alive())
     assert feed.counters.restarts == 0
 
 
@@ -163,13 +164,13 @@ def test_a_feed_loop_that_fails_restarts_and_resyncs(engines, feeds, monkeypatch
     index = KvIndex()
     feed = feeds(index)
     failures = [RuntimeError("once")]
-    original = feed._check_replay_deadlines
+    original = Subscriptions.check_replay_deadlines
 
-    def fail_once() -> None:
+    def fail_once(subs: Subscriptions) -> None:
         if failures:
             raise failures.pop()
-        original()
-    monkeypatch.setattr(feed, "_check_replay_deadlines", fail_once)
+        original(subs)
+    monkeypatch.setattr(Subscriptions, "check_replay_deadlines", fail_once)
     feed.update([FeedMember("p", 1, engine.spec())])
     engine.publish(0, A, lose=True)
     assert serving(engine, until=lambda: feed.counters.restarts == 1

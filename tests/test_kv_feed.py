@@ -14,7 +14,7 @@ import zmq
 from kv_publisher import BLOCK, DRIVERS, FakeEngine, FeedLoop, feed_maker
 
 from pdreg.testing import wait_until
-from router.kv import feed as feed_module
+from router.kv import feed_on_loop, follow
 from router.kv.feed import FeedMember, KvFeed
 from router.kv.index import IndexState, KvIndex
 from router.kv.keys import block_keys
@@ -204,7 +204,8 @@ def test_on_the_routers_loop_batches_apply_with_no_thread_of_the_feeds_own(
             if next_seq(index) != 101 and time.monotonic() < deadline:
                 feed_loop.loop.call_soon(other_work)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("router.kv.feed.MAX_SLICE_S", 0.0)  # one batch a turn
+            patch.setattr(feed_on_loop, "MAX_SLICE_S", 0.0)  # one batch a turn
+            patch.setattr(follow, "MAX_SLICE_S", 0.0)
             feed_loop.loop.call_soon_threadsafe(other_work)
             for seq in range(1, 101):
                 engine.publish(seq, [seq, seq, seq, seq])
@@ -220,7 +221,7 @@ def test_a_request_drains_what_reached_the_router_before_its_choice(
         engine, index, feed_loop, monkeypatch):
     """With no tick (an hour apart), what the router's requests drain is all the index
     learns: batches and replay answers both."""
-    monkeypatch.setattr(feed_module, "DRAIN_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(feed_on_loop, "DRAIN_INTERVAL_S", 3600.0)
     feed = KvFeed(index, replay_timeout_s=5.0)
     try:
         feed_loop.call(feed.update, [FeedMember("p", 1, engine.spec())])
@@ -267,13 +268,13 @@ def test_a_host_name_is_resolved_off_the_loop_and_a_member_gone_meanwhile_is_not
         replay_endpoint=spec.replay_endpoint.replace("127.0.0.1", "localhost"))
     release = threading.Event()
     resolved_on: list[str] = []
-    real_resolve = feed_module.resolve
+    real_resolve = follow.resolve
 
     def slow_resolve(address: str, allows: Callable[[str], bool]) -> str | None:
         resolved_on.append(threading.current_thread().name)
         release.wait(WAIT_S)
         return real_resolve(address, allows)
-    monkeypatch.setattr(feed_module, "resolve", slow_resolve)
+    monkeypatch.setattr(follow, "resolve", slow_resolve)
     feed = KvFeed(index, replay_timeout_s=5.0)
     try:
         feed_loop.call(feed.update, [FeedMember("p", 1, named)])
@@ -282,7 +283,7 @@ def test_a_host_name_is_resolved_off_the_loop_and_a_member_gone_meanwhile_is_not
         feed_loop.call(feed.update, [])
         release.set()
         assert wait_until(lambda: len(resolved_on) == 2, WAIT_S)
-        assert feed_loop.call(lambda: dict(feed._resolving)) == {}
+        assert feed_loop.call(lambda: dict(feed._driver.resolving)) == {}
         assert "p" not in index.members
         feed_loop.call(feed.update, [FeedMember("p", 1, named)])  # back: followed
         assert run_until(engine, lambda: state(index) is IndexState.LIVE)

@@ -1,6 +1,6 @@
 """Which prefix-cache blocks each engine holds, learnt from its own KV events. Pure.
 
-No sockets, no clock of its own: router/kv/feed.py hands it numbered batches
+No sockets, no clock of its own: the feed (router/kv/follow.py) hands it numbered batches
 (wire/kv_events.py) and replay results and acts on what it answers. Blocks are keyed
 by token content (router/kv/keys.py), and each member's engine hashes map to those
 keys, so `BlockRemoved` works whatever the engine hashes with.
