@@ -1,6 +1,6 @@
 """The `kv` policy's own CPU per request, in-process: tokenizing and keying each prompt of
 bench_kv.py's trace (`KvRouting.affinity`'s work, the reference engine's byte tokenizer)
-and applying the event batch its prefill would publish (the feed thread's work: decode
+and applying the event batch its prefill would publish (the feed's work: decode
 and index the blocks it did not hold). This tree against a baseline commit, each in a
 child process of its own, at prompt scales 0.5 (~1k tokens) and 4 (~7k tokens).
 

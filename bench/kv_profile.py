@@ -1,7 +1,7 @@
 """bench_kv's view inside a router process: the CPU each of its threads spent over the
 load (/proc, per thread), and with `--profile DIR` py-spy's stacks of every thread
 (raw, `--threads`), bucketed into what the `kv` policy adds (tokenizing, keying, the
-choice, the feed thread's decode and index) and what every policy pays (the proxy, the
+choice, the feed's decode and index) and what every policy pays (the proxy, the
 HTTP server, the membership view).
 
     .venv/bin/python -m bench.kv_profile bench/out/kv-profile-kv.txt [...]  # a breakdown

@@ -1,5 +1,5 @@
 """Hostile KV event publishers against the router's KV feed, over real ZeroMQ sockets:
-each costs its own member's index, never the router's memory, its feed thread or another
+each costs its own member's index, never the router's memory, the feed or another
 member's index; and joining members cannot multiply how often a prompt is keyed."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _deep_batch(depth: int) -> bytes:
 
 
 def test_one_deep_batch_costs_only_its_member(engines, feeds):
-    """extra_keys nested 100,000 deep: a bad batch, counted; the feed thread lives on,
+    """extra_keys nested 100,000 deep: a bad batch, counted; the feed lives on,
     the other member's index is untouched and keeps updating."""
     honest, hostile = engines(), engines()
     index = KvIndex()

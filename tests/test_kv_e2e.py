@@ -151,7 +151,7 @@ def test_a_fleet_that_publishes_nothing_is_paired_as_peak_ewma(
     """Engines told not to publish KV events. Requests are served; before any request the
     router says per model that it pairs as peak_ewma and why, in /ready (and so in its
     log) and plain `pdreg status` says it too; then in /v1/kv and its metrics, logged
-    once; it follows nobody (no feed thread)."""
+    once; it follows nobody (no KV feed started)."""
     control = registry.control_address
     ready_pair(registry, view, handles, ["--no-kv-events"])
     caplog.set_level(logging.INFO, logger="router")

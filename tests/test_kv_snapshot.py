@@ -1,7 +1,7 @@
 """The KV index's published snapshot: what the reporter, /v1/kv and /metrics read.
 
-The feed thread writes the index and publishes after each turn; readers on other threads
-walk the snapshot, never the table being changed (the reporter used to skip a tick when
+The feed writes the index and publishes after each turn; readers on other threads walk
+the snapshot, never the table being changed (the reporter used to skip a tick when
 the table changed under it). A publish costs the members touched since the last one.
 """
 
