@@ -29,13 +29,9 @@ front of the same cluster without the slow worker: the bar to be within 2x of.
 Writes bench/out/router.json and the plot bench/plots/router.png (matplotlib from
 .venv-peers, which bench/peers.py installs on first use).
 
-A 64-request p99 moves more between runs than between routers on a small shared
-machine, so `--cold-only --repeat N` measures the cold burst alone, N launches of every
-router (mini_lb left out), each launch a freshly started router in front of engines
-kept up for the whole run, the routers' order rotated every round; it reports each
-router's median and range of the cold p99 and cold CPU per request, and writes
-bench/out/router_cold.json. `--baseline-src` routers join the rotation, each in front of
-its own tree's registry and engines.
+`--cold-only --repeat N`: the cold burst alone, N fresh launches of every router, each
+router's median and range (bench/router_cold.py says why and how). The routers and the
+engines behind them: bench/router_lineup.py.
 """
 
 from __future__ import annotations
@@ -46,45 +42,39 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # `bench` and pdreg; the engine helpers
 
-from reference_helpers import (  # noqa: E402
-    EngineHandle,
-    metrics,
-    start_engine,
-    start_engines,
-    stop_all,
-)
+from reference_helpers import EngineHandle, metrics, start_engine  # noqa: E402
 
 from bench import peers  # noqa: E402
-from bench.load import completion, run_closed_loop, serves  # noqa: E402
-from bench.procs import LOCAL_ROUTER_FLAGS, router_process, tree_run_s  # noqa: E402
+from bench.load import run_closed_loop  # noqa: E402
+from bench.router_cold import COLD_REQUESTS, cold_burst, print_cold, run_cold  # noqa: E402
+from bench.router_lineup import (  # noqa: E402
+    BASELINE_SRC,
+    CONCURRENCY,
+    FAST_DECODE_S_PER_TOKEN,
+    FAST_PREFILL_S_PER_TOKEN,
+    ROUTER_ARGS,
+    SLOW_DECODE_S_PER_TOKEN,
+    SLOW_PREFILL_S_PER_TOKEN,
+    Target,
+    baseline_engines,
+    lineup,
+    pd_engines,
+    pdreg_router,
+    serving,
+)
 from bench.tables import p99, print_table  # noqa: E402
 from pdreg.demo.traffic import TrafficGenerator, figures  # noqa: E402
-from pdreg.testing import die_with_parent, free_low_port, stop_process, wait_until  # noqa: E402
-from registry.server import RegistryConfig, RegistryServer  # noqa: E402
 
-BODY = {"model": "tiny", "prompt": "benchmark prompt", "max_tokens": 4, "ignore_eos": True}
 OUT_DIR = REPO / "bench" / "out"
 PLOT_PATH = REPO / "bench" / "plots" / "router.png"
 PLOT_SCRIPT = REPO / "bench" / "plots" / "plot_router.py"
 WARMUP_REQUESTS = 200
-COLD_REQUESTS = 64
-CONCURRENCY = 32
-READY_TIMEOUT_S = 30.0
-ROUTER_STOP_TIMEOUT_S = 20.0
-# Slow-worker scenarios. Prefill per prompt token (a ~25-token prompt: fast ≈ 12 ms,
-# slow ≈ 125 ms); decode per output token (8 tokens: fast ≈ 16 ms, slow ≈ 80 ms).
-FAST_PREFILL_S_PER_TOKEN = 0.0005
-SLOW_PREFILL_S_PER_TOKEN = 0.005
-FAST_DECODE_S_PER_TOKEN = 0.002
-SLOW_DECODE_S_PER_TOKEN = 0.010
 STREAM_CLIENTS = 8
 STREAM_SECONDS = 6.0
 REQUESTS_REQUEST_COUNTER = "pdreg:engine_requests_total"
@@ -125,34 +115,14 @@ class SlowRow:
     slow_share: float | None = None  # of that role's requests, the share the slow one served
 
 
-@dataclass
-class Target:
-    name: str
-    url: str
-    cpu_s: Callable[[], float] | None = field(default=None)
-    pid: int | None = None  # the router process (its tree's run time: the cold burst)
-
-
-@dataclass
-class ColdRow:
-    """One router's cold bursts over `--repeat` launches: medians and ranges."""
-
-    router: str
-    handshake: str
-    p99_ms: list[float] = field(default_factory=list)
-    cpu_us_per_req: list[float] = field(default_factory=list)
-    failed: int = 0
-
-
 # --- measuring ---------------------------------------------------------------------------
 
 
 def measure(target: Target, handshake: str, requests: int) -> Row:
-    send = completion(target.url, BODY)
-    if not wait_until(lambda: serves(send), READY_TIMEOUT_S, poll_s=0.2):
-        raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
+    send = serving(target)
     row = Row(router=target.name, handshake=handshake)
-    cold_failed = cold_burst(target, row)
+    cold = cold_burst(target)
+    row.cold_p99_ms, row.cold_cpu_us_per_req = cold.p99_ms, cold.cpu_us_per_req
     # Warm every connection pool at the concurrency measured: a pool warmed at c=4 still
     # opens 28 connections per engine at the start of a c=32 run.
     run_closed_loop(send, WARMUP_REQUESTS, CONCURRENCY)
@@ -165,7 +135,7 @@ def measure(target: Target, handshake: str, requests: int) -> Row:
     row.p50_ms_c32 = statistics.median(c32.latencies) * 1e3
     row.p99_ms_c32 = p99(c32.latencies) * 1e3
     row.req_per_s_c32 = len(c32.latencies) / c32.wall_s
-    row.failed = cold_failed + c1.failed + c32.failed
+    row.failed = cold.failed + c1.failed + c32.failed
     print(f"  {target.name:24s} cpu/req={row.cpu_us_per_req or 0:.0f}us "
           f"cold c32 p99={row.cold_p99_ms:.1f}ms cpu/req={row.cold_cpu_us_per_req or 0:.0f}us "
           f"c1 p50/p99={row.p50_ms_c1:.2f}/{row.p99_ms_c1:.2f}ms "
@@ -174,38 +144,11 @@ def measure(target: Target, handshake: str, requests: int) -> Row:
     return row
 
 
-def cold_burst(target: Target, row: Row) -> int:
-    """COLD_REQUESTS at c=CONCURRENCY on fresh connections into `row`; how many failed.
-    CPU from the threads' run time (nanoseconds): a 64-request burst is a few 10 ms ticks."""
-    send = completion(target.url, BODY)
-    cpu_before = tree_run_s(target.pid) if target.pid else 0.0
-    cold = run_closed_loop(send, COLD_REQUESTS, CONCURRENCY)
-    if target.pid:
-        row.cold_cpu_us_per_req = (tree_run_s(target.pid) - cpu_before) / COLD_REQUESTS * 1e6
-    row.cold_p99_ms = p99(cold.latencies) * 1e3 if cold.latencies else 0.0
-    return cold.failed
-
-
-def measure_cold(target: Target, handshake: str) -> Row:
-    """A freshly started router's cold burst alone (after the one request that says it
-    serves, as in `measure`)."""
-    send = completion(target.url, BODY)
-    if not wait_until(lambda: serves(send), READY_TIMEOUT_S, poll_s=0.2):
-        raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
-    row = Row(router=target.name, handshake=handshake)
-    row.failed = cold_burst(target, row)
-    print(f"  {target.name:28s} {handshake:9s} cold c32 p99={row.cold_p99_ms:.1f}ms "
-          f"cpu/req={row.cold_cpu_us_per_req or 0:.0f}us failed={row.failed}", flush=True)
-    return row
-
-
 def measure_slow(target: Target, handshake: str, slow: str,
                  workers: list[EngineHandle]) -> SlowRow:
     """Streaming clients for STREAM_SECONDS: TTFT, end to end, and where `workers` (the
     slow role's engines, the slow one first; empty for a fast-only run) were used."""
-    send = completion(target.url, BODY)
-    if not wait_until(lambda: serves(send), READY_TIMEOUT_S, poll_s=0.2):
-        raise RuntimeError(f"{target.name} does not serve requests at {target.url}")
+    send = serving(target)
     run_closed_loop(send, WARMUP_REQUESTS // 4, STREAM_CLIENTS)
     before = [metrics(w.url)[REQUESTS_REQUEST_COUNTER] for w in workers]
     traffic = TrafficGenerator(target.url, clients=STREAM_CLIENTS).start()
@@ -234,173 +177,7 @@ def measure_slow(target: Target, handshake: str, slow: str,
     return row
 
 
-# --- the processes ---------------------------------------------------------------------
-
-
-@contextmanager
-def pd_engines(handshake: str, slow: str = "", fast_only: bool = False
-               ) -> Iterator[tuple[str, list[EngineHandle]]]:
-    """A registry and 2P+2D sim engines registered with it as `handshake` members.
-
-    `slow` "prefill": prefill 0 is 10x slower than prefill 1; "decode": decode 0 is 5x
-    slower per token than decode 1 (both with timed prefill and decode); "": no delays.
-    `fast_only`: the slow engine is left out (2 engines of the other role stay).
-    Yields the registry's control address and the engines, prefills first.
-    """
-    def sim_args(role: str, slow_one: bool) -> list[str]:
-        if not slow:
-            return []
-        prefill = SLOW_PREFILL_S_PER_TOKEN if slow_one and role == "prefill" else \
-            FAST_PREFILL_S_PER_TOKEN
-        decode = SLOW_DECODE_S_PER_TOKEN if slow_one and role == "decode" else \
-            FAST_DECODE_S_PER_TOKEN
-        return ["--sim-prefill-delay", str(prefill), "--sim-decode-delay", str(decode)]
-    specs = []
-    for role in ("prefill", "decode"):
-        for index in range(2):
-            slow_one = role == slow and index == 0
-            if slow_one and fast_only:
-                continue
-            specs.append({"role": role, "extra_args": sim_args(role, slow_one)})
-    registry = RegistryServer(RegistryConfig(port=0, events_port=0, http_port=0))
-    registry.start()
-    handles: list[EngineHandle] = []
-    try:
-        handles = start_engines([{**s, "backend": "sim", "protocol": handshake,
-                                  "registry": registry.control_address} for s in specs])
-        yield registry.control_address, handles
-    finally:
-        stop_all(handles)
-        registry.close()
-
-
-ROUTER_ARGS: list[str] = []  # --router-args: extra `pdreg router` flags for every run
-BASELINE_SRC: list[Path] = []  # --baseline-src: another pdreg source tree, run beside
-
-
-@contextmanager
-def baseline_engines(src: Path, handshake: str) -> Iterator[str]:
-    """Another pdreg version's registry and 2P+2D sim engines (their wire protocol may
-    differ from this tree's); yields the registry's control address."""
-    ports = [free_low_port()]
-    ports += [free_low_port(avoid=set(ports)) for _ in range(2)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdreg", "--log-level", "WARNING", "registry", "--port",
-         str(ports[0]), "--events-port", str(ports[1]), "--http-port", str(ports[2])],
-        cwd=src, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    handles: list[EngineHandle] = []
-    try:
-        assert proc.stdout is not None
-        proc.stdout.readline()  # "pdreg registry: control ..." once its sockets are bound
-        address = f"127.0.0.1:{ports[0]}"
-        handles = start_engines([{"role": role, "backend": "sim", "protocol": handshake,
-                                  "registry": address, "src": src}
-                                 for role in ("prefill", "prefill", "decode", "decode")])
-        yield address
-    finally:
-        stop_all(handles)
-        stop_process(proc, ROUTER_STOP_TIMEOUT_S)
-
-
-def _flags_known(src: Path) -> list[str]:
-    """LOCAL_ROUTER_FLAGS that another version's `pdreg router` has (an older one may lack
-    --allow-upstream, and then sends to loopback anyway)."""
-    text = (src / "pdreg" / "cmd_router.py").read_text()
-    pairs = zip(LOCAL_ROUTER_FLAGS[::2], LOCAL_ROUTER_FLAGS[1::2], strict=True)
-    return [part for flag, value in pairs if f'"{flag}"' in text for part in (flag, value)]
-
-
-@contextmanager
-def pdreg_router(registry: str, policy: str, label: str = "", src: Path | None = None
-                 ) -> Iterator[Target]:
-    """`src`: run the router of another pdreg source tree (e.g. an export of main), with
-    only the flags every version has."""
-    flags = _flags_known(src) if src else [*LOCAL_ROUTER_FLAGS, *ROUTER_ARGS]
-    with router_process(registry, policy, flags=flags, src=src or REPO) as router:
-        try:
-            yield Target(label or f"pdreg ({policy})", router.url, router.cpu_s,
-                         router.proc.pid)
-        finally:
-            errors = router.error_lines()
-            if errors:
-                print(f"  (pdreg router logged {errors} ERROR lines)", flush=True)
-
-
-@contextmanager
-def peer(router: peers.PeerRouter) -> Iterator[Target]:
-    try:
-        yield Target(router.name, router.url, router.cpu_s, router.proc.pid)
-    finally:
-        router.stop()
-
-
-def lineup(handshake: str, registry: str, policies: list[str], handles: list[EngineHandle],
-           peers_too: bool = True, mini_lb: bool = True
-           ) -> list[Callable[[], AbstractContextManager[Target]]]:
-    """Context-manager factories for every router that speaks `handshake`, pdreg first."""
-    prefills = [h for h in handles if h.id.startswith("prefill")]
-    decodes = [h.url for h in handles if h.id.startswith("decode")]
-    with_bootstrap = [(h.url, h.bootstrap_port) for h in prefills]
-    factories: list[Callable[[], AbstractContextManager[Target]]] = [
-        lambda policy=policy: pdreg_router(registry, policy) for policy in policies]
-    if not peers_too:
-        return factories
-    if handshake == "vllm-nixl":
-        factories.append(lambda: peer(peers.start_vllm_router(
-            [h.url for h in prefills], decodes)))
-    else:
-        factories.append(lambda: peer(peers.start_sglang_router(with_bootstrap, decodes)))
-        if mini_lb:
-            factories.append(lambda: peer(peers.start_sglang_router(
-                with_bootstrap, decodes, mini_lb=True)))
-    return factories
-
-
-def run_cold(repeat: int, policies: list[str], handshakes: list[str],
-             peers_too: bool) -> list[ColdRow]:
-    """`repeat` rounds per handshake; every round launches each router afresh, in an
-    order rotated by one each round, and takes its cold burst. The engines stay up."""
-    found: dict[tuple[str, str], ColdRow] = {}
-    for handshake in handshakes:
-        print(f"{handshake} handshake, cold bursts x{repeat}", flush=True)
-        with ExitStack() as stack:
-            registry, handles = stack.enter_context(pd_engines(handshake))
-            factories = lineup(handshake, registry, policies, handles, peers_too,
-                               mini_lb=False)
-            for src in BASELINE_SRC:
-                address = stack.enter_context(baseline_engines(src, handshake))
-                factories.append(lambda src=src, address=address: pdreg_router(
-                    address, policies[-1], f"pdreg {src.name} ({policies[-1]})", src))
-            for round_ in range(repeat):
-                shift = round_ % len(factories)
-                for factory in factories[shift:] + factories[:shift]:
-                    with factory() as target:
-                        row = measure_cold(target, handshake)
-                    cold = found.setdefault((row.router, handshake),
-                                            ColdRow(row.router, handshake))
-                    cold.p99_ms.append(row.cold_p99_ms)
-                    if row.cold_cpu_us_per_req is not None:
-                        cold.cpu_us_per_req.append(row.cold_cpu_us_per_req)
-                    cold.failed += row.failed
-    return list(found.values())
-
-
-def print_cold(rows: list[ColdRow], repeat: int) -> None:
-    def spread(values: list[float], unit: str, digits: int) -> str:
-        if not values:
-            return "-"
-        return (f"{statistics.median(values):,.{digits}f} {unit} "
-                f"({min(values):,.{digits}f}-{max(values):,.{digits}f})")
-    print(f"\ncold bursts: {COLD_REQUESTS} requests at c={CONCURRENCY} on fresh connections "
-          f"to a freshly started router, {repeat} launches each; median (min-max)\n")
-    print_table(["router", "handshake", "cold c=32 p99", "cold CPU per request", "failed"],
-                ([r.router, r.handshake, spread(r.p99_ms, "ms", 1),
-                  spread(r.cpu_us_per_req, "µs", 0), str(r.failed)] for r in rows), "llrrr")
-    OUT_DIR.mkdir(exist_ok=True)
-    path = OUT_DIR / "router_cold.json"
-    path.write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    print(f"\nfigures: {path}")
+# --- the scenarios -----------------------------------------------------------------------
 
 
 def run_all(requests: int, policies: list[str], scenarios: list[str], handshakes: list[str],

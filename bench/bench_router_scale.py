@@ -72,13 +72,16 @@ import bench_router  # noqa: E402  (puts tests/ on the path too)
 from bench_registry import registry_process  # noqa: E402
 from reference_helpers import start_engines, stop_all  # noqa: E402
 
+from bench import router_lineup  # noqa: E402
+from bench.load import completion, serves  # noqa: E402
 from bench.procs import source_tree  # noqa: E402
 from bench.router_scale_probes import collections, heap, stages, table  # noqa: E402
 from bench.scale.generator import generator  # noqa: E402
+from pdreg.testing import wait_until  # noqa: E402
 
 HANDSHAKE = "vllm-nixl"
 # A router first syncs its view (100k members: a 40 MB snapshot) and builds its table.
-bench_router.READY_TIMEOUT_S = 180.0
+router_lineup.READY_TIMEOUT_S = 180.0
 ENGINES = 4  # 2P + 2D, model tiny
 # The heartbeat interval, for every fleet size alike: 5 s is what a registry picks at 100k
 # members (20k heartbeats/s at most). On a shared 2-core machine a registry fell behind
@@ -192,13 +195,12 @@ def gc_figures(path: str, t0: float, t1: float) -> tuple[int, int, float, float,
             round(longest_cpu, 1))
 
 
-def serving_since(target: bench_router.Target) -> float:
+def serving_since(target: router_lineup.Target) -> float:
     """Wait until `target` serves a request, then SETTLE_S more; then (unix time). The
     collections counted are those from then on: its start-up (the first snapshot, the
     first table, and the resync that follows at 100k members) apart."""
-    send = bench_router.completion(target.url, bench_router.BODY)
-    bench_router.wait_until(lambda: bench_router.serves(send), bench_router.READY_TIMEOUT_S,
-                            poll_s=0.2)
+    send = completion(target.url, router_lineup.BODY)
+    wait_until(lambda: serves(send), router_lineup.READY_TIMEOUT_S, poll_s=0.2)
     time.sleep(SETTLE_S)
     return time.time()
 
@@ -223,7 +225,7 @@ def measure_router(registry: str, args: argparse.Namespace, name: str, src: Path
                row.req_per_s_c32, row.failed, *gc, idle)
 
 
-def idle_cpu_ms_per_s(target: bench_router.Target) -> float | None:
+def idle_cpu_ms_per_s(target: router_lineup.Target) -> float | None:
     """The router's CPU per second over IDLE_S with no request: its view following the
     fleet, which a request's CPU figure carries too (spread over the requests)."""
     if target.cpu_s is None:
@@ -235,8 +237,8 @@ def idle_cpu_ms_per_s(target: bench_router.Target) -> float | None:
 
 @contextlib.contextmanager
 def gc_logged_router(registry: str, policy: str, label: str, src: Path | None,
-                     flags: list[str], log_path: str) -> Iterator[bench_router.Target]:
-    """bench_router's `pdreg router`, with the GC shim on its path (for it alone)."""
+                     flags: list[str], log_path: str) -> Iterator[router_lineup.Target]:
+    """router_lineup's `pdreg router`, with the GC shim on its path (for it alone)."""
     shim = tempfile.mkdtemp(prefix="pdreg-router-gc-")
     Path(shim, "sitecustomize.py").write_text(_GC_SHIM)
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PDREG_BENCH_ROUTER_GC_LOG",
@@ -244,9 +246,9 @@ def gc_logged_router(registry: str, policy: str, label: str, src: Path | None,
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (shim, saved["PYTHONPATH"]) if p)
     os.environ["PDREG_BENCH_ROUTER_GC_LOG"] = log_path
     os.environ["PDREG_BENCH_ROUTER_GC_DETAIL_MS"] = str(GC_DETAIL_MS)
-    bench_router.ROUTER_ARGS[:] = flags
+    router_lineup.ROUTER_ARGS[:] = flags
     try:
-        with bench_router.pdreg_router(registry, policy, label, src) as target:
+        with router_lineup.pdreg_router(registry, policy, label, src) as target:
             for key, value in saved.items():  # the router has it; nobody else gets it
                 if value is None:
                     os.environ.pop(key, None)
@@ -300,7 +302,7 @@ def fleet(members: int, interval_s: float, beside: bool = False
 
 
 def print_table(rows: list[Row], requests: int, policy: str) -> None:
-    print(f"\n{requests} requests at c={bench_router.CONCURRENCY} per run, policy "
+    print(f"\n{requests} requests at c={router_lineup.CONCURRENCY} per run, policy "
           f"{policy}; GC over the whole measurement\n")
     print("| router | members | CPU per request | p50 / p99 at c=32 | req/s | GCs "
           "(full) | longest GC (wall / the thread's CPU) | GC ms per s | idle CPU |")
