@@ -115,7 +115,7 @@ class Router:
                                latency=latency, clock=time.monotonic,
                                on_members=self._on_members,
                                on_first_pair=self.kv.picked if self.kv else None,
-                               budgets=self.admission)
+                               budgets=self.admission.shares if self.admission else None)
         # Only latency-aware policies read the samples; the others skip taking them.
         self.outcomes = Outcomes(view, self.quarantine, pairer.latency,
                                  self.metrics.quarantines_of, time.monotonic,

@@ -62,7 +62,7 @@ class MembershipSource(Protocol):
 
 
 class BudgetPort(Protocol):
-    """What pairing asks of admission (router/admission/gate.py `Admission`)."""
+    """What pairing asks of admission (router/admission/shares.py `Shares`)."""
 
     def full(self, model: str, ticket: Any = None) -> Collection[str]:
         """Members of `model` with no budget left for the request holding `ticket`:

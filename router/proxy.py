@@ -72,7 +72,7 @@ class Call:
     wants_ids: bool  # the client asked for return_token_ids itself
     include_usage: bool
     migratable: str | None  # why its stream could not be continued; None if it can
-    ticket: Any = None  # admission's (router/admission/gate.py Ticket), when it is on
+    ticket: Any = None  # admission's (router/admission/tickets.py Ticket), when it is on
 
     @property
     def chat(self) -> bool:

@@ -1,8 +1,8 @@
-"""Admission's gate (router/admission/gate.py) on an event loop, with a fixed set of
-candidates: admit, queue, pump, shed (429), deadline (503), queue full, cancellation,
-the routers' split of a budget, and a Hypothesis history of admissions, charges,
-retries and cancellations after which nothing is left reserved or queued. Classes and
-the TTFT prediction have their tables here too."""
+"""Admission's gate and its budget shares (router/admission/gate.py, shares.py) on an
+event loop, with a fixed set of candidates: admit, queue, pump, shed (429), deadline
+(503), queue full, cancellation, the routers' split of a budget, and a Hypothesis
+history of admissions, charges, retries and cancellations after which nothing is left
+reserved or queued. Classes and the TTFT prediction have their tables here too."""
 
 from __future__ import annotations
 
@@ -93,14 +93,14 @@ def test_admits_while_a_pair_has_room_then_queues_until_a_release() -> None:
         second = asyncio.create_task(admission.admit("m", who(), Cost(60, 10), 100))
         await asyncio.sleep(0)
         assert not second.done() and admission.queued() == 1
-        decode, prefill = admission.charge(first, Pair(P1, D1))
-        assert admission.prefills.used("p1") == 60  # the reservation gave way to the pair's
+        decode, prefill = admission.shares.charge(first, Pair(P1, D1))
+        assert admission.shares.prefills.used("p1") == 60  # the reservation gave way to the pair's
         prefill.release()  # the prefill leg is done: room for the next
         ticket = await asyncio.wait_for(second, 5)
         assert isinstance(ticket, Ticket) and admission.queued() == 0
         decode.release()
         ticket.settle()
-        assert admission.prefills.used("p1") == admission.decodes.used("d1") == 0
+        assert admission.shares.prefills.used("p1") == admission.shares.decodes.used("d1") == 0
         assert counted(admission, "admitted") == counted(admission, "admitted_queued") == 1
     asyncio.run(run())
 
@@ -125,13 +125,13 @@ def test_a_queue_behind_a_full_prefill_is_not_tried_again_by_what_cannot_free_on
         admission = gate(fleet)
         first = await admission.admit("m", who(), Cost(10, 10), 100)
         assert isinstance(first, Ticket)
-        other = admission.decodes.take("d1", 10)  # another request's decode, say
+        other = admission.shares.decodes.take("d1", 10)  # another request's decode, say
         waiting = [asyncio.create_task(admission.admit("m", who(), Cost(10, 10), 100))
                    for _ in range(3)]
         await asyncio.sleep(0)
         assert admission.queued() == 3
         reads = fleet.reads
-        decode, prefill = admission.charge(first, Pair(one_slot, D1))
+        decode, prefill = admission.shares.charge(first, Pair(one_slot, D1))
         other.release()
         late = asyncio.create_task(admission.admit("m", who(), Cost(10, 10), 100))
         await asyncio.sleep(0)
@@ -146,7 +146,7 @@ def test_a_queue_behind_a_full_prefill_is_not_tried_again_by_what_cannot_free_on
             ticket = await asyncio.wait_for(task, 5)
             assert isinstance(ticket, Ticket)
         ticket.settle()
-        assert admission.queued() == 0 and list(admission.prefills.members()) == []
+        assert admission.queued() == 0 and list(admission.shares.prefills.members()) == []
     asyncio.run(run())
 
 
@@ -177,9 +177,9 @@ def test_a_membership_change_seen_while_admitting_from_the_queue_admits_once() -
         first.settle()  # room again: the pump reads the candidates, which changed
         ticket = await asyncio.wait_for(second, 5)
         assert isinstance(ticket, Ticket) and admission.queued() == 0
-        assert admission.prefills.used("p1") == 60  # one reservation, not two
+        assert admission.shares.prefills.used("p1") == 60  # one reservation, not two
         ticket.settle()
-        assert admission.prefills.used("p1") == 0
+        assert admission.shares.prefills.used("p1") == 0
     asyncio.run(run())
 
 
@@ -241,7 +241,7 @@ def test_a_full_queue_answers_503_at_once() -> None:
         assert admission.queued() == 0 and counted(admission, "cancelled") == 1
         assert isinstance(held, Ticket)
         held.settle()
-        assert admission.prefills.used("p1") == 0
+        assert admission.shares.prefills.used("p1") == 0
     asyncio.run(run())
 
 
@@ -256,7 +256,7 @@ def test_a_client_that_leaves_just_as_it_is_admitted_gives_its_reservation_back(
         waiting.cancel()  # ... and its client leaves before it runs again
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert admission.prefills.used("p1") == admission.decodes.used("d1") == 0
+        assert admission.shares.prefills.used("p1") == admission.shares.decodes.used("d1") == 0
     asyncio.run(run())
 
 
@@ -269,12 +269,12 @@ def test_a_decodes_slot_is_taken_when_the_prefill_is_done_not_at_admission() -> 
         admission = gate(Fleet(prefills=(P1, P2), decodes=(one_slot,)))
         first = await admission.admit("m", who(), Cost(60, 10), 100)
         assert isinstance(first, Ticket)
-        decode, prefill = admission.charge(first, Pair(P1, one_slot))
+        decode, prefill = admission.shares.charge(first, Pair(P1, one_slot))
         second = await admission.admit("m", who(), Cost(60, 10), 100)
         assert isinstance(second, Ticket)  # not queued behind an idle decode
         assert prefill is not None
         prefill.release()  # the first moves on to the decode: its slot is taken
-        assert admission.decodes.requests("d1") == 1
+        assert admission.shares.decodes.requests("d1") == 1
         second.settle()
         third = asyncio.create_task(admission.admit("m", who(), Cost(60, 10), 100))
         await asyncio.sleep(0)
@@ -283,13 +283,14 @@ def test_a_decodes_slot_is_taken_when_the_prefill_is_done_not_at_admission() -> 
         ticket = await asyncio.wait_for(third, 5)
         assert isinstance(ticket, Ticket)
         ticket.settle()
-        assert list(admission.decodes.members()) == list(admission.prefills.members()) == []
+        shares = admission.shares
+        assert list(shares.decodes.members()) == list(shares.prefills.members()) == []
         # A mixed member serves its request's decode from the start: counted at once.
         mixed = Candidate.of(live("m1", Role.MIXED, capacity=1))
-        both, none = admission.charge(Ticket(Cost(60, 10)), Pair(mixed, mixed))
-        assert none is None and admission.decodes.requests("m1") == 1
+        both, none = admission.shares.charge(Ticket(Cost(60, 10)), Pair(mixed, mixed))
+        assert none is None and admission.shares.decodes.requests("m1") == 1
         both.release()
-        assert admission.decodes.requests("m1") == 0
+        assert admission.shares.decodes.requests("m1") == 0
     asyncio.run(run())
 
 
@@ -304,7 +305,7 @@ def test_a_prefills_speed_is_measured_without_the_requests_own_reservation() -> 
                               lambda: now[0])
         ticket = await admission.admit("m", who(), Cost(60, 10), 100)
         assert isinstance(ticket, Ticket) and ticket.reserved("p1") == 60
-        decode, prefill = admission.charge(ticket, Pair(P1, D1))
+        decode, prefill = admission.shares.charge(ticket, Pair(P1, D1))
         now[0] += 0.6
         assert prefill is not None
         prefill.release()
@@ -319,9 +320,9 @@ def test_higher_priority_goes_first_and_pairing_avoids_full_members() -> None:
         a = await admission.admit("m", who(), Cost(100, 10), 100)
         b = await admission.admit("m", who(), Cost(100, 10), 100)  # on p2: most room
         assert isinstance(a, Ticket) and isinstance(b, Ticket)
-        assert admission.full("m") == {"p1", "p2"}
+        assert admission.shares.full("m") == {"p1", "p2"}
         # ... but the room each reserved is its own: its pair goes there, not to the other
-        assert admission.full("m", a) == {"p2"} and admission.full("m", b) == {"p1"}
+        assert admission.shares.full("m", a) == {"p2"} and admission.shares.full("m", b) == {"p1"}
         low = asyncio.create_task(admission.admit("m", who(STANDARD), Cost(100, 1), 10))
         await asyncio.sleep(0)
         high = asyncio.create_task(admission.admit("m", who(CRITICAL), Cost(100, 1), 10))
@@ -345,16 +346,16 @@ def test_routers_split_each_members_budget_and_a_full_kv_takes_one_request() -> 
                    for i in range(3)}
         planner = live("planner", Role.API_SERVER, protocol="pdreg-planner")  # not a router
         admission.on_members({"p1": live("p1", Role.PREFILL), "planner": planner, **routers})
-        assert admission.routers == 3
-        assert admission.limit(P1, "prefill").units == 333
+        assert admission.shares.routers == 3
+        assert admission.shares.limit(P1, "prefill").units == 333
         unsteered = gate(prefill_budget_tokens=1000, budget_slo_share=0.0)
         unsteered.on_members(routers)
-        assert unsteered.limit(P1, "prefill").units == 333
-        assert admission.limit(D1, "decode").units == 300
+        assert unsteered.shares.limit(P1, "prefill").units == 333
+        assert admission.shares.limit(D1, "decode").units == 300
         small = Candidate.of(live("d2", Role.DECODE, capacity=7))
-        assert admission.limit(small, "decode").requests == 2
+        assert admission.shares.limit(small, "decode").requests == 2
         full_kv = Candidate.of(live("d3", Role.DECODE, kv=0.97))
-        assert admission.limit(full_kv, "decode").requests == 1
+        assert admission.shares.limit(full_kv, "decode").requests == 1
     asyncio.run(run())
 
 
@@ -378,16 +379,16 @@ def test_no_history_leaves_budget_reserved_or_a_request_queued(history: list) ->
         held: list[tuple[Ticket, list]] = []
 
         def check() -> None:
-            for budgets in (admission.prefills, admission.decodes):
+            for budgets in (admission.shares.prefills, admission.shares.decodes):
                 assert all(units >= 0 and n > 0 for _, units, n in budgets.members())
             # An admitted request not yet on a pair: the members it reserved room on
             # are never full for it (pairing sends it there), others as for anyone.
             for task in tasks:
                 if task.done() and not task.cancelled() and isinstance(task.result(), Ticket):
                     ticket = task.result()
-                    full = admission.full("m", ticket)
+                    full = admission.shares.full("m", ticket)
                     assert not full & ticket.reserved_on
-                    assert full == admission.full("m") - ticket.reserved_on
+                    assert full == admission.shares.full("m") - ticket.reserved_on
 
         for step in history:
             if step[0] == "admit":
@@ -401,10 +402,10 @@ def test_no_history_leaves_budget_reserved_or_a_request_queued(history: list) ->
                     ticket = task.result()
                     grants = []
                     if step[2]:  # a first pair that failed: its grants go at once
-                        for grant in admission.charge(ticket, Pair(P2, D1)):
+                        for grant in admission.shares.charge(ticket, Pair(P2, D1)):
                             if grant is not None:
                                 grant.release()
-                    grants += [g for g in admission.charge(ticket, Pair(P1, D1)) if g]
+                    grants += [g for g in admission.shares.charge(ticket, Pair(P1, D1)) if g]
                     held.append((ticket, grants))
             elif step[0] == "end" and held:
                 for grant in held.pop(step[1] % len(held))[1]:
@@ -425,7 +426,8 @@ def test_no_history_leaves_budget_reserved_or_a_request_queued(history: list) ->
                 result.settle()
         check()
         assert admission.queued() == 0
-        assert list(admission.prefills.members()) == list(admission.decodes.members()) == []
+        shares = admission.shares
+        assert list(shares.prefills.members()) == list(shares.decodes.members()) == []
     asyncio.run(run())
 
 

@@ -4,23 +4,19 @@ instead of in every engine's queue at once.
 
     admit   at once when nothing is queued for the model and some eligible prefill and
             decode have budget for the request (it reserves that budget until it is held
-            on a pair). Otherwise its TTFT is predicted (router/admission/predict.py):
+            on a pair: shares.py). Otherwise its TTFT is predicted (predict.py):
             a sheddable request that would miss its SLO gets 429 with Retry-After at
             once; any other waits in the model's fair queue (fair_queue.py), bounded in
             requests and bytes (503 with Retry-After when full), until budget frees up
             or its class deadline passes (503 with Retry-After; the deadline is its SLO
             less its own predicted service, unless the class sets one). Every request gets an
             answer; one whose client leaves is taken out of the queue.
-    charge  when the request is held on a pair, the pair's own grants replace the
-            reservation: the prefill's uncached prompt tokens (the `kv` policy's
-            prediction on the pair), the decode's KV tokens (prompt + answer); they are
-            released with the in-flight slots (router/inflight.py), so a retry or a
-            migration is charged afresh and nothing leaks.
     pump    whenever a grant is released or membership changes, queued requests are
             admitted in the queue's order while the budget allows.
+    report  what `GET /v1/admission` answers.
 
-Budgets are split among routers: each router takes 1/N of a member's budget, N the
-routers registered (they are members, role api_server), so no counts are shared.
+The budgets, this router's share of them and the pair's grants are shares.py's
+(`Admission.shares`, pairing's `BudgetPort`); the request's values are tickets.py's.
 
 One event loop owns all of it; no locks.
 """
@@ -35,18 +31,17 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from registry.client import LiveMember
-from router.admission.adaptive import AdaptiveLimit
-from router.admission.budgets import Budgets, Grant, Limit, Releasable, ThenCount, Together
 from router.admission.classes import ClassBook, TrafficClass
 from router.admission.fair_queue import FairQueue, Waiter
 from router.admission.metrics import AdmissionMetrics
-from router.admission.options import KV_FULL, AdmissionOptions
+from router.admission.options import AdmissionOptions
 from router.admission.predict import TtftPredictor
+from router.admission.shares import DECODE, PREFILL, CandidatesOf, Shares
+from router.admission.tickets import Cost, Ticket, Who
 from router.latency import LatencyTracker
-from router.table import Candidate, Pair
 from serving.http_messages import Response, openai_error
-from wire.protocol import ROUTER_PROTOCOL, Role
 
+# Cost, Ticket and Who are tickets.py's, named here too for the gate's callers.
 __all__ = ["Admission", "Cost", "Ticket", "Who"]
 
 logger = logging.getLogger(__name__)
@@ -56,61 +51,7 @@ MAX_RETRY_AFTER_S: Final = 60
 # prompt whose service alone is over the SLO got 503 whenever every prefill was busy
 # (bench_kv.py, 8.5k tokens: 1.7 s a cold miss against 1 s; the cold start's 4th request).
 MIN_WAIT_SLO_SHARE: Final = 0.5
-PREFILL: Final = "prefill"
-DECODE: Final = "decode"
 _ARRIVAL: Final = "arrival"  # `Admission.pump`: a request joined a queue, no room changed
-
-
-@dataclass(frozen=True, slots=True)
-class Cost:
-    """What a request will spend: its prompt tokens and the answer tokens it may ask."""
-
-    prompt_tokens: int
-    answer_tokens: int
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.prompt_tokens + self.answer_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class Who:
-    """A request's class and tenant, and the tenant's weight in the fair queue."""
-
-    klass: TrafficClass
-    tenant: str
-    weight: float
-
-
-class Ticket:
-    """An admitted request: its cost and the budget reserved for it until it is held on
-    a pair (`settle`, safe twice)."""
-
-    __slots__ = ("_reserved", "cost")
-
-    def __init__(self, cost: Cost, reserved: Sequence[Grant] = ()) -> None:
-        self.cost = cost
-        self._reserved = list(reserved)
-
-    @property
-    def reserved_on(self) -> frozenset[str]:
-        """The members its reservation holds room on (none once settled)."""
-        return frozenset(grant.member_id for grant in self._reserved if not grant.released)
-
-    def reserved(self, member_id: str) -> int:
-        """Units its reservation holds on `member_id`."""
-        return sum(grant.units for grant in self._reserved
-                   if grant.member_id == member_id and not grant.released)
-
-    def settle(self) -> None:
-        reserved, self._reserved = self._reserved, []
-        for grant in reserved:
-            grant.release()
-
-
-# The eligible prefills and decodes of a model (routable, not quarantined):
-# `Pairing.candidates`.
-CandidatesOf = Callable[[str], tuple[Sequence[Candidate], Sequence[Candidate]]]
 
 
 @dataclass(slots=True, eq=False)
@@ -127,86 +68,26 @@ class Admission:
         self.book = book
         self.metrics = metrics
         self.predictor = TtftPredictor()
-        self.prefills = Budgets(clock, self._prefill_released)
-        self.decodes = Budgets(clock, self._decode_released)
-        self.routers = 1
-        self._routers: set[str] = set()  # ids of the routers registered
+        top = max(book.classes.values(), key=lambda c: c.priority)
+        self.shares = Shares(options, top.ttft_slo_s, candidates, self.predictor, metrics,
+                             clock, on_room=lambda role: self.pump(released=role))
         self._candidates = candidates
         self._decode_latency = decode_latency
         self._clock = clock
         self._queues: dict[str, FairQueue] = {}
         self._pumping = self._pump_again = False
-        self._shown_limits: dict[tuple[str, str], int] = {}  # what budget_limit says
-        self._quiet = False  # releases do not pump (`charge` pumps once, if it must)
         # Per model, the queue's head when its last try found no room, and the role
         # (PREFILL, DECODE) that had none: a release in the other role does not try it.
         self._blocked: dict[str, tuple[Waiter, str]] = {}
-        # The budgets protect the top class's SLO: each prefill's follows its legs.
-        top = max(book.classes.values(), key=lambda c: c.priority)
-        share = options.budget_slo_share
-        self.adaptive = AdaptiveLimit(cap=options.prefill_budget_tokens,
-                                      target_s=share * top.ttft_slo_s) if share > 0 else None
-
-    # --- limits -------------------------------------------------------------------------
-
-    def limit(self, candidate: Candidate, role: str) -> Limit:
-        """This router's share of a member's budget in `role`."""
-        member = candidate.member
-        capacity = member.record.spec.capacity if member is not None else 0
-        requests = max(1, capacity // self.routers) if capacity else 0
-        if role == PREFILL:
-            return Limit(units=self._prefill_tokens(candidate.id), requests=requests)
-        if candidate.kv_usage >= KV_FULL:
-            return Limit(units=1, requests=1)  # full: one of ours at a time, at most
-        tokens = self.options.decode_budget_tokens
-        return Limit(units=max(1, tokens // self.routers) if tokens else 0, requests=requests)
-
-    def _prefill_tokens(self, member_id: str) -> int:
-        """The flag's budget, or what the member's legs allow (adaptive.py), if less;
-        the flag's budget is split among the routers, the adaptive one is this
-        router's own already (its legs, its work)."""
-        cap = self.options.prefill_budget_tokens
-        share = max(1, cap // self.routers) if cap else 0
-        if self.adaptive is None:
-            return share
-        steered = self.adaptive.limit(member_id)
-        return min(steered, share) if share else steered
 
     def on_members(self, members: Mapping[str, LiveMember],
                    moved: Collection[str] | None = None) -> None:
         """Membership changed (`moved`: the ids that joined, left or have a new record;
-        None: all): count the routers (api_server members that speak the router
-        protocol: not the planner), forget members gone, admit what fits."""
-        if moved is None:
-            self._routers = {i for i, m in members.items() if _is_router(m)}
-        else:
-            for member_id in moved:
-                member = members.get(member_id)
-                if member is not None and _is_router(member):
-                    self._routers.add(member_id)
-                else:
-                    self._routers.discard(member_id)
-        self.routers = max(1, len(self._routers))
-        self.metrics.routers.labels().set(self.routers)
+        None: all): the shares count the routers and forget members gone, and so does
+        the predictor; admit what fits."""
+        self.shares.on_members(members, moved)
         self.predictor.retain(members.keys())
-        if self.adaptive is not None:
-            self.adaptive.retain(members.keys())
-        if any(key[0] not in members for key in self._shown_limits):
-            self._shown_limits = {k: v for k, v in self._shown_limits.items()
-                                  if k[0] in members}
         self.pump()
-
-    def full(self, model: str, ticket: Ticket | None = None) -> frozenset[str]:
-        """Members of `model` that can take nothing more now (pairing avoids them while
-        another has room). Not those `ticket` reserved room on: that room is its own.
-        Else a request whose reservation filled a prefill would see both prefills full
-        and could be paired with the busy one, to wait in its engine behind another
-        prompt while the prefill reserved for it stood idle."""
-        prefills, decodes = self._candidates(model)
-        full = frozenset(
-            [c.id for c in prefills if self.prefills.full(c.id, self.limit(c, PREFILL))]
-            + [c.id for c in decodes if self.decodes.full(c.id, self.limit(c, DECODE))])
-        return full - ticket.reserved_on if ticket is not None else full
 
     # --- admitting ----------------------------------------------------------------------
 
@@ -214,14 +95,14 @@ class Admission:
         now = self._clock()
         queue = self._queues.get(model)
         if queue is None or not len(queue):
-            ticket = self._reserve(model, cost)
+            ticket = self.shares.reserve(model, cost)
             if ticket is not None:
                 self._count(model, who, "admitted")
                 return ticket
         prefills = [c.id for c in self._candidates(model)[0]]
         queue = self._queue(model)
         predicted = self.predictor.predict(
-            ahead=queue.ahead(who.klass.priority) + self._in_flight(prefills),
+            ahead=queue.ahead(who.klass.priority) + self.shares.in_flight(prefills),
             own=cost.prompt_tokens, prefills=prefills,
             decode_s=self._decode_latency.typical(DECODE))
         self.metrics.predicted_ttft.labels(model).observe(predicted)
@@ -330,7 +211,7 @@ class Admission:
                     blocked = self._blocked.get(model)
                     if blocked is not None and blocked[0] is waiter and blocked[1] != released:
                         break
-                ticket = self._try_reserve(model, pending.cost)
+                ticket = self.shares.try_reserve(model, pending.cost)
                 if not isinstance(ticket, Ticket):
                     self._blocked[model] = (waiter, ticket)
                     break
@@ -342,113 +223,6 @@ class Admission:
             if not len(queue):
                 del self._queues[model]
                 self._blocked.pop(model, None)
-
-    def _reserve(self, model: str, cost: Cost) -> Ticket | None:
-        """A ticket reserving budget on the eligible prefill and decode with the most
-        room; None when no pair has room. A model with no eligible pair is admitted with
-        nothing reserved: pairing answers it (503 no_capacity)."""
-        ticket = self._try_reserve(model, cost)
-        return ticket if isinstance(ticket, Ticket) else None
-
-    def _try_reserve(self, model: str, cost: Cost) -> Ticket | str:
-        """`_reserve`'s ticket, or the role (PREFILL, DECODE) where no member had room."""
-        prefills, decodes = self._candidates(model)
-        if not prefills or not decodes:
-            return Ticket(cost)
-        # The prefills first: in a queue's pump they are what is usually full, and then
-        # the decodes need not be looked at.
-        prefill = self._roomiest(prefills, self.prefills, PREFILL, cost.prompt_tokens)
-        if prefill is None:
-            return PREFILL
-        decode = self._roomiest(decodes, self.decodes, DECODE, cost.kv_tokens)
-        if decode is None:
-            return DECODE
-        # The decode's slot is not reserved: the request reaches it after its prefill.
-        return Ticket(cost, (self._take(self.prefills, PREFILL, prefill.id, cost.prompt_tokens),
-                             self._take(self.decodes, DECODE, decode.id, cost.kv_tokens,
-                                        counted=False)))
-
-    def _roomiest(self, candidates: Sequence[Candidate], budgets: Budgets, role: str,
-                  units: int) -> Candidate | None:
-        best: Candidate | None = None
-        best_room = (-math.inf, 0)
-        for candidate in candidates:
-            limit = self.limit(candidate, role)
-            if not budgets.fits(candidate.id, units, limit):
-                continue
-            room = (budgets.free(candidate.id, limit), -budgets.requests(candidate.id))
-            if room > best_room:
-                best, best_room = candidate, room
-            self._show_limit(candidate.id, role, limit.units)
-        return best
-
-    def _show_limit(self, member_id: str, role: str, units: int) -> None:
-        """The budget_limit gauge, set when it changes: a queue's pump looks at every
-        candidate's limit on each release, and the gauge's update cost more than the
-        look (a c=32 burst: ~20 updates a request)."""
-        key = (member_id, role)
-        if self._shown_limits.get(key) != units:
-            self._shown_limits[key] = units
-            self.metrics.budget_limit.labels(member_id, role).set(units)
-
-    def _in_flight(self, prefills: Collection[str]) -> int:
-        return sum(self.prefills.used(member_id) for member_id in prefills)
-
-    # --- charging the pair --------------------------------------------------------------
-
-    def charge(self, ticket: Ticket, pair: Pair) -> tuple[Releasable, Releasable | None]:
-        """The pair's grants for an admitted request: the decode's, and the prefill's
-        unless one member serves both (then the decode's grant holds both). The pair's
-        grants are taken before the reservation goes, so the room it frees cannot be
-        given to a queued request in between. The decode's grant takes a request slot
-        when the prefill's part ends (budgets.py), a mixed member's at once."""
-        cost = ticket.cost
-        uncached = max(0, cost.prompt_tokens - pair.cached_tokens)
-        decode = self._take(self.decodes, DECODE, pair.decode.id, cost.kv_tokens,
-                            counted=pair.direct)
-        # Its own reservation there is no work beside it: counted, it would halve the
-        # member's measured time per token and so the service a deadline allows for.
-        reserved = ticket.reserved(pair.prefill.id)
-        prefill = self._take(self.prefills, PREFILL, pair.prefill.id, uncached,
-                             timed=not pair.direct, replaces=reserved)
-        # The reservation goes without a pump per grant: on the pair it reserved, the
-        # pair's grants hold the same room (less the prefill's cached tokens), so a
-        # queued request can only fit now if some of it was left elsewhere or freed.
-        # (A c=32 burst queues half its requests, and every pump of a busy queue tries
-        # its head again: these two were a third of them, all in vain.)
-        freed = bool(ticket.reserved_on - {pair.prefill.id, pair.decode.id}) \
-            or uncached < reserved
-        self._quiet = True
-        try:
-            ticket.settle()
-        finally:
-            self._quiet = False
-        if freed:
-            self.pump()
-        if pair.direct:
-            return Together(decode, prefill), None
-        return decode, ThenCount(prefill, decode)
-
-    def _take(self, budgets: Budgets, role: str, member_id: str, units: int, *,
-              timed: bool = False, counted: bool = True, replaces: int = 0) -> Grant:
-        grant = budgets.take(member_id, units, timed=timed, counted=counted,
-                             replaces=replaces)
-        self.metrics.budget_used.labels(member_id, role).set(budgets.used(member_id))
-        return grant
-
-    def _prefill_released(self, member_id: str, seconds: float, work: int) -> None:
-        self.metrics.budget_used.labels(member_id, PREFILL).set(self.prefills.used(member_id))
-        if seconds >= 0.0:
-            self.predictor.observe(member_id, seconds, work, self._clock())
-            if self.adaptive is not None:
-                self.adaptive.observe(member_id, seconds, work)
-        if not self._quiet:
-            self.pump(released=PREFILL)
-
-    def _decode_released(self, member_id: str, seconds: float, work: int) -> None:
-        self.metrics.budget_used.labels(member_id, DECODE).set(self.decodes.used(member_id))
-        if not self._quiet:
-            self.pump(released=DECODE)
 
     # --- bookkeeping --------------------------------------------------------------------
 
@@ -488,13 +262,13 @@ class Admission:
             models.setdefault(model, {"queued": {}, "bytes": 0, "outcomes": {}})
             models[model]["bytes"] = int(value)
         limits = dict(metrics.budget_limit.values())
-        budgets = {PREFILL: self.prefills, DECODE: self.decodes}
+        budgets = {PREFILL: self.shares.prefills, DECODE: self.shares.decodes}
         members = [{"id": member_id, "role": role, "used": int(used),
                     "requests": budgets[role].requests(member_id),
                     "limit": int(limits.get((member_id, role), 0))}
                    for (member_id, role), used in sorted(metrics.budget_used.values())]
         return {
-            "routers": self.routers,
+            "routers": self.shares.routers,
             "seconds_per_token": self.predictor.seconds_per_token(),
             "classes": [{"name": c.name, "priority": c.priority, "ttft_slo_ms": c.ttft_slo_ms,
                          "sheddable": c.sheddable, "weight": c.weight,
@@ -507,8 +281,3 @@ def _refusal(status: int, message: str, code: str, retry_after_s: float) -> Resp
     seconds = min(MAX_RETRY_AFTER_S, max(1, math.ceil(retry_after_s)))
     kind = "rate_limit_exceeded" if status == 429 else "service_unavailable"
     return openai_error(status, message, kind, code, {"Retry-After": str(seconds)})
-
-
-def _is_router(member: LiveMember) -> bool:
-    spec = member.record.spec
-    return spec.role is Role.API_SERVER and spec.protocol == ROUTER_PROTOCOL

@@ -17,7 +17,7 @@ import re
 from typing import Any, Final
 
 from router.admission.classes import ApiKey, ClassBook
-from router.admission.gate import Cost, Who
+from router.admission.tickets import Cost, Who
 from router.choice import Affinity
 from serving.http_messages import INVALID_REQUEST, Request, Response, openai_error
 
