@@ -18,8 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from router.kv.feed_on_thread import RESTART_BACKOFF_S
-from router.kv.follow import MAX_SLICE_S, Endpoints, FeedMember, Subscriptions
+from router.kv.follow import (
+    MAX_SLICE_S,
+    RESTART_BACKOFF_S,
+    Endpoints,
+    FeedMember,
+    Subscriptions,
+)
 
 __all__ = ["FeedOnLoop", "running_loop"]
 
@@ -45,8 +50,6 @@ class FeedOnLoop:
         self.resolving: dict[str, FeedMember] = {}  # host names resolved off the loop
 
     def follow(self, members: list[FeedMember]) -> None:
-        if self._closed:
-            return
         if self._restart is not None:  # the restart follows the latest membership
             self._subs.wanted = {m.id: m for m in members}
             return
@@ -55,8 +58,7 @@ class FeedOnLoop:
     def drain(self) -> None:
         """Apply what the engines sent since the last drain (MAX_SLICE_S of it at most;
         the rest in a turn of its own)."""
-        if self._restart is None:
-            self._turn(self._drain_now)
+        self._turn(self._drain_now)
 
     def _on_tick(self) -> None:
         """Every DRAIN_INTERVAL_S: what no request drained (an idle router's snapshot,

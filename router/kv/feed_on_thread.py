@@ -12,13 +12,12 @@ from typing import Final
 
 import zmq
 
-from router.kv.follow import FeedMember, Subscriptions
+from router.kv.follow import RESTART_BACKOFF_S, FeedMember, Subscriptions
 
 __all__ = ["FeedOnThread"]
 
 logger = logging.getLogger(__name__)
 
-RESTART_BACKOFF_S: Final = 1.0  # before a failed feed starts again
 _STOP: Final = b"stop"
 _UPDATE: Final = b"update"
 

@@ -57,6 +57,7 @@ MAX_SOCKETS: Final = 32_768  # per feed: 16k members (bench/bench_kv_scale.py ra
 # at most 256 MiB per member while the feed is behind it. A busy engine sends ~100
 # batches a second and the feed reads 256 a turn; one dropped is a gap, replayed.
 SUB_HWM: Final = 128
+RESTART_BACKOFF_S: Final = 1.0  # before a failed feed starts again (either driver)
 MAX_BATCHES_PER_WAKE: Final = 256  # per socket, so one busy member cannot starve others
 MAX_BYTES_PER_WAKE: Final = 4 * 1024 * 1024  # nor one sending large batches
 # A socket's reads stop after this long and go on later (on the event loop, after what
