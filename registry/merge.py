@@ -67,7 +67,11 @@ class Merge:
         # adapter -> base model -> members serving the adapter on that base: what a
         # request naming an adapter reads the loads of (`bases_of`)
         self._bases: dict[str, Counter[str]] = {}
+        # adapter -> its base models: `_bases` as another thread may read it (replaced,
+        # never changed), for `loads_confirmed_at`
+        self.adapter_bases: dict[str, tuple[str, ...]] = {}
         self._moved: set[str] = set()  # models whose set of sources changed
+        self._moved_adapters: set[str] = set()  # adapters whose set of bases changed
         # What the last update that changed `members` changed (registry/view_changes.py:
         # what a router's table follows): the ids it added, removed or gave a new
         # record, and apart, per model name a member serves (its base model and
@@ -98,12 +102,14 @@ class Merge:
 
     def loads_confirmed_at(self, model: str) -> float:
         """When the registries `model`'s members come from last confirmed their loads: the
-        oldest of those (monotonic; -inf if one never did). Safe from any thread."""
-        sources = self.sources.get(model)
-        if not sources:
-            return -math.inf
-        return min(self._by_source[source].loads_confirmed_at.get(model, -math.inf)
-                   for source in sources)
+        oldest of those (monotonic; -inf if one never did). A name served as an adapter
+        counts its base models' too: their digests carry its members' loads (without them
+        every member serving an adapter looked stale once its load had not changed for
+        a few heartbeats). Safe from any thread."""
+        sources, bases = self.sources, self.adapter_bases.get(model, ())
+        confirmed = [self._by_source[source].loads_confirmed_at.get(base, -math.inf)
+                     for base in (model, *bases) for source in sources.get(base, ())]
+        return min(confirmed) if confirmed else -math.inf
 
     def bases_of(self, names: Collection[str]) -> set[str]:
         """The models whose digests carry the loads a request for one of `names` reads:
@@ -193,7 +199,7 @@ class Merge:
                     or current.record.spec.adapters != best.record.spec.adapters):
                 self._count(current, -1)
                 self._count(best, 1)
-        if self._moved:
+        if self._moved or self._moved_adapters:
             self._publish_sources()
         if not updates:
             return False
@@ -232,8 +238,11 @@ class Merge:
             bases[model] += delta
             if not bases[model]:
                 del bases[model]
+                self._moved_adapters.add(adapter)
                 if not bases:
                     del self._bases[adapter]
+            elif delta > 0 and bases[model] == 1:
+                self._moved_adapters.add(adapter)
         counts = self._counts.setdefault(model, Counter())
         counts[member.registry] += delta
         if counts[member.registry] == 0:
@@ -254,6 +263,16 @@ class Merge:
                 sources.pop(model, None)
         self._moved.clear()
         self.sources = sources
+        if self._moved_adapters:
+            adapter_bases = dict(self.adapter_bases)
+            for adapter in self._moved_adapters:
+                bases = self._bases.get(adapter)
+                if bases:
+                    adapter_bases[adapter] = tuple(bases)
+                else:
+                    adapter_bases.pop(adapter, None)
+            self._moved_adapters.clear()
+            self.adapter_bases = adapter_bases
 
 
 def _note_load(loaded: dict[str, dict[str, None]], member_id: str,

@@ -28,7 +28,7 @@ from router.inflight import InFlight
 from router.latency import LatencyTracker
 from router.metrics import RouterMetrics
 from router.pairing import Pairing
-from router.policies import make_pairer
+from router.policies import DEFAULT_STALE_LOAD_S, make_pairer
 from router.quarantine import Quarantine
 from wire.protocol import (
     Load,
@@ -239,6 +239,40 @@ def test_a_request_naming_an_adapter_reads_its_base_models_loads() -> None:
     assert merge.bases_of({"sql-lora"}) == {"sql-lora", "base"}
 
 
+def test_an_adapters_loads_are_confirmed_when_its_base_models_are() -> None:
+    """A request naming an adapter reads loads its base models' digests carry: their
+    confirmations are its own (before, an adapter had none, so every member serving it
+    looked stale once its load had not changed for a few heartbeats)."""
+    m = fresh()
+    for member_id, model, adapters in (("d0", "base", ("sql-lora",)),
+                                       ("d1", "other", ("sql-lora",))):
+        m.join(msgspec.structs.replace(spec(member_id, 1, model, Role.DECODE),
+                                       adapters=adapters), now=0.0)
+    m.take_events()
+    replica = Replica(SOURCE)
+    merge = Merge([replica])
+    replica.apply_snapshot(snapshot_of(m), 0.0, 0.0)
+    merge.heard(0, 0.0)
+    assert merge.update(0.0)
+    replica.apply(current(m, "base", 5.0), 5.0)
+    assert merge.loads_confirmed_at("sql-lora") == -math.inf  # "other": never confirmed
+    replica.apply(current(m, "other", 6.0), 6.0)
+    assert merge.loads_confirmed_at("sql-lora") == 5.0  # the oldest of its bases'
+    assert merge.loads_confirmed_at("base") == 5.0
+    m.leave("d0", 1)
+    for event in m.take_events():
+        replica.apply(event, 7.0)
+    merge.heard(0, 7.0)
+    assert merge.update(7.0)
+    assert merge.loads_confirmed_at("sql-lora") == 6.0  # "other" alone serves it now
+    m.leave("d1", 1)
+    for event in m.take_events():
+        replica.apply(event, 8.0)
+    merge.heard(0, 8.0)
+    assert merge.update(8.0)
+    assert merge.loads_confirmed_at("sql-lora") == -math.inf  # nobody serves it
+
+
 def beating(view: MembershipView, loads: dict[RawMember, Load], predicate) -> bool:
     """Whether `predicate(view.members())` holds within WAIT_S, the members heartbeating
     their loads meanwhile as agents do (a member that stops would turn suspect)."""
@@ -290,10 +324,12 @@ def test_an_eager_view_applies_every_models_loads(registry) -> None:
         other.close()
 
 
-def pairing_over(view: MembershipView) -> Pairing:
+def pairing_over(view: MembershipView, stale_after_s: float = DEFAULT_STALE_LOAD_S
+                 ) -> Pairing:
     metrics = RouterMetrics()
     latency = LatencyTracker()
-    return Pairing(view, make_pairer("least_loaded", latency=latency), locality_label="",
+    return Pairing(view, make_pairer("least_loaded", latency=latency,
+                                     stale_after_s=stale_after_s), locality_label="",
                    protocols={"reference"}, quarantine=Quarantine(5.0),
                    in_flight=InFlight(metrics.in_flight_of), picks_of=metrics.picks_of,
                    latency=latency, clock=time.monotonic)
@@ -318,6 +354,41 @@ def test_a_router_of_every_model_routes_by_the_loads_of_the_model_requested(
             assert pairing.choose("b", NO_AFFINITY, ()) is not None  # the first request
             assert beating(view, loads, lambda m: m["decode-busy"].load.running == 40)
             picks = {pairing.choose("b", NO_AFFINITY, ()).decode.id for _ in range(30)}
+            assert picks == {"decode-idle"}
+    finally:
+        for member in members:
+            member.close()
+
+
+def test_requests_naming_an_adapter_steer_by_loads_an_idle_member_has_not_changed(
+        registry) -> None:
+    """An idle decode's load stays what it was: only its base model's confirmations keep
+    it current. A request naming the adapter both serve goes to it, not to the busy one
+    (before, the idle one looked saturated to such requests and the busy one took all)."""
+    stale_after_s = 1.0  # five of the registry's heartbeat intervals
+    members = [RawMember(registry.control_address, spec=msgspec.structs.replace(
+                   member_spec(member_id, role=role, model="b"), adapters=("sql-lora",)))
+               for member_id, role in (("prefill-b", Role.PREFILL), ("decode-busy", Role.DECODE),
+                                       ("decode-idle", Role.DECODE))]
+    busy = members[1]
+    loads = {members[0]: Load(), busy: Load(running=40), members[2]: Load()}
+    try:
+        with MembershipView(registry.control_address, loads_on_demand=True) as view:
+            for member in members:
+                member.register()
+            pairing = pairing_over(view, stale_after_s)
+            assert beating(view, loads, lambda m: len(m) == len(members))
+            assert pairing.choose("sql-lora", NO_AFFINITY, ()) is not None  # asks for it
+            assert beating(view, loads, lambda m: m["decode-busy"].load.running == 40)
+            idle_since = view.members()["decode-idle"].load_at
+            flip = 0  # the busy one's load keeps changing; the idle one's does not
+            while time.monotonic() - idle_since <= 2 * stale_after_s:
+                flip ^= 1
+                loads[busy] = Load(running=40 + flip)
+                assert beating(view, loads, lambda m, running=40 + flip:
+                               m["decode-busy"].load.running == running)
+            assert view.members()["decode-idle"].load_at == idle_since
+            picks = {pairing.choose("sql-lora", NO_AFFINITY, ()).decode.id for _ in range(30)}
             assert picks == {"decode-idle"}
     finally:
         for member in members:
