@@ -446,8 +446,9 @@ def main() -> int:
         say(f"FAILED at step '{steps.current}': {type(exc).__name__}: {exc}")
         cluster.stop_all()
         print_log_tails(workdir)
-        say(f"FAILED at step '{steps.current}' after {time.monotonic() - steps.started:.0f}s;"
-            f" full logs kept in {workdir}")
+        # Again after the logs' tails: a reader of only the last lines sees why.
+        say(f"FAILED at step '{steps.current}' after {time.monotonic() - steps.started:.0f}s"
+            f" ({type(exc).__name__}: {str(exc)[:600]}); full logs kept in {workdir}")
         return 1
     finally:
         cluster.stop_all()

@@ -42,6 +42,7 @@ MARKER_ENV = "PDREG_VLLM_CHECK_MARKER"
 MODEL_NAME = "tiny"
 EXIT_TIMEOUT_S = 20.0
 SIDECAR_EXIT_TIMEOUT_S = 90.0
+FAILURE_SUMMARY_CHARS = 600  # of the error, repeated on the last line
 LOG_TAIL_LINES = 60
 
 
@@ -384,8 +385,10 @@ def run_check(description: str, workdir_prefix: str,
         say(f"FAILED at step '{steps.current}': {type(exc).__name__}: {exc}")
         cluster.stop()
         print_log_tails(workdir)
-        say(f"FAILED at step '{steps.current}' after {time.monotonic() - started:.0f}s; "
-            f"full logs kept in {workdir}")
+        # Again after the logs' tails: a reader of only the last lines sees why.
+        say(f"FAILED at step '{steps.current}' after {time.monotonic() - started:.0f}s "
+            f"({type(exc).__name__}: {str(exc)[:FAILURE_SUMMARY_CHARS]}); full logs kept "
+            f"in {workdir}")
         return 1
     finally:
         cluster.stop()  # safe twice
