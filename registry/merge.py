@@ -254,25 +254,27 @@ class Merge:
             del self._counts[model]
 
     def _publish_sources(self) -> None:
-        sources = dict(self.sources)
-        for model in self._moved:
-            counts = self._counts.get(model)
-            if counts:
-                sources[model] = tuple(counts)
-            else:
-                sources.pop(model, None)
-        self._moved.clear()
-        self.sources = sources
+        if self._moved:
+            self.sources = _republished(self.sources, self._moved, self._counts)
+            self._moved.clear()
         if self._moved_adapters:
-            adapter_bases = dict(self.adapter_bases)
-            for adapter in self._moved_adapters:
-                bases = self._bases.get(adapter)
-                if bases:
-                    adapter_bases[adapter] = tuple(bases)
-                else:
-                    adapter_bases.pop(adapter, None)
+            self.adapter_bases = _republished(self.adapter_bases, self._moved_adapters,
+                                              self._bases)
             self._moved_adapters.clear()
-            self.adapter_bases = adapter_bases
+
+
+def _republished(published: dict[str, tuple[str, ...]], moved: Collection[str],
+                 counts: dict[str, Counter[str]]) -> dict[str, tuple[str, ...]]:
+    """A copy of `published` (name -> the keys counted for it) with the `moved` names'
+    entries made anew from `counts`: a reader on another thread keeps the one it holds."""
+    fresh = dict(published)
+    for name in moved:
+        counted = counts.get(name)
+        if counted:
+            fresh[name] = tuple(counted)
+        else:
+            fresh.pop(name, None)
+    return fresh
 
 
 def _note_load(loaded: dict[str, dict[str, None]], member_id: str,

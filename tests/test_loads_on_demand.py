@@ -217,10 +217,10 @@ def test_a_model_followed_has_the_loads_an_eager_view_has(sequence) -> None:
     assert not lazy.missed
 
 
-def test_a_request_naming_an_adapter_reads_its_base_models_loads() -> None:
+def merged(*members: tuple[str, str, tuple[str, ...]]) -> tuple[Fleet, Replica, Merge]:
+    """A registry's decodes (id, base model, adapters) and a view's merge of it, synced."""
     m = fresh()
-    for member_id, model, adapters in (("d0", "base", ("sql-lora",)),
-                                       ("d1", "other", ("sql-lora",)), ("d2", "third", ())):
+    for member_id, model, adapters in members:
         m.join(msgspec.structs.replace(spec(member_id, 1, model, Role.DECODE),
                                        adapters=adapters), now=0.0)
     m.take_events()
@@ -229,6 +229,12 @@ def test_a_request_naming_an_adapter_reads_its_base_models_loads() -> None:
     replica.apply_snapshot(snapshot_of(m), 0.0, 0.0)
     merge.heard(0, 0.0)
     assert merge.update(0.0)
+    return m, replica, merge
+
+
+def test_a_request_naming_an_adapter_reads_its_base_models_loads() -> None:
+    m, replica, merge = merged(("d0", "base", ("sql-lora",)), ("d1", "other", ("sql-lora",)),
+                               ("d2", "third", ()))
     assert merge.bases_of({"sql-lora"}) == {"sql-lora", "base", "other"}
     assert merge.bases_of({"third"}) == {"third"}
     m.leave("d1", 1)
@@ -243,17 +249,7 @@ def test_an_adapters_loads_are_confirmed_when_its_base_models_are() -> None:
     """A request naming an adapter reads loads its base models' digests carry: their
     confirmations are its own (before, an adapter had none, so every member serving it
     looked stale once its load had not changed for a few heartbeats)."""
-    m = fresh()
-    for member_id, model, adapters in (("d0", "base", ("sql-lora",)),
-                                       ("d1", "other", ("sql-lora",))):
-        m.join(msgspec.structs.replace(spec(member_id, 1, model, Role.DECODE),
-                                       adapters=adapters), now=0.0)
-    m.take_events()
-    replica = Replica(SOURCE)
-    merge = Merge([replica])
-    replica.apply_snapshot(snapshot_of(m), 0.0, 0.0)
-    merge.heard(0, 0.0)
-    assert merge.update(0.0)
+    m, replica, merge = merged(("d0", "base", ("sql-lora",)), ("d1", "other", ("sql-lora",)))
     replica.apply(current(m, "base", 5.0), 5.0)
     assert merge.loads_confirmed_at("sql-lora") == -math.inf  # "other": never confirmed
     replica.apply(current(m, "other", 6.0), 6.0)

@@ -61,6 +61,7 @@ LOAD_THREADS = 4
 HEARTBEAT_INTERVAL_S = 0.5
 LEASE_S = 5.0
 LOG_TAIL_LINES = 40
+FAILURE_SUMMARY_CHARS = 600  # of the error, repeated on the last line
 
 
 class Cluster:
@@ -448,7 +449,8 @@ def main() -> int:
         print_log_tails(workdir)
         # Again after the logs' tails: a reader of only the last lines sees why.
         say(f"FAILED at step '{steps.current}' after {time.monotonic() - steps.started:.0f}s"
-            f" ({type(exc).__name__}: {str(exc)[:600]}); full logs kept in {workdir}")
+            f" ({type(exc).__name__}: {str(exc)[:FAILURE_SUMMARY_CHARS]}); full logs kept in"
+            f" {workdir}")
         return 1
     finally:
         cluster.stop_all()
